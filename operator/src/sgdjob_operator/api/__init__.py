@@ -1,0 +1,1 @@
+"""The SGDJob API: models, validation and the CRD generated from them."""

@@ -1,0 +1,186 @@
+"""The trainer's configuration: `spec.training` of an SGDJob, and the file the trainer reads.
+
+This module must stay free of torch: the operator imports it to generate the CRD schema and to
+validate specs, and the operator image carries no torch.
+"""
+
+from __future__ import annotations
+
+import re
+from enum import StrEnum
+from typing import Annotated, Any, Self
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic.alias_generators import to_camel
+from pydantic_core import PydanticCustomError
+
+BUILTIN_MODELS = ("mlp", "digits-mlp", "digits-cnn")
+BUILTIN_DATASETS = ("synthetic", "digits")
+BUILTIN_LOSSES = ("auto", "mse", "cross-entropy")
+# `package.module:function`, the user-hook form accepted wherever a built-in name is.
+HOOK_PATTERN = r"^[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*$"
+
+
+class CamelModel(BaseModel):
+    """Base for every API model: camelCase on the wire, snake_case in Python, unknown keys refused."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="forbid",
+        use_enum_values=False,
+        validate_default=True,
+    )
+
+
+def cross_field_error(field: str, message: str) -> PydanticCustomError:
+    """An error for a rule that spans fields; `field` is the path below the validated model."""
+    return PydanticCustomError("cross_field", "{message}", {"field": field, "message": message})
+
+
+class SyncMode(StrEnum):
+    """How workers synchronise; `auto` (operator-only) lets the policy choose among these."""
+
+    SYNC = "sync"
+    HIERARCHICAL = "hierarchical"
+    ASYNC = "async"
+
+
+class LrScaling(StrEnum):
+    LINEAR = "linear"
+    SQRT = "sqrt"
+    NONE = "none"
+
+
+class StalenessLr(StrEnum):
+    NONE = "none"
+    INVERSE = "inverse"
+    SQRT = "sqrt"
+
+
+class GroupBy(StrEnum):
+    NODE = "node"
+    SPEED = "speed"
+
+
+def _hook_or_builtin(value: str, builtins: tuple[str, ...], field: str) -> str:
+    if value in builtins or re.match(HOOK_PATTERN, value):
+        return value
+    raise cross_field_error(field, f"'{value}' is neither a built-in ({', '.join(builtins)}) nor a 'module:function' hook")
+
+
+class SpeedChange(CamelModel):
+    """An emulated slowdown: one rank's (or every rank on one node's) compute time is multiplied."""
+
+    rank: Annotated[int | None, Field(ge=0, le=65535, description="Global rank that slows down (omit when `node` is given).")] = None
+    node: Annotated[str | None, Field(max_length=253, description="Node name whose ranks slow down: a node-bound straggler (the pod's NODE_NAME).")] = None
+    factor: Annotated[float, Field(ge=0.05, le=100.0, description="Multiplier of the compute time per step: 3 means three times slower.")] = 3.0
+    start_step: Annotated[int, Field(ge=0, le=1_000_000_000, description="First step the slowdown applies to.")] = 0
+    end_step: Annotated[int | None, Field(ge=1, le=1_000_000_000, description="Step at which the slowdown ends (exclusive); omit for the rest of the run.")] = None
+
+    @model_validator(mode="after")
+    def _target(self) -> Self:
+        if (self.rank is None) == (self.node is None):
+            raise cross_field_error("rank", "give exactly one of rank or node for a slowdown")
+        if self.end_step is not None and self.end_step <= self.start_step:
+            raise cross_field_error("endStep", f"endStep ({self.end_step}) must be greater than startStep ({self.start_step})")
+        return self
+
+
+class Emulation(CamelModel):
+    """Emulated accelerator compute for CPU-only machines: each step sleeps instead of computing.
+
+    Off unless given. Gradients are still computed and exchanged for real; only the time a real
+    accelerator would spend is replaced by a sleep, so benchmarks measure coordination honestly.
+    """
+
+    compute_seconds: Annotated[float, Field(ge=0.0, le=60.0, description="Emulated compute seconds per step of one worker at factor 1 (for the configured batch size).")] = 0.05
+    jitter: Annotated[float, Field(ge=0.0, le=1.0, description="Relative random noise added to each step's compute time (0.05 = up to +-5%).")] = 0.0
+    slowdowns: Annotated[list[SpeedChange], Field(max_length=1024, description="Slowdowns by rank or node, optionally limited to a step range.")] = []
+
+
+class Checkpoint(CamelModel):
+    """Where and how often the trainer saves state it needs to resume."""
+
+    dir: Annotated[str | None, Field(max_length=4096, description="Checkpoint directory, shared by all workers (a shared volume in a cluster). Omit to disable checkpoints.")] = None
+    interval_steps: Annotated[int, Field(ge=1, le=10_000_000, description="Steps between checkpoints; at most this many steps are lost on a restart.")] = 100
+    keep: Annotated[int, Field(ge=1, le=100, description="How many complete checkpoints to retain.")] = 3
+
+
+class HierarchicalConfig(CamelModel):
+    """Hierarchical SGD: allreduce inside a group every step, model averaging across groups."""
+
+    group_by: Annotated[GroupBy, Field(description="Default grouping when the controller gives none: by node, or by measured speed.")] = GroupBy.NODE
+    groups: Annotated[list[list[int]] | None, Field(max_length=1024, description="Explicit groups of global ranks; every rank in exactly one group.")] = None
+    average_every: Annotated[int, Field(ge=1, le=10_000, description="Steps between cross-group model averages.")] = 4
+    staleness: Annotated[int, Field(ge=0, le=64, description="How many averaging rounds a group may run ahead of the slowest group before it waits.")] = 2
+
+    @model_validator(mode="after")
+    def _groups(self) -> Self:
+        if self.groups is not None:
+            seen: set[int] = set()
+            for i, group in enumerate(self.groups):
+                if not group:
+                    raise cross_field_error(f"groups[{i}]", "a group must list at least one rank")
+                for rank in group:
+                    if rank < 0 or rank in seen:
+                        raise cross_field_error(f"groups[{i}]", f"rank {rank} is negative or in two groups")
+                    seen.add(rank)
+        return self
+
+
+class AsyncConfig(CamelModel):
+    """Asynchronous SGD through sharded parameter servers with bounded staleness (SSP)."""
+
+    staleness: Annotated[int | None, Field(ge=0, le=100_000, description="Most steps a worker may run ahead of the slowest (SSP); omit for unbounded (ASP).")] = 8
+    staleness_lr: Annotated[StalenessLr, Field(description="Learning-rate damping by a gradient's staleness s: none, inverse (1/(1+s)) or sqrt (1/sqrt(1+s)).")] = StalenessLr.SQRT
+    shards: Annotated[int, Field(ge=1, le=64, description="Parameter-server shards; each holds a slice of the parameters.")] = 1
+
+
+class TrainingConfig(CamelModel):
+    """What to train and how; read by every trainer process."""
+
+    model: Annotated[str, Field(max_length=256, description="Built-in model (mlp, digits-mlp, digits-cnn) or a 'module:function' returning an nn.Module.")] = "mlp"
+    dataset: Annotated[str, Field(max_length=256, description="Built-in dataset (synthetic, digits) or a 'module:function' returning a map-style Dataset.")] = "synthetic"
+    loss: Annotated[str, Field(max_length=256, description="Loss: auto (from the dataset), mse, cross-entropy, or a 'module:function'.")] = "auto"
+    batch_size: Annotated[int, Field(ge=1, le=65_536, description="Samples per step per worker process.")] = 32
+    learning_rate: Annotated[float, Field(gt=0.0, le=10.0, description="Learning rate at the reference world size (minReplicas x nprocPerNode).")] = 0.05
+    momentum: Annotated[float, Field(ge=0.0, le=0.999, description="SGD momentum.")] = 0.0
+    lr_scaling: Annotated[LrScaling, Field(description="How the learning rate follows a world-size change: linear, sqrt or none.")] = LrScaling.LINEAR
+    steps: Annotated[int, Field(ge=1, le=1_000_000_000, description="Total optimizer steps (of the fastest worker in async mode) before the job ends.")] = 1000
+    seed: Annotated[int, Field(ge=0, le=2**31 - 1, description="Seed for model initialisation and data order.")] = 0
+    metrics_port: Annotated[int, Field(ge=1024, le=65_535, description="Port of each worker's /metrics, /status and /control server (plus the local rank).")] = 9400
+    checkpoint: Annotated[Checkpoint, Field(description="Checkpoint location and interval.")] = Checkpoint()
+    hierarchical: Annotated[HierarchicalConfig, Field(description="Settings used while the job runs hierarchical SGD.")] = HierarchicalConfig()
+    async_: Annotated[AsyncConfig, Field(alias="async", description="Settings used while the job runs asynchronous SGD.")] = AsyncConfig()
+    emulation: Annotated[Emulation | None, Field(description="Emulated compute speed per rank, for CPU-only tests and benchmarks. Off when omitted.")] = None
+
+    @model_validator(mode="after")
+    def _names(self) -> Self:
+        _hook_or_builtin(self.model, BUILTIN_MODELS, "model")
+        _hook_or_builtin(self.dataset, BUILTIN_DATASETS, "dataset")
+        _hook_or_builtin(self.loss, BUILTIN_LOSSES, "loss")
+        return self
+
+    def check_world(self, world_size: int) -> None:
+        """Raise when a rank-indexed setting names a rank outside a world of `world_size`."""
+        if self.emulation is not None:
+            for i, change in enumerate(self.emulation.slowdowns):
+                if change.rank is not None and change.rank >= world_size:
+                    raise cross_field_error(
+                        f"emulation.slowdowns[{i}].rank",
+                        f"rank {change.rank} does not exist in a world of at most {world_size} processes",
+                    )
+        if self.hierarchical.groups is not None:
+            for i, group in enumerate(self.hierarchical.groups):
+                for rank in group:
+                    if rank >= world_size:
+                        raise cross_field_error(
+                            f"hierarchical.groups[{i}]",
+                            f"rank {rank} does not exist in a world of at most {world_size} processes",
+                        )
+
+
+def load_training_config(data: dict[str, Any]) -> TrainingConfig:
+    """Parse a mapping (camelCase keys, as in the SGDJob's spec.training) into a TrainingConfig."""
+    return TrainingConfig.model_validate(data)
