@@ -1,0 +1,26 @@
+"""What the policy reads: one scrape of one trainer process, as cumulative counters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSample:
+    """One trainer process at one instant. Counters are cumulative since the process started, so
+    the policy works on differences between two samples; a counter that goes down means the
+    process restarted. `time` is supplied by the shell (seconds), never read from a clock here."""
+
+    rank: int
+    time: float
+    steps: int
+    samples: int
+    compute_seconds: float
+    comm_wait_seconds: float
+    mode: str
+    batch_size: int
+    node: str | None = None
+    pod: str | None = None
+    loss: float | None = None
+    staleness: float = 0.0
+    world_size: int = 0
