@@ -19,6 +19,7 @@ BUILTIN_DATASETS = ("synthetic", "digits")
 BUILTIN_LOSSES = ("auto", "mse", "cross-entropy")
 # `package.module:function`, the user-hook form accepted wherever a built-in name is.
 HOOK_PATTERN = r"^[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*$"
+Rank = Annotated[int, Field(ge=0, le=65_535)]
 
 
 class CamelModel(BaseModel):
@@ -111,7 +112,7 @@ class HierarchicalConfig(CamelModel):
     """Hierarchical SGD: allreduce inside a group every step, model averaging across groups."""
 
     group_by: Annotated[GroupBy, Field(description="Default grouping when the controller gives none: by node, or by measured speed.")] = GroupBy.NODE
-    groups: Annotated[list[list[int]] | None, Field(max_length=1024, description="Explicit groups of global ranks; every rank in exactly one group.")] = None
+    groups: Annotated[list[list[Rank]] | None, Field(max_length=1024, description="Explicit groups of global ranks; every rank in exactly one group.")] = None
     average_every: Annotated[int, Field(ge=1, le=10_000, description="Steps between cross-group model averages.")] = 4
     staleness: Annotated[int, Field(ge=0, le=64, description="How many averaging rounds a group may run ahead of the slowest group before it waits.")] = 2
 

@@ -102,6 +102,14 @@ def model_schema(model: type[SGDJobSpec] | type[SGDJobStatus]) -> dict[str, Any]
     return _structural(_resolve(raw, defs))
 
 
+def _drop_defaults(node: dict[str, Any]) -> None:
+    node.pop("default", None)
+    for child in node.get("properties", {}).values():
+        _drop_defaults(child)
+    if isinstance(node.get("items"), dict):
+        _drop_defaults(node["items"])
+
+
 PRINTER_COLUMNS = [
     {"name": "Phase", "type": "string", "jsonPath": ".status.phase", "description": "Lifecycle phase."},
     {"name": "Mode", "type": "string", "jsonPath": ".status.mode", "description": "Active synchronisation mode."},
@@ -119,6 +127,9 @@ def build_crd() -> dict[str, Any]:
     spec_schema = model_schema(SGDJobSpec)
     status_schema = model_schema(SGDJobStatus)
     status_schema.pop("required", None)
+    # Status belongs to the operator, which writes whole values; server-side defaults there would
+    # only invent readings nobody made (and v1.20 mangles empty-string defaults into null).
+    _drop_defaults(status_schema)
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",

@@ -12,7 +12,6 @@ from typing import Annotated, Any, Self
 
 from pydantic import Field, model_validator
 from pydantic_core import PydanticCustomError
-
 from sgdjob_trainer.config import CamelModel, SyncMode, TrainingConfig, cross_field_error
 
 GROUP = "sgdjob.dev"
@@ -80,8 +79,7 @@ class PolicySpec(CamelModel):
         if self.recover_threshold >= self.straggler_threshold:
             raise cross_field_error(
                 "recoverThreshold",
-                f"recoverThreshold ({self.recover_threshold}) must be below stragglerThreshold "
-                f"({self.straggler_threshold}) so a straggler cannot flap",
+                f"recoverThreshold ({self.recover_threshold}) must be below stragglerThreshold ({self.straggler_threshold}) so a straggler cannot flap",
             )
         if len(set(self.allowed_actions)) != len(self.allowed_actions):
             raise cross_field_error("allowedActions", "list each action at most once")
@@ -99,8 +97,7 @@ class RunPolicy(CamelModel):
 
 
 POD_TEMPLATE_DESCRIPTION = (
-    "Worker PodTemplateSpec (image, resources incl. nvidia.com/gpu, nodeSelector, tolerations, volumes). "
-    "The operator merges its command, env and ports into the first container."
+    "Worker PodTemplateSpec (image, resources incl. nvidia.com/gpu, nodeSelector, tolerations, volumes). The operator merges its command, env and ports into the first container."
 )
 
 
@@ -132,17 +129,11 @@ class SGDJobSpec(CamelModel):
     @model_validator(mode="after")
     def _cross_fields(self) -> Self:
         if self.min_workers > self.replicas:
-            raise cross_field_error(
-                "minReplicas", f"minReplicas ({self.min_workers}) must be <= replicas ({self.replicas}): lower minReplicas or raise replicas"
-            )
+            raise cross_field_error("minReplicas", f"minReplicas ({self.min_workers}) must be <= replicas ({self.replicas}): lower minReplicas or raise replicas")
         if self.max_workers < self.replicas:
-            raise cross_field_error(
-                "maxReplicas", f"maxReplicas ({self.max_workers}) must be >= replicas ({self.replicas}): raise maxReplicas or lower replicas"
-            )
+            raise cross_field_error("maxReplicas", f"maxReplicas ({self.max_workers}) must be >= replicas ({self.replicas}): raise maxReplicas or lower replicas")
         if Action.RESCALE in self.policy.allowed_actions and self.min_workers == self.max_workers:
-            raise cross_field_error(
-                "policy.allowedActions", "rescale is allowed but minReplicas == maxReplicas: widen the bounds or drop rescale"
-            )
+            raise cross_field_error("policy.allowedActions", "rescale is allowed but minReplicas == maxReplicas: widen the bounds or drop rescale")
         try:
             self.training.check_world(self.max_world_size)
         except PydanticCustomError as err:

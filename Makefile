@@ -1,0 +1,33 @@
+# Set-up, demo and tests. Everything installs into .venv; torch is pinned to the CPU build that
+# this machine carries on disk (pyproject.toml keeps torch>=2.4 open so users choose their build).
+VENV ?= .venv
+BIN := $(VENV)/bin
+TORCH ?= torch==2.13.0
+export KUBEBUILDER_ASSETS ?= $(shell ../shared/k8s/install.sh 2>/dev/null)
+
+.PHONY: venv demo test lint unit crd
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q $(TORCH)
+	$(BIN)/pip install -q -e ".[dev]"
+	touch $@
+
+demo: venv
+	$(BIN)/sgdjob run examples/quickstart.yaml --out runs/quickstart
+
+lint: venv
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy operator/src trainer/src e2e
+
+test: lint
+	$(BIN)/pytest -q
+
+unit: venv
+	$(BIN)/pytest -q tests/unit
+
+crd: venv
+	$(BIN)/sgdjob crd > crds/sgdjobs.sgdjob.dev.yaml

@@ -1,0 +1,212 @@
+"""A real Kubernetes control plane on loopback, from the binaries in KUBEBUILDER_ASSETS.
+
+etcd and kube-apiserver always; kube-controller-manager (garbage collection, ReplicaSets) and
+kube-scheduler on request. Every process runs in its own session so `stop()` can kill the whole
+tree, and ports are picked free so several planes (parallel test runs) can coexist.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REQUIRED = ("etcd", "kube-apiserver", "kubectl")
+
+
+class AssetsMissing(RuntimeError):
+    """The control-plane binaries are not where KUBEBUILDER_ASSETS says."""
+
+
+def assets_dir() -> Path:
+    """The folder of control-plane binaries, or AssetsMissing with how to get them."""
+    value = os.environ.get("KUBEBUILDER_ASSETS", "")
+    if not value:
+        raise AssetsMissing('KUBEBUILDER_ASSETS is not set: run `export KUBEBUILDER_ASSETS="$(../shared/k8s/install.sh)"`')
+    path = Path(value)
+    missing = [name for name in REQUIRED if not (path / name).is_file()]
+    if missing:
+        raise AssetsMissing(f"KUBEBUILDER_ASSETS={path} lacks {', '.join(missing)}")
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class ControlPlane:
+    """etcd + kube-apiserver (+ optional controller-manager and scheduler) under one temp dir."""
+
+    with_controllers: bool = False
+    workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="sgdjob-k8s-")))
+    token: str = field(default_factory=lambda: secrets.token_hex(16))
+    api_port: int = 0
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    @property
+    def bin(self) -> Path:
+        return assets_dir()
+
+    @property
+    def server(self) -> str:
+        return f"https://127.0.0.1:{self.api_port}"
+
+    @property
+    def kubeconfig(self) -> Path:
+        return self.workdir / "kubeconfig"
+
+    def kubectl(self, *args: str, check: bool = True, input_text: str | None = None) -> subprocess.CompletedProcess[str]:
+        """Run the real kubectl against this plane."""
+        result = subprocess.run(
+            [str(self.bin / "kubectl"), "--kubeconfig", str(self.kubeconfig), *args],
+            input=input_text,
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=120,
+        )
+        if check and result.returncode != 0:
+            raise RuntimeError(f"kubectl {' '.join(args)} failed ({result.returncode}): {result.stderr.strip()}")
+        return result
+
+    def _spawn(self, name: str, argv: list[str]) -> None:
+        log = open(self.workdir / f"{name}.log", "wb")  # noqa: SIM115 - closed with the process
+        self.procs[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def start(self, timeout: float = 60.0) -> ControlPlane:
+        b = self.bin
+        wd = self.workdir
+        (wd / "certs").mkdir(parents=True, exist_ok=True)
+        subprocess.run(["openssl", "genrsa", "-out", str(wd / "sa.key"), "2048"], check=True, capture_output=True)
+        subprocess.run(["openssl", "rsa", "-in", str(wd / "sa.key"), "-pubout", "-out", str(wd / "sa.pub")], check=True, capture_output=True)
+        (wd / "tokens.csv").write_text(f"{self.token},admin,admin,system:masters\n")
+        etcd_client, etcd_peer = free_port(), free_port()
+        self.api_port = free_port()
+        self._spawn(
+            "etcd",
+            [
+                str(b / "etcd"),
+                "--data-dir", str(wd / "etcd"),
+                "--listen-client-urls", f"http://127.0.0.1:{etcd_client}",
+                "--advertise-client-urls", f"http://127.0.0.1:{etcd_client}",
+                "--listen-peer-urls", f"http://127.0.0.1:{etcd_peer}",
+                "--initial-advertise-peer-urls", f"http://127.0.0.1:{etcd_peer}",
+                "--initial-cluster", f"default=http://127.0.0.1:{etcd_peer}",
+                "--unsafe-no-fsync",
+            ],
+        )  # fmt: skip
+        self._spawn(
+            "kube-apiserver",
+            [
+                str(b / "kube-apiserver"),
+                f"--etcd-servers=http://127.0.0.1:{etcd_client}",
+                "--bind-address=127.0.0.1",
+                f"--secure-port={self.api_port}",
+                f"--cert-dir={wd / 'certs'}",
+                f"--token-auth-file={wd / 'tokens.csv'}",
+                "--authorization-mode=RBAC",
+                "--allow-privileged",
+                "--service-account-issuer=https://kubernetes.default.svc",
+                f"--service-account-key-file={wd / 'sa.pub'}",
+                f"--service-account-signing-key-file={wd / 'sa.key'}",
+                "--service-cluster-ip-range=127.96.0.0/16",
+                "--insecure-port=0",
+                "--advertise-address=127.0.0.1",
+            ],
+        )
+        self._write_kubeconfig()
+        try:
+            self._wait_ready(timeout)
+            if self.with_controllers:
+                self._start_controllers()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _write_kubeconfig(self) -> None:
+        self.kubeconfig.write_text(
+            "apiVersion: v1\nkind: Config\n"
+            f"clusters:\n- name: local\n  cluster:\n    server: {self.server}\n    insecure-skip-tls-verify: true\n"
+            f"users:\n- name: admin\n  user:\n    token: {self.token}\n"
+            "contexts:\n- name: local\n  context:\n    cluster: local\n    user: admin\n    namespace: default\n"
+            "current-context: local\n"
+        )
+
+    def _wait_ready(self, timeout: float) -> None:
+        ctx = ssl.create_default_context()
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+        deadline = time.monotonic() + timeout
+        last = ""
+        while time.monotonic() < deadline:
+            for name, proc in self.procs.items():
+                if proc.poll() is not None:
+                    raise RuntimeError(f"{name} exited with {proc.returncode}; see {self.workdir / (name + '.log')}")
+            req = urllib.request.Request(f"{self.server}/readyz", headers={"Authorization": f"Bearer {self.token}"})
+            try:
+                with urllib.request.urlopen(req, context=ctx, timeout=2) as resp:
+                    # The default namespace and RBAC bootstrap can lag readyz by a moment.
+                    if resp.status == 200 and self.kubectl("get", "namespace", "default", check=False).returncode == 0:
+                        return
+            except OSError as err:
+                last = str(err)
+            time.sleep(0.3)
+        raise TimeoutError(f"kube-apiserver not ready after {timeout}s ({last}); logs in {self.workdir}")
+
+    def _start_controllers(self) -> None:
+        b, wd = self.bin, self.workdir
+        self._spawn(
+            "kube-controller-manager",
+            [
+                str(b / "kube-controller-manager"),
+                f"--kubeconfig={self.kubeconfig}",
+                f"--service-account-private-key-file={wd / 'sa.key'}",
+                f"--root-ca-file={wd / 'certs' / 'apiserver.crt'}",
+                "--controllers=*,-nodeipam",
+                "--leader-elect=false",
+                "--bind-address=127.0.0.1",
+                "--secure-port=0",
+                "--port=0",
+                "--use-service-account-credentials=false",
+            ],
+        )
+        self._spawn(
+            "kube-scheduler",
+            [
+                str(b / "kube-scheduler"),
+                f"--kubeconfig={self.kubeconfig}",
+                "--leader-elect=false",
+                "--bind-address=127.0.0.1",
+                "--secure-port=0",
+                "--port=0",
+            ],
+        )
+
+    def stop(self) -> None:
+        """Kill every process this plane started (whole sessions) and remove its files."""
+        for proc in reversed(list(self.procs.values())):
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGTERM)
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=10)
+        self.procs.clear()
+        shutil.rmtree(self.workdir, ignore_errors=True)
