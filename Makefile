@@ -31,3 +31,4 @@ unit: venv
 
 crd: venv
 	$(BIN)/sgdjob crd > crds/sgdjobs.sgdjob.dev.yaml
+	cp crds/sgdjobs.sgdjob.dev.yaml charts/sgdjob-operator/crds/

@@ -55,3 +55,8 @@ def test_enums_defaults_and_subresources() -> None:
     names = [c["name"] for c in version["additionalPrinterColumns"] if c.get("priority", 0) == 0]
     assert names == ["Phase", "Mode", "Ready", "Step", "Stragglers", "Age"]
     assert yaml.safe_load(CRD_FILE.read_text())["spec"]["names"]["shortNames"] == ["sgdj"]
+
+
+def test_chart_ships_the_same_crd() -> None:
+    chart_crd = ROOT / "charts" / "sgdjob-operator" / "crds" / "sgdjobs.sgdjob.dev.yaml"
+    assert chart_crd.read_text() == render_crd(), "chart CRD is stale: run `make crd`"
