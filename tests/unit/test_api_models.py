@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner
+
 from sgdjob_operator.api.models import JobMode, SGDJob
 from sgdjob_operator.api.validation import SpecError, validate_job, validate_spec
 from sgdjob_operator.cli import main

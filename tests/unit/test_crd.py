@@ -8,6 +8,7 @@ from typing import Any
 
 import yaml
 from click.testing import CliRunner
+
 from sgdjob_operator.api.crd import build_crd, render_crd
 from sgdjob_operator.cli import main
 
