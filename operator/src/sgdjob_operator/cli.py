@@ -42,3 +42,9 @@ def validate(files: tuple[Path, ...]) -> None:
             click.echo(f"{path}: SGDJob {name} is valid ({job.spec.replicas} workers, mode {job.spec.mode.value})")
     if failed:
         sys.exit(1)
+
+
+
+from sgdjob_operator.cli_simulate import simulate  # noqa: E402
+
+main.add_command(simulate)

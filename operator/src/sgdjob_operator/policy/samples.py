@@ -24,3 +24,6 @@ class WorkerSample:
     loss: float | None = None
     staleness: float = 0.0
     world_size: int = 0
+    # Bytes of one gradient exchange (the model's parameter bytes); 0 when the trainer does not
+    # say. With it the cost model prices communication instead of inferring it from waits.
+    gradient_bytes: int = 0

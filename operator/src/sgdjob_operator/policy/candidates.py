@@ -1,0 +1,167 @@
+"""The changes worth considering for the fleet's shape, each with its predicted useful throughput.
+
+Only actions in allowedActions are built; a job with a fixed mode gets no mode switch; a
+homogeneous fleet gets only the way back to plain sync, so measurement noise has nothing to act on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from sgdjob_operator.api.models import Action
+from sgdjob_operator.policy.cost import CostInputs, Prediction, predict_async, predict_hierarchical, predict_sync
+from sgdjob_operator.policy.decisions import Decision, Rebalance, ReplaceWorker, Rescale, SwitchMode
+from sgdjob_operator.policy.health import JobHealth, Shape
+from sgdjob_operator.policy.job import JobView
+from sgdjob_operator.policy.plans import group_size_target, node_groups, paced_group_batches, rebalanced_batches, speed_groups
+
+# A decision factory: (reason, predicted gain) -> Decision.
+Make = Callable[[str, float], Decision]
+
+
+@dataclass(frozen=True, slots=True)
+class Context:
+    health: JobHealth
+    view: JobView
+    speeds: Mapping[int, float]
+    nodes: Mapping[int, str | None]
+    pods: Mapping[int, str | None]
+    ci: CostInputs
+    measured_staleness: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """`key` identifies the change across windows (persistence counts windows of the same key);
+    `preference` is how far below the best prediction the shape's favourite may be and still be
+    chosen; `restoring` marks the way back to plain sync, which needs no gain, only no loss."""
+
+    key: str
+    make: Make
+    prediction: Prediction
+    cost_seconds: float
+    preference: float = 0.0
+    restoring: bool = False
+
+
+# Replacing a lone slow node wins over re-tuning around it unless it predicts clearly less: the
+# alternatives keep paying for the bad node, and a rebalance's prediction profits from noise in
+# the measured speeds that a replacement's (everyone at the typical speed) does not.
+REPLACE_PREFERENCE = 0.10
+# Speed clusters lean to hierarchical only as a tie-break.
+CLUSTER_PREFERENCE = 0.03
+
+
+def current_groups(ctx: Context) -> list[list[int]]:
+    view = ctx.view
+    if view.groups:
+        return [list(g) for g in view.groups]
+    if view.group_by_node:
+        return node_groups(ctx.nodes)
+    return speed_groups(ctx.speeds, view.policy.recover_threshold, group_size_target(len(ctx.speeds)))
+
+
+def predict_config(ctx: Context, mode: str, speeds: Mapping[int, float], batches: Mapping[int, int], groups: list[list[int]] | None, label: str) -> Prediction:
+    if mode == "async":
+        return predict_async(speeds, batches, ctx.ci, ctx.measured_staleness if ctx.view.mode == "async" else None, label)
+    if mode == "hierarchical":
+        return predict_hierarchical(speeds, batches, groups or current_groups(ctx), ctx.ci, label)
+    return predict_sync(speeds, batches, ctx.ci, label)
+
+
+def predict_current(ctx: Context) -> Prediction:
+    batches = {r: ctx.view.batch(r) for r in ctx.speeds}
+    return predict_config(ctx, ctx.view.mode, ctx.speeds, batches, None, "current")
+
+
+def build(ctx: Context) -> list[Candidate]:
+    view, shape = ctx.view, ctx.health.raw_shape
+    if shape is Shape.UNKNOWN:
+        return []
+    plain = {r: view.base_batch for r in ctx.speeds}
+    unequal = any(view.batch(r) != view.base_batch for r in ctx.speeds)
+    switch = view.auto and view.allows(Action.SWITCH_MODE)
+    out: list[Candidate] = []
+    if shape is Shape.HOMOGENEOUS:
+        if view.mode == "sync" and unequal and view.allows(Action.REBALANCE):
+            out.append(_candidate("plain", lambda why, g: Rebalance(plain, why, g), predict_sync(ctx.speeds, plain, ctx.ci, "plain sync"), view.switch_seconds, restoring=True))
+        elif view.mode != "sync" and switch:
+            back = plain if unequal else None
+            pred = predict_sync(ctx.speeds, plain, ctx.ci, "plain sync")
+            out.append(_candidate("switch:sync", lambda why, g: SwitchMode("sync", why, None, back, g), pred, view.switch_seconds, restoring=True))
+        return out
+    if shape is Shape.SINGLE_STRAGGLER:
+        out.extend(_membership(ctx))
+    total = view.base_batch * len(ctx.speeds)
+    caps = {r: view.cap(r) for r in ctx.speeds}
+    if view.allows(Action.REBALANCE) and (view.mode == "sync" or switch):
+        b = rebalanced_batches(ctx.speeds, total, caps)
+        pred = predict_sync(ctx.speeds, b, ctx.ci, "rebalanced sync")
+        make: Make = (lambda why, g: Rebalance(b, why, g)) if view.mode == "sync" else (lambda why, g: SwitchMode("sync", why, None, b, g))
+        out.append(_candidate("rebalance", make, pred, view.switch_seconds))
+    if switch:
+        if view.mode != "sync":
+            back = plain if unequal else None
+            pred = predict_sync(ctx.speeds, plain, ctx.ci, "plain sync")
+            out.append(_candidate("switch:sync", lambda why, g: SwitchMode("sync", why, None, back, g), pred, view.switch_seconds))
+        groups = speed_groups(ctx.speeds, view.policy.recover_threshold, group_size_target(len(ctx.speeds)))
+        if len(groups) > 1:
+            hb = paced_group_batches(ctx.speeds, groups, total, caps) if view.allows(Action.REBALANCE) else plain
+            frozen = tuple(tuple(g) for g in groups)
+            hb_out = hb if hb != plain or unequal else None
+            pred = predict_hierarchical(ctx.speeds, hb, groups, ctx.ci)
+            out.append(
+                _candidate("switch:hierarchical", lambda why, g: SwitchMode("hierarchical", why, frozen, hb_out, g), pred, view.switch_seconds, CLUSTER_PREFERENCE if shape is Shape.CLUSTERS else 0.0)
+            )
+        if view.mode != "async":
+            back = plain if unequal else None
+            pred = predict_async(ctx.speeds, plain, ctx.ci)
+            out.append(_candidate("switch:async", lambda why, g: SwitchMode("async", why, None, back, g), pred, view.switch_seconds))
+    return out
+
+
+def _candidate(key: str, make: Make, pred: Prediction, cost: float, preference: float = 0.0, restoring: bool = False) -> Candidate:
+    return Candidate(key, make, pred, cost, preference, restoring)
+
+
+def straggler_node(ctx: Context) -> tuple[int, list[int], bool] | None:
+    """The worst flagged rank, every rank on its node, and whether the node is to blame (all of its
+    ranks are slow; with one rank per node the rank is the node)."""
+    flagged = [h for h in ctx.health.ranks.values() if h.flagged]
+    if not flagged:
+        return None
+    worst = max(flagged, key=lambda h: h.ratio)
+    if worst.node is None:
+        return worst.rank, [worst.rank], False
+    on_node = sorted(r for r, n in ctx.nodes.items() if n == worst.node)
+    return worst.rank, on_node, all(ctx.health.ranks[r].flagged for r in on_node if r in ctx.health.ranks)
+
+
+def _membership(ctx: Context) -> list[Candidate]:
+    view = ctx.view
+    found = straggler_node(ctx)
+    if found is None:
+        return []
+    rank, on_node, node_bound = found
+    batches = {r: view.batch(r) for r in ctx.speeds}
+    out: list[Candidate] = []
+    if view.allows(Action.REPLACE_WORKER) and view.min_replicas <= view.replicas - 1:
+        healthy = [v for r, v in ctx.speeds.items() if r not in on_node]
+        typical = sorted(healthy)[len(healthy) // 2] if healthy else ctx.health.median_speed
+        fresh = {r: (typical if r in on_node else v) for r, v in ctx.speeds.items()}
+        pred = predict_config(ctx, view.mode, fresh, batches, None, "replace")
+        node = ctx.nodes.get(rank)
+        exclude = node if node_bound else None
+        pod = ctx.pods.get(rank)
+        key = f"replace:{node if node is not None else rank}"
+        out.append(_candidate(key, lambda why, g: ReplaceWorker(rank, why, pod, exclude, g), pred, view.restart_seconds, REPLACE_PREFERENCE))
+    if view.allows(Action.RESCALE) and view.replicas - 1 >= view.min_replicas:
+        rest = {r: v for r, v in ctx.speeds.items() if r not in on_node}
+        if rest:
+            pred = predict_config(ctx, view.mode, rest, batches, None, "rescale")
+            removed = tuple(on_node)
+            target = view.replicas - 1
+            key = f"rescale:{ctx.nodes.get(rank) or rank}"
+            out.append(_candidate(key, lambda why, g: Rescale(target, why, removed, g), pred, view.restart_seconds))
+    return out

@@ -1,0 +1,109 @@
+"""Predicted useful throughput of each way to run the job, from per-rank speeds and the network.
+
+useful = samples/s x statistical efficiency, where a gradient that is s steps stale is worth
+(1 - stalenessPenalty x s) of a fresh one. The models follow what the trainer does:
+- sync: every step waits for the slowest rank (plus noise: the slowest *this* step), then an
+  allreduce;
+- hierarchical: sync inside each group; a group runs at most `staleness` averaging rounds ahead
+  of the slowest group, so in the long run every group moves at the slowest group's pace;
+- async: each worker pushes to sharded parameter servers at its own pace; a gradient staler than
+  the bound is dropped; the shards' push rate caps the whole job.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from sgdjob_operator.policy.comm import CommModel
+
+
+@dataclass(frozen=True, slots=True)
+class CostInputs:
+    comm: CommModel
+    jitter: float
+    penalty: float
+    average_every: int
+    hier_staleness: int
+    async_staleness: int | None
+    ps_shards: int
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    label: str
+    throughput: float
+    staleness: float
+    efficiency: float
+
+    @property
+    def useful(self) -> float:
+        return self.throughput * self.efficiency
+
+
+def stat_efficiency(staleness: float, penalty: float) -> float:
+    return max(0.0, 1.0 - penalty * staleness)
+
+
+def _noise(ci: CostInputs, n: int) -> float:
+    return 1.0 + ci.jitter * math.log(n) if n > 1 else 1.0
+
+
+def predict_sync(speeds: Mapping[int, float], batches: Mapping[int, int], ci: CostInputs, label: str = "sync") -> Prediction:
+    n = len(speeds)
+    if n == 0:
+        return Prediction(label, 0.0, 0.0, 1.0)
+    slowest = max(batches[r] / speeds[r] for r in speeds)
+    step = slowest * _noise(ci, n) + ci.comm.allreduce_s(n)
+    return Prediction(label, sum(batches[r] for r in speeds) / step, 0.0, 1.0)
+
+
+def predict_hierarchical(speeds: Mapping[int, float], batches: Mapping[int, int], groups: Sequence[Sequence[int]], ci: CostInputs, label: str = "hierarchical") -> Prediction:
+    groups = [[r for r in g if r in speeds] for g in groups]
+    groups = [g for g in groups if g]
+    n = sum(len(g) for g in groups)
+    if len(groups) <= 1:
+        return predict_sync(speeds, batches, ci, label)
+    h, s = ci.average_every, ci.hier_staleness
+    world_average = ci.comm.allreduce_s(n)
+    paces = []
+    for g in groups:
+        step = max(batches[r] / speeds[r] for r in g) * _noise(ci, len(g)) + ci.comm.allreduce_s(len(g))
+        # The cross-group average runs in the background for `s` rounds; only what outlasts
+        # them is waited for (all of it with s = 0).
+        exposed = max(0.0, world_average - s * h * step) / h
+        paces.append(1.0 / (step + exposed))
+    pace = min(paces)
+    throughput = pace * sum(batches[r] for g in groups for r in g)
+    # A rank sees its own group's gradients fresh and the other groups' about s*h + (h-1)/2
+    # steps late; weight that age by the share of the world outside the rank's group.
+    age = s * h + (h - 1) / 2
+    staleness = sum(len(g) / n * age * (n - len(g)) / max(1, n - 1) for g in groups)
+    return Prediction(label, throughput, staleness, stat_efficiency(staleness, ci.penalty))
+
+
+def predict_async(speeds: Mapping[int, float], batches: Mapping[int, int], ci: CostInputs, measured_staleness: float | None = None, label: str = "async") -> Prediction:
+    n = len(speeds)
+    if n == 0:
+        return Prediction(label, 0.0, 0.0, 1.0)
+    rates = {r: 1.0 / (batches[r] / speeds[r] + ci.comm.ps_worker_s()) for r in speeds}
+    total = sum(rates.values())
+    capacity = ci.comm.ps_capacity(ci.ps_shards)
+    if total > capacity:
+        # Shards serve pushes in turn: past their capacity every worker slows alike.
+        rates = {r: v * capacity / total for r, v in rates.items()}
+        total = capacity
+    applied = 0.0
+    weighted = 0.0
+    for r, rate in rates.items():
+        # Updates the other workers make during one of this worker's steps, per other worker.
+        stale = (total - rate) / (rate * max(1, n - 1))
+        if ci.async_staleness is not None and stale > ci.async_staleness:
+            continue
+        applied += batches[r] * rate
+        weighted += batches[r] * rate * stale
+    staleness = weighted / applied if applied > 0 else 0.0
+    if measured_staleness is not None and measured_staleness > 0:
+        staleness = measured_staleness
+    return Prediction(label, applied, staleness, stat_efficiency(staleness, ci.penalty))

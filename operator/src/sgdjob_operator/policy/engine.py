@@ -1,0 +1,158 @@
+"""`evaluate`: one policy step from samples to a decision, with every rule that keeps it calm.
+
+A change is made only when (1) the cost model predicts at least switchMargin more useful
+throughput than the job gets now (or, for the way back to plain sync, no loss), (2) the same change
+has been the best for persistenceIntervals windows in a row, (3) cooldownSeconds have passed since
+the last change, and (4) the change pays back its own cost (restart or switch pause) well within
+the time it will stay in force.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+
+from sgdjob_operator.policy.candidates import Candidate, Context, build, predict_current, straggler_node
+from sgdjob_operator.policy.cost import CostInputs, Prediction
+from sgdjob_operator.policy.decisions import Decision, Keep, ReplaceWorker, Rescale
+from sgdjob_operator.policy.health import JobHealth, Shape, assess, jitter_coefficient
+from sgdjob_operator.policy.job import JobView
+from sgdjob_operator.policy.measure import measure
+from sgdjob_operator.policy.samples import WorkerSample
+from sgdjob_operator.policy.state import PolicyState, RankState
+from sgdjob_operator.policy.stats import median
+
+# A candidate within this fraction of the best is as good as the best: the one already persisting
+# wins, so two near-equal options cannot take turns and reset each other's persistence. (The
+# shape's favourite, see candidates.Candidate.preference, goes first.)
+PREFERENCE_SLACK = 0.03
+# A change must pay for its own pause (a restart costs a minute or more) within this many policy
+# intervals, or the cooldown if longer: long enough for a replacement to be worth it, short enough
+# that a marginal gain never justifies a restart.
+PAYBACK_INTERVALS = 30
+
+
+@dataclass(frozen=True, slots=True)
+class Evaluation:
+    """The decision, the health it was based on, the state to keep for next time, and the cost
+    model's predictions (useful samples/s by label, `current` included) for logs and reports."""
+
+    decision: Decision
+    health: JobHealth
+    state: PolicyState
+    predictions: Mapping[str, float]
+
+
+def evaluate(state: PolicyState, samples: Sequence[WorkerSample], job: JobView, now: float) -> Evaluation:
+    """Evaluate one policy interval. Pure: `now` and the samples' times are the only clock."""
+    p = job.policy
+    window = measure(state.ranks, samples, job.world_size)
+    a = assess(window, state, p)
+    comm = job.comm if job.comm.gradient_bytes or not window.gradient_bytes else job.comm.with_gradient_bytes(window.gradient_bytes)
+    jitter = jitter_coefficient(window, comm, state.jitter)
+    base = PolicyState(
+        ranks=a.ranks,
+        heterogeneous=a.heterogeneous,
+        shape=a.shape_key,
+        shape_streak=a.shape_streak,
+        candidate=None,
+        candidate_streak=0,
+        last_change=state.last_change,
+        jitter=jitter,
+        evaluations=state.evaluations + 1,
+    )
+    health = a.health
+    if health.raw_shape is Shape.UNKNOWN:
+        why = f"waiting for rates: {health.measured} of {job.world_size} ranks measured this window"
+        if window.restarted:
+            why += f" ({len(window.restarted)} restarted)"
+        return Evaluation(Keep(why), health, base, {})
+
+    speeds = _world_speeds(health, job.world_size)
+    nodes = {r: (a.ranks[r].node if r in a.ranks else None) for r in speeds}
+    pods = {r: (window.latest[r].pod if r in window.latest else None) for r in speeds}
+    stale = [w.staleness for w in window.ranks.values() if w.mode == "async"]
+    ci = CostInputs(comm, jitter, p.staleness_penalty, job.average_every, job.hier_staleness, job.async_staleness, job.ps_shards)
+    ctx = Context(health, job, speeds, nodes, pods, ci, sum(stale) / len(stale) if stale else None)
+    current = predict_current(ctx)
+    candidates = build(ctx)
+    predictions = {"current": current.useful, **{c.prediction.label: c.prediction.useful for c in candidates}}
+    chosen = _choose(candidates, current, job, state.candidate)
+    if chosen is None:
+        return Evaluation(Keep(_keep_reason(health, current, candidates, job)), health, base, predictions)
+
+    streak = state.candidate_streak + 1 if chosen.key == state.candidate else 1
+    waiting = replace(base, candidate=chosen.key, candidate_streak=streak)
+    gain = _gain(chosen.prediction, current)
+    what = f"{chosen.prediction.label} predicts {chosen.prediction.useful:.4g} useful samples/s vs {current.useful:.4g} now ({gain:+.0%})"
+    if streak < p.persistence_intervals or health.shape is Shape.TRANSIENT:
+        why = f"{health.summary}; {what}; persisting {streak}/{p.persistence_intervals} intervals"
+        return Evaluation(Keep(why), health, waiting, predictions)
+    if state.last_change is not None and now - state.last_change < p.cooldown_seconds:
+        left = p.cooldown_seconds - (now - state.last_change)
+        return Evaluation(Keep(f"{health.summary}; {what}; cooldown {left:.0f}s left"), health, waiting, predictions)
+    decision = chosen.make(f"{health.summary}; {what}", round(gain, 4))
+    changed = replace(base, last_change=now, ranks=_forget_replaced(a.ranks, decision, ctx))
+    return Evaluation(decision, health, changed, predictions)
+
+
+def _world_speeds(health: JobHealth, world: int) -> dict[int, float]:
+    """Every rank's speed for the cost model: its last known one, else the median (a missing or
+    new rank is assumed typical: the policy never acts on a rank it has not measured)."""
+    known = health.speeds()
+    typical = median(list(known.values())) if known else 1.0
+    return {r: known.get(r, typical) for r in range(world)}
+
+
+def _gain(pred: Prediction, current: Prediction) -> float:
+    if current.useful <= 0:
+        return float("inf") if pred.useful > 0 else 0.0
+    return pred.useful / current.useful - 1.0
+
+
+def _viable(c: Candidate, current: Prediction, job: JobView) -> bool:
+    if c.restoring:
+        return c.prediction.useful >= current.useful
+    gain = _gain(c.prediction, current)
+    if gain < job.policy.switch_margin:
+        return False
+    horizon = max(job.policy.cooldown_seconds, PAYBACK_INTERVALS * job.policy.interval_seconds)
+    payback = c.cost_seconds * current.useful / (c.prediction.useful - current.useful)
+    return payback <= horizon
+
+
+def _choose(candidates: list[Candidate], current: Prediction, job: JobView, previous: str | None) -> Candidate | None:
+    viable = [c for c in candidates if _viable(c, current, job)]
+    if not viable:
+        return None
+    best = max(viable, key=lambda c: c.prediction.useful)
+    favourites = [c for c in viable if c.preference > 0 and c.prediction.useful >= best.prediction.useful * (1 - c.preference)]
+    if favourites:
+        return max(favourites, key=lambda c: c.preference)
+    for c in viable:
+        if c.key == previous and c.prediction.useful >= best.prediction.useful * (1 - PREFERENCE_SLACK):
+            return c
+    return best
+
+
+def _keep_reason(health: JobHealth, current: Prediction, candidates: list[Candidate], job: JobView) -> str:
+    if health.shape is Shape.HOMOGENEOUS:
+        return f"{health.summary}; nothing to change"
+    if not candidates:
+        return f"{health.summary}; no allowed action applies (allowedActions: {', '.join(a.value for a in job.policy.allowed_actions) or 'none'})"
+    best = max(candidates, key=lambda c: c.prediction.useful)
+    return f"{health.summary}; best alternative {best.prediction.label} predicts {_gain(best.prediction, current):+.0%} (a change needs {job.policy.switch_margin:+.0%} and must repay its pause)"
+
+
+def _forget_replaced(ranks: Mapping[int, RankState], decision: Decision, ctx: Context) -> dict[int, RankState]:
+    """Ranks whose pod goes away start over: a new pod's speed and streak are its own."""
+    out = dict(ranks)
+    if isinstance(decision, ReplaceWorker | Rescale):
+        found = straggler_node(ctx)
+        gone = set(found[1]) if found else set()
+        if isinstance(decision, Rescale):
+            gone |= set(decision.remove_ranks)
+        for r in gone:
+            if r in out:
+                out[r] = replace(out[r], speed=None, streak=0, flagged=False)
+    return out

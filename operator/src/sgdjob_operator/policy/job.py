@@ -1,0 +1,115 @@
+"""The job as the policy sees it: spec knobs plus what runs now. Built by a pure function."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from sgdjob_operator.api.models import Action, JobMode, PolicySpec, SGDJobSpec
+from sgdjob_operator.policy.comm import CommModel
+from sgdjob_trainer.config import SyncMode
+
+# Without a known memory limit, rebalancing gives a rank at most this multiple of the spec batch.
+DEFAULT_MAX_BATCH_FACTOR = 4
+MODES = tuple(m.value for m in SyncMode)
+
+
+@dataclass(frozen=True, slots=True)
+class JobView:
+    """Everything `evaluate` needs to know about the job besides the samples.
+
+    `mode` is the active mode (what the workers run now); `requested_mode` is spec.mode (auto lets
+    the policy switch). `batch_sizes` and `max_batch_sizes` are per global rank; a rank absent from
+    them has `base_batch` and `max_batch`. `restart_seconds` is what a membership change costs
+    (re-rendezvous plus resuming from a checkpoint), `switch_seconds` a mode switch or rebalance.
+    """
+
+    requested_mode: str
+    mode: str
+    replicas: int
+    min_replicas: int
+    max_replicas: int
+    nproc_per_node: int
+    base_batch: int
+    policy: PolicySpec
+    comm: CommModel = field(default_factory=CommModel)
+    batch_sizes: Mapping[int, int] = field(default_factory=dict)
+    groups: tuple[tuple[int, ...], ...] | None = None
+    group_by_node: bool = True
+    average_every: int = 4
+    hier_staleness: int = 2
+    async_staleness: int | None = 8
+    ps_shards: int = 1
+    max_batch: int = 0
+    max_batch_sizes: Mapping[int, int] = field(default_factory=dict)
+    restart_seconds: float = 60.0
+    switch_seconds: float = 5.0
+
+    @property
+    def world_size(self) -> int:
+        return self.replicas * self.nproc_per_node
+
+    @property
+    def auto(self) -> bool:
+        return self.requested_mode == JobMode.AUTO.value
+
+    def allows(self, action: Action) -> bool:
+        return action in self.policy.allowed_actions
+
+    def batch(self, rank: int) -> int:
+        return self.batch_sizes.get(rank, self.base_batch)
+
+    def cap(self, rank: int) -> int:
+        return max(self.max_batch_sizes.get(rank, self.max_batch or DEFAULT_MAX_BATCH_FACTOR * self.base_batch), 1)
+
+    @property
+    def global_batch(self) -> int:
+        return sum(self.batch(r) for r in range(self.world_size))
+
+    @property
+    def plain(self) -> bool:
+        """Synchronous with every rank at the spec batch: where a job rests when nothing is wrong."""
+        return self.mode == SyncMode.SYNC.value and all(self.batch(r) == self.base_batch for r in range(self.world_size))
+
+
+def job_view(
+    spec: SGDJobSpec,
+    *,
+    mode: str | None = None,
+    replicas: int | None = None,
+    batch_sizes: Mapping[int, int] | None = None,
+    groups: Sequence[Sequence[int]] | None = None,
+    comm: CommModel | None = None,
+    max_batch_sizes: Mapping[int, int] | None = None,
+    restart_seconds: float = 60.0,
+    switch_seconds: float = 5.0,
+) -> JobView:
+    """The policy's view of a job: `spec` plus the active mode (default: the mode workers start
+    in), the current replicas (default spec.replicas), per-rank batch sizes and hierarchical groups
+    in force, and optionally what is known about the network and per-rank memory limits."""
+    active = mode if mode is not None else spec.initial_mode.value
+    if active not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}, not {active!r}")
+    hier = spec.training.hierarchical
+    given_groups = groups if groups is not None else hier.groups
+    return JobView(
+        requested_mode=spec.mode.value,
+        mode=active,
+        replicas=replicas if replicas is not None else spec.replicas,
+        min_replicas=spec.min_workers,
+        max_replicas=spec.max_workers,
+        nproc_per_node=spec.nproc_per_node,
+        base_batch=spec.training.batch_size,
+        policy=spec.policy,
+        comm=comm if comm is not None else CommModel(),
+        batch_sizes=dict(batch_sizes or {}),
+        groups=tuple(tuple(g) for g in given_groups) if given_groups else None,
+        group_by_node=hier.group_by.value == "node",
+        average_every=hier.average_every,
+        hier_staleness=hier.staleness,
+        async_staleness=spec.training.async_.staleness,
+        ps_shards=spec.training.async_.shards,
+        max_batch_sizes=dict(max_batch_sizes or {}),
+        restart_seconds=restart_seconds,
+        switch_seconds=switch_seconds,
+    )

@@ -1,0 +1,97 @@
+"""Concrete configurations the policy can propose: per-rank batch sizes and hierarchical groups."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+from sgdjob_operator.policy.stats import gap_clusters
+
+
+def proportional_batches(weights: Mapping[int, float], total: int, caps: Mapping[int, int]) -> dict[int, int]:
+    """Integer batch sizes proportional to `weights`, summing to `total` (so the global batch, and
+    with it the optimisation, stays what the user configured), each at least 1 and at most its cap.
+    A rank whose share exceeds its cap gets the cap and the rest is shared again (water-filling);
+    rounding hands the leftover samples to the largest fractional parts."""
+    w = {r: max(v, 0.0) for r, v in weights.items()}
+    if not w:
+        return {}
+    remaining = max(total, len(w))
+    out: dict[int, int] = {}
+    free = sorted(w)
+    while free:
+        wsum = sum(w[r] for r in free)
+        shares = {r: remaining * (w[r] / wsum if wsum > 0 else 1.0 / len(free)) for r in free}
+        over = [r for r in free if shares[r] > caps[r]]
+        if not over:
+            alloc = {r: min(caps[r], max(1, math.floor(x))) for r, x in shares.items()}
+            leftover = remaining - sum(alloc.values())
+            # The floor of one sample per rank can overshoot: take it back from the largest.
+            for r in sorted(free, key=lambda r: (-alloc[r], r)):
+                if leftover >= 0:
+                    break
+                give = min(alloc[r] - 1, -leftover)
+                alloc[r] -= give
+                leftover += give
+            for r in sorted(free, key=lambda r: (-(shares[r] - math.floor(shares[r])), r)):
+                if leftover <= 0:
+                    break
+                if alloc[r] < caps[r]:
+                    alloc[r] += 1
+                    leftover -= 1
+            out.update(alloc)
+            break
+        for r in over:
+            out[r] = caps[r]
+            remaining -= caps[r]
+        taken = set(over)
+        free = [r for r in free if r not in taken]
+    return out
+
+
+def rebalanced_batches(speeds: Mapping[int, float], total: int, caps: Mapping[int, int]) -> dict[int, int]:
+    """Batch sizes proportional to speed: every rank then needs the same time per step."""
+    return proportional_batches(speeds, total, caps)
+
+
+def group_size_target(world: int) -> int:
+    """About sqrt(world) ranks per group: few enough groups that the cross-group average stays
+    cheap, small enough groups that one slow member stalls only its own group."""
+    return max(2, round(math.sqrt(world)))
+
+
+def speed_groups(speeds: Mapping[int, float], gap_ratio: float, target_size: int) -> list[list[int]]:
+    """Hierarchical groups: speed clusters (cut where the next rank is `gap_ratio` times slower),
+    each cut into near-equal chunks of about `target_size` ranks of neighbouring speed."""
+    groups: list[list[int]] = []
+    for cluster in gap_clusters(speeds, gap_ratio):
+        k = max(1, math.ceil(len(cluster) / target_size))
+        size, extra = divmod(len(cluster), k)
+        start = 0
+        for i in range(k):
+            end = start + size + (1 if i < extra else 0)
+            groups.append(sorted(cluster[start:end]))
+            start = end
+    return groups
+
+
+def node_groups(nodes: Mapping[int, str | None]) -> list[list[int]]:
+    """One group per node (ranks with no node known form their own group), as the trainer's
+    default groupBy: node does."""
+    by_node: dict[str, list[int]] = {}
+    for rank, node in sorted(nodes.items()):
+        by_node.setdefault(node if node is not None else f"rank-{rank}", []).append(rank)
+    return sorted(by_node.values())
+
+
+def paced_group_batches(speeds: Mapping[int, float], groups: Sequence[Sequence[int]], total: int, caps: Mapping[int, int]) -> dict[int, int]:
+    """Batch sizes for hierarchical groups that keep pace with each other: a group steps at its
+    slowest member's pace, so every member of a group gets a batch proportional to that speed.
+    (The trainer bounds how far a group may run ahead, so unpaced groups end up at the slowest
+    group's pace whatever their own speed.)"""
+    weights: dict[int, float] = {}
+    for group in groups:
+        slowest = min(speeds[r] for r in group)
+        for r in group:
+            weights[r] = slowest
+    return proportional_batches(weights, total, caps)

@@ -1,0 +1,123 @@
+"""The policy's memory between evaluations, as explicit JSON-serialisable data.
+
+The operator keeps it in the SGDJob's status, so an operator restart resumes with the same
+baselines, streaks and cooldown: nothing the policy needs lives only in memory.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+STATE_VERSION = 1
+# Columns of the per-rank table: columns instead of one object per rank keep a 1024-rank state
+# compact enough for an object's status.
+_RANK_COLUMNS = ("rank", "time", "steps", "samples", "compute", "wait", "node", "speed", "streak", "flagged")
+
+
+@dataclass(frozen=True, slots=True)
+class RankState:
+    """The last counters seen from one rank, its last measured speed and its straggler streak."""
+
+    time: float
+    steps: int
+    samples: int
+    compute: float
+    wait: float
+    node: str | None = None
+    speed: float | None = None
+    streak: int = 0
+    flagged: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyState:
+    """`shape` is the last window's raw heterogeneity signature and `shape_streak` how many windows
+    in a row it held; `candidate`/`candidate_streak` the same for the change the cost model prefers;
+    `heterogeneous` the hysteresis flag of the fleet's spread; `jitter` the learned compute-noise
+    coefficient (see health.jitter_coefficient); `last_change` the time of the last change."""
+
+    ranks: Mapping[int, RankState] = field(default_factory=dict)
+    heterogeneous: bool = False
+    shape: str = ""
+    shape_streak: int = 0
+    candidate: str | None = None
+    candidate_streak: int = 0
+    last_change: float | None = None
+    jitter: float = 0.0
+    evaluations: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        ordered = sorted(self.ranks.items())
+        table: dict[str, list[Any]] = {
+            "rank": [r for r, _ in ordered],
+            "time": [s.time for _, s in ordered],
+            "steps": [s.steps for _, s in ordered],
+            "samples": [s.samples for _, s in ordered],
+            "compute": [s.compute for _, s in ordered],
+            "wait": [s.wait for _, s in ordered],
+            "node": [s.node for _, s in ordered],
+            "speed": [s.speed for _, s in ordered],
+            "streak": [s.streak for _, s in ordered],
+            "flagged": [s.flagged for _, s in ordered],
+        }
+        return {
+            "version": STATE_VERSION,
+            "ranks": table,
+            "heterogeneous": self.heterogeneous,
+            "shape": self.shape,
+            "shapeStreak": self.shape_streak,
+            "candidate": self.candidate,
+            "candidateStreak": self.candidate_streak,
+            "lastChange": self.last_change,
+            "jitter": self.jitter,
+            "evaluations": self.evaluations,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | None) -> PolicyState:
+        """Parse `to_dict` output. None or {} is a fresh state; a state of another version is
+        dropped (a fresh baseline costs one interval); malformed data raises ValueError."""
+        if not data or data.get("version") != STATE_VERSION:
+            return cls()
+        try:
+            table = data.get("ranks") or {}
+            columns = [list(table.get(c, [])) for c in _RANK_COLUMNS]
+            if len({len(c) for c in columns}) > 1:
+                raise ValueError("rank columns differ in length")
+            ranks: dict[int, RankState] = {}
+            for rank, time, steps, samples, compute, wait, node, speed, streak, flagged in zip(*columns, strict=True):
+                ranks[int(rank)] = RankState(
+                    time=_finite(time),
+                    steps=int(steps),
+                    samples=int(samples),
+                    compute=_finite(compute),
+                    wait=_finite(wait),
+                    node=None if node is None else str(node),
+                    speed=None if speed is None else _finite(speed),
+                    streak=int(streak),
+                    flagged=bool(flagged),
+                )
+            last_change = data.get("lastChange")
+            return cls(
+                ranks=ranks,
+                heterogeneous=bool(data.get("heterogeneous", False)),
+                shape=str(data.get("shape", "")),
+                shape_streak=int(data.get("shapeStreak", 0)),
+                candidate=None if data.get("candidate") is None else str(data["candidate"]),
+                candidate_streak=int(data.get("candidateStreak", 0)),
+                last_change=None if last_change is None else _finite(last_change),
+                jitter=_finite(data.get("jitter", 0.0)),
+                evaluations=int(data.get("evaluations", 0)),
+            )
+        except (TypeError, ValueError, AttributeError) as err:
+            raise ValueError(f"malformed policy state: {err}") from err
+
+
+def _finite(value: Any) -> float:
+    out = float(value)
+    if not math.isfinite(out):
+        raise ValueError(f"{value!r} is not a finite number")
+    return out

@@ -1,0 +1,220 @@
+"""Run one scenario in one mode: a static configuration, or `auto` with the policy in the loop.
+
+`auto` calls the same `evaluate` the operator calls, every policy interval, with WorkerSamples
+made from the simulated counters, keeps its state only in `PolicyState.to_dict()` form (as the
+operator keeps it in status), and applies each decision with its cost: a mode switch or rebalance
+pauses for its switch time, a replacement or rescale restarts every worker from the latest
+checkpoint (as torchrun's elastic agent does on a membership change), and so does a node death,
+once it is detected.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from sgdjob_operator.api.models import JobMode
+from sgdjob_operator.policy import Decision, JobView, PolicyState, Rebalance, ReplaceWorker, Rescale, SwitchMode, WorkerSample, evaluate, job_view
+from sgdjob_operator.policy.job import DEFAULT_MAX_BATCH_FACTOR
+from sgdjob_operator.policy.plans import group_size_target, node_groups, paced_group_batches, rebalanced_batches, speed_groups
+from sgdjob_operator.simulator.engines import AsyncEngine, Counters, Engine, Env, HierarchicalEngine, SyncEngine
+from sgdjob_operator.simulator.fleet import Fleet, Floats
+from sgdjob_operator.simulator.loss import loss_after
+from sgdjob_operator.simulator.scenario import Scenario
+
+MODES = ("sync", "rebalanced", "hierarchical", "async", "auto")
+
+
+@dataclass
+class ModeResult:
+    mode: str
+    efficiency: float
+    useful_samples: float
+    final_loss: float
+    switches: int = 0
+    detection_delay_s: float | None = None
+    decisions: list[dict[str, Any]] = field(default_factory=list)
+
+
+class Run:
+    def __init__(self, sc: Scenario, label: str) -> None:
+        if label not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, not {label!r}")
+        self.sc, self.label = sc, label
+        self.spec = sc.spec(JobMode.AUTO)
+        self.fleet = Fleet(sc)
+        self.duration = sc.duration
+        n = self.fleet.size
+        self.counters = Counters(n)
+        self.env = Env(self.fleet, self.counters, np.random.default_rng(sc.seed + 1), sc.comm(), sc.noise, self.spec.policy.staleness_penalty)
+        self.alive = np.ones(n, dtype=bool)
+        self.base = self.spec.training.batch_size
+        self.caps = [c or DEFAULT_MAX_BATCH_FACTOR * self.base for c in self.fleet.caps]
+        self.batches: Floats = np.full(n, float(self.base))
+        self.groups: list[list[int]] | None = None
+        self.mode = "sync"
+        self.state_doc: dict[str, Any] = PolicyState().to_dict()
+        self.result = ModeResult(label, 0.0, 0.0, 0.0)
+        self._static_config()
+        self.engine: Engine = self._engine(0.0)
+
+    def _static_config(self) -> None:
+        """Static baselines are configured once, from the speeds at the start: what a user who
+        measured the fleet would write into the spec."""
+        speeds = {w: float(v) for w, v in enumerate(self.fleet.speeds(0.0))}
+        caps = dict(enumerate(self.caps))
+        total = self.base * self.fleet.size
+        if self.label == "rebalanced":
+            for w, b in rebalanced_batches(speeds, total, caps).items():
+                self.batches[w] = b
+        elif self.label == "hierarchical":
+            self.mode = "hierarchical"
+            self.groups = speed_groups(speeds, self.spec.policy.recover_threshold, group_size_target(self.fleet.size))
+            for w, b in paced_group_batches(speeds, self.groups, total, caps).items():
+                self.batches[w] = b
+        elif self.label == "async":
+            self.mode = "async"
+
+    def _engine(self, t0: float) -> Engine:
+        members = np.nonzero(self.alive)[0]
+        training = self.spec.training
+        if self.mode == "async":
+            return AsyncEngine(self.env, members, self.batches, t0, training.async_.staleness, training.async_.shards)
+        if self.mode == "hierarchical":
+            groups = self.groups or node_groups({int(w): self.fleet.worker_node_name(int(w)) for w in members})
+            arrays = [np.array(g, dtype=np.int64) for g in groups if g]
+            return HierarchicalEngine(self.env, arrays, self.batches, t0, training.hierarchical.average_every, training.hierarchical.staleness)
+        return SyncEngine(self.env, members, self.batches, t0)
+
+    # ------------------------------------------------------------------ membership
+    def _workers(self) -> list[int]:
+        return [int(w) for w in np.nonzero(self.alive)[0]]
+
+    def _restart(self, t: float, drop: Iterable[int] = (), replace: Iterable[int] = ()) -> None:
+        """Every worker restarts from the latest checkpoint, without `drop` nodes and with `replace`
+        nodes swapped for fresh ones."""
+        c = self.counters
+        step_samples = self.base * self.fleet.size
+        interval = self.spec.training.checkpoint.interval_steps
+        progress = c.processed / step_samples
+        lost = (progress % interval) * step_samples
+        if c.processed > 0:
+            c.useful -= c.useful * lost / c.processed
+            c.processed -= lost
+        for node in replace:
+            self.fleet.replace_node(node)
+        for node in drop:
+            self.alive[self.fleet.node_of == node] = False
+        c.reset()
+        if self.groups is not None:
+            alive = set(self._workers())
+            self.groups = [kept for g in self.groups if (kept := [w for w in g if w in alive])]
+        self.engine = self._engine(t + self.sc.costs.restart_seconds)
+
+    def _detect_deaths(self, until: float, pending: list[tuple[float, int]]) -> None:
+        while pending and pending[0][0] <= until:
+            detected, node = pending.pop(0)
+            if np.any(self.alive & (self.fleet.node_of == node)):
+                self.engine.advance(detected)
+                self._restart(detected, drop={node})
+
+    # ------------------------------------------------------------------ policy
+    def _samples(self, now: float, workers: list[int]) -> list[WorkerSample]:
+        self.engine.flush()
+        c = self.counters
+        stale = c.take_staleness()
+        nbytes = self.env.comm.gradient_bytes
+        out = []
+        for rank, w in enumerate(workers):
+            node = self.fleet.worker_node_name(w)
+            out.append(
+                WorkerSample(
+                    rank=rank,
+                    time=now,
+                    steps=int(c.steps[w]),
+                    samples=int(c.samples[w]),
+                    compute_seconds=float(c.compute[w]),
+                    comm_wait_seconds=float(c.wait[w]),
+                    mode=self.mode,
+                    batch_size=int(self.batches[w]),
+                    node=node,
+                    pod=f"pod-{node}",
+                    staleness=float(stale[w]),
+                    world_size=len(workers),
+                    gradient_bytes=nbytes,
+                )
+            )
+        return out
+
+    def _view(self, workers: list[int]) -> JobView:
+        rank_of = {w: r for r, w in enumerate(workers)}
+        groups = [[rank_of[w] for w in g] for g in self.groups] if self.groups and self.mode == "hierarchical" else None
+        return job_view(
+            self.spec,
+            mode=self.mode,
+            replicas=len(workers) // self.fleet.nproc,
+            batch_sizes={r: int(self.batches[w]) for r, w in enumerate(workers)},
+            groups=groups,
+            comm=self.env.comm,
+            max_batch_sizes={r: self.caps[w] for r, w in enumerate(workers)},
+            restart_seconds=self.sc.costs.restart_seconds,
+            switch_seconds=self.sc.costs.switch_seconds,
+        )
+
+    def _policy(self, now: float) -> None:
+        workers = self._workers()
+        ev = evaluate(PolicyState.from_dict(self.state_doc), self._samples(now, workers), self._view(workers), now)
+        self.state_doc = ev.state.to_dict()
+        if ev.decision.action != "keep":
+            self._apply(ev.decision, now, workers)
+
+    def _apply(self, d: Decision, now: float, workers: list[int]) -> None:
+        record = {k: v for k, v in d.to_dict().items() if k not in ("batchSizes", "groups")}
+        record["time"] = round(now, 3)
+        if isinstance(d, SwitchMode) and d.groups is not None:
+            record["groups"] = len(d.groups)
+        self.result.decisions.append(record)
+        if isinstance(d, SwitchMode | Rebalance):
+            t = self.engine.barrier()
+            for r, b in (d.batch_sizes or {}).items():
+                self.batches[workers[r]] = b
+            if isinstance(d, SwitchMode):
+                self.mode = d.mode
+                self.groups = [[workers[r] for r in g] for g in d.groups] if d.groups else None
+            pause = self.sc.costs.switch_seconds if isinstance(d, SwitchMode) else self.sc.costs.rebalance_seconds
+            self.engine = self._engine(max(t, now) + pause)
+        elif isinstance(d, ReplaceWorker):
+            self._restart(now, replace={int(self.fleet.node_of[workers[d.rank]])})
+        elif isinstance(d, Rescale):
+            self._restart(now, drop={int(self.fleet.node_of[workers[r]]) for r in d.remove_ranks})
+
+    # ------------------------------------------------------------------ run
+    def run(self, bound: float) -> ModeResult:
+        interval = self.spec.policy.interval_seconds
+        deaths = sorted((t + self.sc.costs.failure_detect_seconds, node) for t, node in self.fleet.deaths())
+        now = 0.0
+        while now < self.duration:
+            now = min(now + interval, self.duration)
+            self._detect_deaths(now, deaths)
+            self.engine.advance(now)
+            if self.label == "auto" and now < self.duration:
+                self._policy(now)
+        r = self.result
+        useful = self.counters.useful
+        r.useful_samples = useful
+        r.efficiency = useful / self.duration / bound if bound > 0 else 0.0
+        r.final_loss = loss_after(useful, bound * self.duration)
+        r.switches = len(r.decisions)
+        onset = self.fleet.persistent_onset(self.spec.policy.straggler_threshold)
+        if onset is not None:
+            acted = [d["time"] for d in r.decisions if d["time"] >= onset]
+            r.detection_delay_s = round(acted[0] - onset, 3) if acted else None
+        return r
+
+
+def run_mode(sc: Scenario, mode: str, bound: float | None = None) -> ModeResult:
+    """Simulate `sc` in one mode; `bound` (samples/s) defaults to the fleet's."""
+    return Run(sc, mode).run(bound if bound is not None else Fleet(sc).bound(sc.duration))

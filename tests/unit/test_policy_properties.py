@@ -1,0 +1,95 @@
+"""Properties of the policy over many fleets (hypothesis): calm on noise, quick on a real
+straggler, at most one change per stable phase."""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from sgdjob_operator.policy import ReplaceWorker, Rescale
+from tests.unit.test_policy_harness import Harness
+
+SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@SETTINGS
+@given(
+    n=st.integers(2, 96),
+    base=st.floats(10.0, 5000.0),
+    noise=st.floats(0.0, 0.15),
+    nproc=st.sampled_from([1, 2, 8]),
+    seed=st.integers(0, 2**16),
+    mode=st.sampled_from(["auto", "sync"]),
+)
+def test_homogeneous_speeds_with_noise_never_change_the_job(n: int, base: float, noise: float, nproc: int, seed: int, mode: str) -> None:
+    # Per-window speed noise up to +-15% (max/min at most 1.35, under the 1.5 straggler threshold).
+    h = Harness([base] * (n * nproc), nproc=nproc, noise=noise, seed=seed, mode=mode)
+    for _ in range(12):
+        h.step()
+    assert h.changes() == [], [e.decision.reason for e in h.changes()]
+
+
+@SETTINGS
+@given(
+    n=st.integers(4, 128),
+    factor=st.floats(3.0, 8.0),
+    noise=st.floats(0.0, 0.05),
+    warmup=st.integers(1, 4),
+    data=st.data(),
+)
+def test_persistent_3x_straggler_is_detected_within_3_intervals(n: int, factor: float, noise: float, warmup: int, data: st.DataObject) -> None:
+    rank = data.draw(st.integers(0, n - 1))
+    h = Harness([100.0] * n, noise=noise, seed=n)
+    for _ in range(warmup):
+        h.step()
+    slow = [100.0] * n
+    slow[rank] = 100.0 / factor
+    after = [h.step(slow) for _ in range(3)]
+    assert rank in after[-1].health.stragglers
+    d = after[-1].decision
+    assert isinstance(d, ReplaceWorker) and d.rank == rank, d.reason
+    assert all(e.decision.action == "keep" for e in after[:-1])
+
+
+def _phase(kind: str, n: int, draw: st.DataObject) -> list[float]:
+    if kind == "homogeneous":
+        return [100.0] * n
+    if kind == "straggler":
+        out = [100.0] * n
+        out[draw.draw(st.integers(0, n - 1))] = 100.0 / draw.draw(st.floats(2.0, 5.0))
+        return out
+    if kind == "bimodal":
+        slow = draw.draw(st.integers(2, n - 2))
+        return [100.0] * (n - slow) + [100.0 / draw.draw(st.floats(1.8, 3.0))] * slow
+    spread = draw.draw(st.floats(1.6, 3.0))
+    return [100.0 / spread ** (i / (n - 1)) for i in range(n)]
+
+
+@SETTINGS
+@given(
+    n=st.integers(6, 48),
+    kinds=st.lists(st.sampled_from(["homogeneous", "straggler", "bimodal", "dispersed"]), min_size=2, max_size=4),
+    noise=st.floats(0.0, 0.04),
+    data=st.data(),
+)
+def test_no_flapping_at_most_one_change_per_stable_phase(n: int, kinds: list[str], noise: float, data: st.DataObject) -> None:
+    h = Harness([100.0] * n, noise=noise, seed=n)
+    h.step()
+    for kind in kinds:
+        speeds = _phase(kind, n, data)
+        start = len(h.history)
+        for _ in range(14):
+            # A replaced worker keeps its new node's speed for the rest of the phase.
+            current = [s if not h.node_names[r].endswith("-new") else max(speeds) for r, s in enumerate(speeds)][: len(h.speeds)]
+            h.step(current)
+        changes = [e for e in h.history[start:] if e.decision.action != "keep"]
+        # A replaced or removed worker changes the fleet itself, so what follows it (e.g. back to
+        # plain sync once the straggler is gone) belongs to a new stable phase.
+        segments: list[list[str]] = [[]]
+        for e in changes:
+            segments[-1].append(e.decision.reason)
+            if isinstance(e.decision, ReplaceWorker | Rescale):
+                segments.append([])
+        assert all(len(segment) <= 1 for segment in segments), (kind, segments)
+        for r in range(len(h.node_names)):
+            h.node_names[r] = h.node_names[r].removesuffix("-new")
