@@ -12,6 +12,7 @@ from typing import Annotated, Any, Self
 
 from pydantic import Field, model_validator
 from pydantic_core import PydanticCustomError
+
 from sgdjob_trainer.config import CamelModel, SyncMode, TrainingConfig, cross_field_error
 
 GROUP = "sgdjob.dev"
