@@ -44,7 +44,6 @@ def validate(files: tuple[Path, ...]) -> None:
         sys.exit(1)
 
 
-
 from sgdjob_operator.cli_simulate import simulate  # noqa: E402
 
 main.add_command(simulate)
