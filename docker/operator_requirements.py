@@ -1,7 +1,8 @@
 """Print the operator image's requirements: the package's runtime dependencies minus the trainer-only ones.
 
-The operator never imports torch, scikit-learn or matplotlib (it reads the trainer's torch-free
-config module only), so its image installs the wheel with --no-deps plus this list. Reading
+The operator never imports torch, scikit-learn, matplotlib or numpy (it reads the trainer's
+torch-free config module only; plots and the simulator load theirs when used), so its image
+installs the wheel with --no-deps plus this list. Reading
 pyproject.toml keeps one dependency list; a test runs this script the way the Dockerfile does.
 """
 
@@ -12,7 +13,7 @@ import sys
 import tomllib
 from pathlib import Path
 
-TRAINER_ONLY = {"torch", "scikit-learn", "matplotlib"}
+TRAINER_ONLY = {"torch", "scikit-learn", "matplotlib", "numpy"}
 
 
 def operator_requirements(pyproject: Path) -> list[str]:

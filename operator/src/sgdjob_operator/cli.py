@@ -45,5 +45,7 @@ def validate(files: tuple[Path, ...]) -> None:
 
 
 from sgdjob_operator.cli_simulate import simulate  # noqa: E402
+from sgdjob_operator.local.cli import run  # noqa: E402
 
 main.add_command(simulate)
+main.add_command(run)

@@ -8,9 +8,6 @@ from pathlib import Path
 
 import click
 
-from sgdjob_operator.simulator import ScenarioError, load_scenario, simulate_scenario
-from sgdjob_operator.simulator.report import table
-
 
 @click.command()
 @click.argument("scenarios", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path))
@@ -18,6 +15,10 @@ from sgdjob_operator.simulator.report import table
 def simulate(scenarios: tuple[Path, ...], out_dir: Path) -> None:
     """Simulate each SCENARIO.yaml in sync, rebalanced sync, hierarchical, async and auto (the
     policy in the loop); write OUT/<name>.json and print efficiencies (useful throughput / bound)."""
+    # numpy-backed: imported here so `sgdjob` in the operator image (no numpy) still starts.
+    from sgdjob_operator.simulator import ScenarioError, load_scenario, simulate_scenario
+    from sgdjob_operator.simulator.report import table
+
     loaded = []
     failed = False
     for path in scenarios:

@@ -131,9 +131,9 @@ class HierarchicalConfig(CamelModel):
 
 
 class AsyncConfig(CamelModel):
-    """Asynchronous SGD through sharded parameter servers with bounded staleness (SSP)."""
+    """Asynchronous SGD through sharded parameter servers with bounded gradient staleness."""
 
-    staleness: Annotated[int | None, Field(ge=0, le=100_000, description="Most steps a worker may run ahead of the slowest (SSP); omit for unbounded (ASP).")] = 8
+    staleness: Annotated[int | None, Field(ge=0, le=100_000, description="Oldest gradient applied, in steps others took since its pull; staler ones are dropped. Omit: unbounded (ASP).")] = 8
     staleness_lr: Annotated[StalenessLr, Field(description="Learning-rate damping by a gradient's staleness s: none, inverse (1/(1+s)) or sqrt (1/sqrt(1+s)).")] = StalenessLr.SQRT
     shards: Annotated[int, Field(ge=1, le=64, description="Parameter-server shards; each holds a slice of the parameters.")] = 1
 

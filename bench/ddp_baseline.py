@@ -1,0 +1,88 @@
+"""Plain PyTorch DDP under torchrun: what a Kubeflow PyTorchJob user runs today. The baseline.
+
+It trains the same model on the same data shard with the same emulated per-rank compute as
+SGDJob's trainer (`--config` takes the same RunConfig file), but with nothing of ours in the loop:
+DistributedDataParallel's bucketed allreduce every step, one fixed batch size, no switching.
+Each rank writes `rank-<rank>.json` to SGDJOB_REPORT_DIR with the fields the benchmark reads.
+
+  torchrun --standalone --nproc-per-node=4 -m bench.ddp_baseline --config run.yaml
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from sgdjob_trainer.__main__ import load_run_config
+from sgdjob_trainer.data import ShardedStream, build_dataset, eval_batch
+from sgdjob_trainer.emulation import ComputeEmulator
+from sgdjob_trainer.models import build_loss, build_model
+from sgdjob_trainer.runtime import WorldInfo
+
+LOSS_EVERY = 10
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--config", type=Path, required=True)
+    cfg = load_run_config(parser.parse_args().config)
+    info = WorldInfo.from_env()
+    dist.init_process_group("gloo", rank=info.rank, world_size=info.world_size)
+    train = cfg.training
+    dataset = build_dataset(train.dataset)
+    stream = ShardedStream(dataset, info.rank, info.world_size, train.seed)
+    eval_x, eval_y = eval_batch(dataset)
+    model = DistributedDataParallel(build_model(train.model, train.seed))
+    loss_fn = build_loss(train.loss, train.dataset, eval_y[:1])
+    optimizer = torch.optim.SGD(model.parameters(), lr=train.learning_rate, momentum=train.momentum)
+    emulator = ComputeEmulator(train.emulation, info.rank, info.node, train.batch_size, train.seed)
+
+    def full_loss() -> float:
+        with torch.no_grad():
+            return float(loss_fn(model.module(eval_x), eval_y))
+
+    initial = full_loss()
+    dist.barrier()
+    start = time.perf_counter()
+    curve: list[list[float]] = [[0.0, 0, initial]]
+    compute = 0.0
+    for step in range(train.steps):
+        x, y = stream.next_batch(train.batch_size)
+        emulated = emulator.run(step, train.batch_size)
+        optimizer.zero_grad()
+        loss = loss_fn(model(x), y)
+        loss.backward()  # DDP's allreduce happens inside backward and waits for the slowest rank
+        optimizer.step()
+        compute += emulated
+        if (step + 1) % LOSS_EVERY == 0 or step + 1 == train.steps:
+            curve.append([time.perf_counter() - start, step + 1, float(loss.detach())])
+    wall = time.perf_counter() - start
+    final = full_loss()
+    out = os.environ.get("SGDJOB_REPORT_DIR")
+    if out:
+        record = {
+            "rank": info.rank,
+            "steps": train.steps,
+            "samples": train.steps * train.batch_size,
+            "wallSeconds": wall,
+            "computeSeconds": compute,
+            "initialLoss": initial,
+            "finalLoss": final,
+            "lossCurve": curve,
+        }
+        path = Path(out) / f"rank-{info.rank}.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(record))
+        tmp.replace(path)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""`sgdjob run FILE`: run an SGDJob's workers on this machine and write a report."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+import click
+
+from sgdjob_operator.api.models import JobMode, SGDJob
+from sgdjob_operator.api.validation import SpecError, load_jobs
+from sgdjob_operator.local.launch import job_name
+from sgdjob_operator.local.live import RichDisplay
+from sgdjob_operator.local.progress import PlainDisplay
+from sgdjob_operator.local.runner import RunOptions, default_out_dir, run_local
+
+EXIT_USAGE = 2
+
+
+def _select(jobs: list[SGDJob], name: str | None, path: Path) -> SGDJob:
+    if name is None:
+        if len(jobs) > 1:
+            names = ", ".join(job_name(j) for j in jobs)
+            click.echo(f"{path}: holds {len(jobs)} SGDJobs ({names}); choose one with --job", err=True)
+            sys.exit(EXIT_USAGE)
+        return jobs[0]
+    for job in jobs:
+        if job_name(job) == name:
+            return job
+    click.echo(f"{path}: no SGDJob named {name!r} (found: {', '.join(job_name(j) for j in jobs)})", err=True)
+    sys.exit(EXIT_USAGE)
+
+
+@click.command("run")
+@click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--mode", type=click.Choice([m.value for m in JobMode]), default=None, help="auto (the policy switches at run time) or a fixed mode; overrides spec.mode.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None, help="Output directory [default: ./runs/<job>-<timestamp>].")
+@click.option("--job", "name", default=None, help="Which SGDJob to run when FILE holds several (metadata.name).")
+@click.option("--timeout", "timeout_s", type=click.FloatRange(min=1.0), default=None, help="Stop everything after this many seconds (exit 124).")
+@click.option("--poll-interval", "poll_s", type=click.FloatRange(min=0.1), default=1.0, show_default=True, help="Seconds between polls of the workers.")
+def run(file: Path, mode: str | None, out_dir: Path | None, name: str | None, timeout_s: float | None, poll_s: float) -> None:
+    """Run the SGDJob in FILE as local worker processes (one torchrun agent per emulated node).
+
+    Writes OUT/report.json (throughput, bound, efficiency, losses, mode timeline, decisions,
+    per-rank speeds) and PNG plots. A live view on a terminal, plain lines otherwise.
+    Exits 0 when every worker succeeded, 2 for a bad spec, 130/143 when interrupted.
+    """
+    try:
+        jobs = load_jobs(file)
+    except SpecError as err:
+        for problem in err.problems:
+            click.echo(f"{file}: {problem}", err=True)
+        sys.exit(EXIT_USAGE)
+    job = _select(jobs, name, file)
+    options = RunOptions(out_dir=out_dir or default_out_dir(job), mode=mode, poll_interval_s=poll_s, timeout_s=timeout_s)
+    display = RichDisplay() if sys.stdout.isatty() else PlainDisplay()
+    outcome = asyncio.run(run_local(job, options, display))
+    if outcome.report is not None and outcome.report_path is not None:
+        from sgdjob_operator.local.plots import write_plots  # matplotlib: only when there is a report
+
+        for path in write_plots(outcome.report, outcome.report_path.parent):
+            click.echo(f"plot: {path}")
+    sys.exit(outcome.exit_code)

@@ -1,0 +1,210 @@
+"""Worker processes on this machine: free ports, starting agents in their own process groups, and
+stopping everything they started, with no orphan left behind.
+
+torchrun starts its trainer processes in sessions of their own, so killing an agent's process group
+does not reach them. The set therefore also tracks every descendant it has seen (pid plus start
+time from /proc, so a reused pid is never signalled) and signals those directly. On Linux each agent
+also gets a parent-death signal, so even a runner killed with SIGKILL takes its agents down.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+from sgdjob_operator.local.launch import LOOPBACK, AgentPlan
+
+_PR_SET_PDEATHSIG = 1
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    if _LIBC is not None:
+        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def free_port_blocks(count: int, size: int = 1, host: str = LOOPBACK, attempts: int = 200) -> list[int]:
+    """`count` distinct first ports of blocks of `size` consecutive ports free on `host` now.
+    All sockets are held until every block is found, so the blocks do not overlap."""
+    held: list[socket.socket] = []
+    bases: list[int] = []
+    try:
+        for _ in range(attempts):
+            if len(bases) == count:
+                break
+            first = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            first.bind((host, 0))
+            base = first.getsockname()[1]
+            block = [first]
+            try:
+                for port in range(base + 1, base + size):
+                    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                    block.append(s)
+                    s.bind((host, port))
+            except OSError:
+                for s in block:
+                    s.close()
+                continue
+            held.extend(block)
+            bases.append(base)
+        if len(bases) < count:
+            raise OSError(f"could not find {count} blocks of {size} free ports on {host}")
+        return bases
+    finally:
+        for s in held:
+            s.close()
+
+
+@dataclass(frozen=True, slots=True)
+class ProcId:
+    """A process identity that survives pid reuse: pid plus start time in clock ticks."""
+
+    pid: int
+    start: int
+
+
+def _stat(pid: int) -> tuple[str, int, int, int] | None:
+    """(state, ppid, pgid, start ticks) of a live process from /proc, or None."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = raw[raw.rindex(")") + 2 :].split()
+    return fields[0], int(fields[1]), int(fields[2]), int(fields[19])
+
+
+def is_alive(proc: ProcId) -> bool:
+    """True while the process runs (a zombie counts as gone)."""
+    st = _stat(proc.pid)
+    return st is not None and st[3] == proc.start and st[0] not in ("Z", "X")
+
+
+def proc_id(pid: int) -> ProcId | None:
+    st = _stat(pid)
+    return ProcId(pid, st[3]) if st is not None else None
+
+
+def descendants(roots: Iterable[int]) -> set[ProcId]:
+    """Every live descendant of the given pids (not the pids themselves), from one /proc scan."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            st = _stat(int(entry))
+            if st is not None:
+                children.setdefault(st[1], []).append(int(entry))
+    out: set[ProcId] = set()
+    stack = list(roots)
+    while stack:
+        for child in children.get(stack.pop(), []):
+            pid = proc_id(child)
+            if pid is not None and pid not in out:
+                out.add(pid)
+                stack.append(child)
+    return out
+
+
+def processes_in_group(pgid: int) -> list[int]:
+    """Live pids whose process group is `pgid`."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            st = _stat(int(entry))
+            if st is not None and st[2] == pgid and st[0] not in ("Z", "X"):
+                out.append(int(entry))
+    return out
+
+
+class Agent:
+    """One started torchrun agent, leader of its own process group, logging to its log file."""
+
+    def __init__(self, plan: AgentPlan) -> None:
+        self.plan = plan
+        plan.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log: IO[bytes] = plan.log_path.open("wb")
+        self.popen = subprocess.Popen(
+            list(plan.argv),
+            env=dict(plan.env),
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_die_with_parent if _LIBC is not None else None,
+        )
+        self.id = proc_id(self.popen.pid) or ProcId(self.popen.pid, -1)
+
+    @property
+    def returncode(self) -> int | None:
+        return self.popen.poll()
+
+    def close_log(self) -> None:
+        self._log.close()
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            text = self.plan.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+
+class ProcessSet:
+    """All agents of a run and every descendant seen; `stop` ends them all."""
+
+    def __init__(self) -> None:
+        self.agents: list[Agent] = []
+        self.known: set[ProcId] = set()
+        self.hurry = threading.Event()  # set (from any thread) to cut a running `stop`'s grace short
+
+    def start(self, plans: Sequence[AgentPlan]) -> None:
+        for plan in plans:
+            self.agents.append(Agent(plan))
+
+    def track(self) -> None:
+        """Remember the current descendants, so they can be ended even after their agent is gone."""
+        self.known |= descendants(a.popen.pid for a in self.agents if a.returncode is None)
+        self.known = {p for p in self.known if is_alive(p)}
+
+    def running(self) -> list[Agent]:
+        return [a for a in self.agents if a.returncode is None]
+
+    def alive(self) -> list[ProcId]:
+        """Every started process (agents and tracked descendants) still running."""
+        return [a.id for a in self.running()] + [p for p in self.known if is_alive(p)]
+
+    def _signal(self, sig: signal.Signals) -> None:
+        for agent in self.running():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(agent.popen.pid, sig)
+        for proc in self.known:
+            if is_alive(proc):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(proc.pid, sig)
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM everything, wait up to `grace_s`, then SIGKILL what is left; reap the agents."""
+        self.track()
+        self._signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while self.alive() and time.monotonic() < deadline and not self.hurry.is_set():
+            time.sleep(0.05)
+        if self.alive():
+            self.track()
+            self._signal(signal.SIGKILL)
+            deadline = time.monotonic() + 5.0
+            while self.alive() and time.monotonic() < deadline:
+                time.sleep(0.05)
+        for agent in self.agents:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                agent.popen.wait(timeout=1.0)
+            agent.close_log()

@@ -1,0 +1,181 @@
+"""Live progress of a run, as plain data computed from scrapes (pure), plus the plain-text display.
+
+The display is a replaceable piece: anything with the `Display` methods can stand in (the rich
+live view of the local-runner issue is one). The runner only calls these four methods.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol, TextIO
+
+from sgdjob_operator.local.report import rank_speed, summary_lines
+from sgdjob_operator.scrape import ScrapeResult
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerView:
+    """One trainer process as last seen; `fresh` is False when this poll got no answer from it."""
+
+    rank: int
+    node: str | None
+    step: int
+    samples: int
+    compute_s: float
+    wait_s: float
+    loss: float | None
+    mode: str
+    done: bool
+    fresh: bool = True
+
+    @property
+    def speed(self) -> float:
+        return rank_speed(self.samples, self.compute_s)
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """The job at one poll. `samples_per_s` is the rate since the previous poll (None at first)."""
+
+    time: float
+    elapsed_s: float
+    workers: tuple[WorkerView, ...] = ()
+    samples_per_s: float | None = None
+    errors: tuple[str, ...] = ()
+
+    @property
+    def step(self) -> int:
+        return max((w.step for w in self.workers), default=0)
+
+    @property
+    def samples(self) -> int:
+        return sum(w.samples for w in self.workers)
+
+    @property
+    def bound_per_s(self) -> float:
+        return sum(w.speed for w in self.workers)
+
+    @property
+    def loss(self) -> float | None:
+        losses = [w.loss for w in self.workers if w.loss is not None]
+        return statistics.fmean(losses) if losses else None
+
+    @property
+    def mode(self) -> str:
+        modes = sorted({w.mode for w in self.workers if w.fresh and not w.done} or {w.mode for w in self.workers})
+        return "/".join(modes) if modes else "starting"
+
+    @property
+    def reachable(self) -> int:
+        return sum(1 for w in self.workers if w.fresh)
+
+
+def worker_from_status(status: Mapping[str, Any]) -> WorkerView | None:
+    """A WorkerView from a /status document; None when it is not one."""
+    try:
+        loss = status.get("loss")
+        return WorkerView(
+            rank=int(status["rank"]),
+            node=status.get("node"),
+            step=int(status.get("step", 0)),
+            samples=int(status.get("samples", 0)),
+            compute_s=float(status.get("computeSeconds", 0.0)),
+            wait_s=float(status.get("commWaitSeconds", 0.0)),
+            loss=float(loss) if isinstance(loss, int | float) and loss == loss else None,
+            mode=str(status.get("mode", "unknown")),
+            done=bool(status.get("done", False)),
+        )
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def summarize(results: Sequence[ScrapeResult], *, now: float, start: float, previous: Snapshot | None = None) -> Snapshot:
+    """Fold one poll into a Snapshot. Workers that did not answer keep their last view (not fresh),
+    so totals do not drop while a worker is briefly unreachable or after its server has closed."""
+    seen: dict[int, WorkerView] = {w.rank: replace(w, fresh=False) for w in (previous.workers if previous else ())}
+    errors: list[str] = []
+    for result in results:
+        view = worker_from_status(result.status) if result.status is not None else None
+        if view is not None:
+            seen[view.rank] = view
+        elif result.error:
+            errors.append(f"{result.endpoint.url}: {result.error}")
+    workers = tuple(sorted(seen.values(), key=lambda w: w.rank))
+    rate: float | None = None
+    if previous is not None and previous.workers and now > previous.time:
+        rate = max(0.0, (sum(w.samples for w in workers) - previous.samples) / (now - previous.time))
+    return Snapshot(time=now, elapsed_s=now - start, workers=workers, samples_per_s=rate, errors=tuple(errors))
+
+
+def progress_line(snap: Snapshot, total_steps: int, expected_workers: int) -> str:
+    """One plain progress line."""
+    loss = f"{snap.loss:.4f}" if snap.loss is not None else "n/a"
+    rate = f"{snap.samples_per_s:.1f}" if snap.samples_per_s is not None else "n/a"
+    return f"[{snap.elapsed_s:6.1f}s] step {snap.step}/{total_steps}  loss {loss}  samples/s {rate} (bound {snap.bound_per_s:.1f})  mode {snap.mode}  workers {snap.reachable}/{expected_workers}"
+
+
+@dataclass(frozen=True, slots=True)
+class RunInfo:
+    """What the display is told at start."""
+
+    job: str
+    mode: str
+    nodes: int
+    workers: int
+    steps: int
+    out_dir: str
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+
+class Display(Protocol):
+    def start(self, info: RunInfo) -> None: ...
+
+    def update(self, snap: Snapshot) -> None: ...
+
+    def note(self, text: str) -> None: ...
+
+    def finish(self, report: Mapping[str, Any] | None, message: str) -> None: ...
+
+
+class PlainDisplay:
+    """Plain lines on a stream, at most one progress line every `every_s` seconds."""
+
+    def __init__(self, stream: TextIO | None = None, every_s: float = 2.0) -> None:
+        self.stream = stream or sys.stdout
+        self.every_s = every_s
+        self._info: RunInfo | None = None
+        self._last: float | None = None
+        self._last_body = ""
+
+    def _print(self, text: str) -> None:
+        print(text, file=self.stream, flush=True)
+
+    def start(self, info: RunInfo) -> None:
+        self._info = info
+        for line in info.notes:
+            self._print(f"note: {line}")
+        self._print(f"sgdjob run {info.job}: {info.nodes} local node(s), {info.workers} worker process(es), mode {info.mode}, {info.steps} steps")
+        self._print(f"output: {info.out_dir}")
+
+    def update(self, snap: Snapshot) -> None:
+        if self._last is not None and snap.time - self._last < self.every_s:
+            return
+        info = self._info
+        line = progress_line(snap, info.steps if info else 0, info.workers if info else len(snap.workers))
+        body = line.split("]", 1)[1]
+        if body == self._last_body:  # nothing moved (e.g. workers finishing): say it once
+            return
+        self._last, self._last_body = snap.time, body
+        self._print(line)
+
+    def note(self, text: str) -> None:
+        self._print(text)
+
+    def finish(self, report: Mapping[str, Any] | None, message: str) -> None:
+        if report is not None:
+            for line in summary_lines(report):
+                self._print(line)
+        self._print(message)

@@ -1,0 +1,191 @@
+"""The run report: pure aggregation of the trainers' `rank-<rank>.json` files into `report.json`.
+
+Definitions (the design's performance yardstick):
+- throughput = total applied samples of all ranks / training wall time (the longest rank's
+  `wallSeconds`, which starts after rendezvous, so process start-up is not charged to a mode);
+- a rank's speed = its samples / its compute seconds (emulated compute included): what it would do
+  if it never waited; bound = sum of the speeds; efficiency = throughput / bound.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+RANK_FILE_GLOB = "rank-*.json"
+
+
+def _num(doc: Mapping[str, Any], key: str, default: float = 0.0) -> float:
+    value = doc.get(key)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return default
+    return float(value)
+
+
+def _loss(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+def _mean(values: Sequence[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.fmean(present) if present else None
+
+
+def rank_speed(samples: float, compute_s: float) -> float:
+    """Samples per second when never waiting; 0 for a rank that computed nothing (e.g. a server)."""
+    return samples / compute_s if compute_s > 0 else 0.0
+
+
+def per_rank_entry(doc: Mapping[str, Any]) -> dict[str, Any]:
+    samples = _num(doc, "samples")
+    compute = _num(doc, "computeSeconds")
+    return {
+        "rank": int(_num(doc, "rank", -1)),
+        "node": doc.get("node"),
+        "speed_samples_per_s": rank_speed(samples, compute),
+        "compute_s": compute,
+        "wait_s": _num(doc, "commWaitSeconds"),
+        "samples": int(samples),
+        "steps": int(_num(doc, "step")),
+        "wall_s": _num(doc, "wallSeconds"),
+        "final_loss": _loss(doc.get("finalLoss")),
+    }
+
+
+def diverged(doc: Mapping[str, Any]) -> bool:
+    """True when a rank's loss went non-finite (the trainer reports NaN/inf losses as null)."""
+    history = doc.get("lossHistory")
+    bad_history = isinstance(history, list) and any(isinstance(p, list) and len(p) == 2 and _loss(p[1]) is None for p in history)
+    return bad_history or (_loss(doc.get("initialLoss")) is not None and _loss(doc.get("finalLoss")) is None)
+
+
+def mode_timeline(entries: Sequence[Mapping[str, Any]] | None, start_mode: str) -> list[dict[str, Any]]:
+    """The control rank's mode timeline in report form; the first entry is always the start mode."""
+    out: list[dict[str, Any]] = [
+        {
+            "time_s": _num(e, "timeS"),
+            "step": int(_num(e, "step")),
+            "mode": str(e.get("mode", "")),
+            "reason": str(e.get("reason", "")),
+        }
+        for e in (entries or [])
+        if isinstance(e, Mapping)
+    ]
+    out.sort(key=lambda e: (e["time_s"], e["step"]))
+    if not out or (out[0]["step"] > 0 and out[0]["mode"] != start_mode):
+        out.insert(0, {"time_s": 0.0, "step": 0, "mode": start_mode, "reason": "start"})
+    return out
+
+
+def build_report(
+    rank_docs: Sequence[Mapping[str, Any]],
+    *,
+    job: str,
+    mode: str,
+    expected_workers: int,
+    emulation: Mapping[str, Any] | None,
+    fallback_wall_s: float | None = None,
+    extra: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Aggregate rank reports into the run report. Missing ranks are listed, never invented."""
+    docs = sorted(rank_docs, key=lambda d: _num(d, "rank", -1))
+    per_rank = [per_rank_entry(d) for d in docs]
+    walls = [r["wall_s"] for r in per_rank if r["wall_s"] > 0]
+    wall = max(walls) if walls else (fallback_wall_s or 0.0)
+    total_samples = sum(r["samples"] for r in per_rank)
+    throughput = total_samples / wall if wall > 0 else 0.0
+    bound = sum(r["speed_samples_per_s"] for r in per_rank)
+    control = next((d for d in docs if _num(d, "rank", -1) == 0), docs[0] if docs else {})
+    seen = {r["rank"] for r in per_rank}
+    raw_switches = control.get("switches")
+    switches: list[Any] = raw_switches if isinstance(raw_switches, list) else []
+    report: dict[str, Any] = {
+        "job": job,
+        "mode": mode,
+        "workers": len(per_rank),
+        "expected_workers": expected_workers,
+        "missing_ranks": [r for r in range(expected_workers) if r not in seen],
+        "wall_s": wall,
+        "throughput_samples_per_s": throughput,
+        "bound_samples_per_s": bound,
+        "efficiency": throughput / bound if bound > 0 else 0.0,
+        "samples": total_samples,
+        "steps": max((r["steps"] for r in per_rank), default=0),
+        "initial_loss": _mean([_loss(d.get("initialLoss")) for d in docs]),
+        "final_loss": _mean([_loss(d.get("finalLoss")) for d in docs]),
+        "diverged_ranks": [int(_num(d, "rank", -1)) for d in docs if diverged(d)],
+        "ranks_from_last_status": [int(_num(d, "rank", -1)) for d in docs if d.get("fromStatus")],
+        "mode_timeline": mode_timeline(control.get("modeTimeline"), mode),
+        "switches": len(switches),
+        "switch_pause_s": sum((_num(s, "pauseS") for s in switches if isinstance(s, Mapping)), 0.0),
+        "per_rank": per_rank,
+        "loss_history": control.get("lossHistory") or [],
+        "emulation": dict(emulation) if emulation is not None else None,
+    }
+    if extra:
+        report.update(extra)
+    return report
+
+
+def with_status_fallback(rank_docs: Sequence[Mapping[str, Any]], statuses: Mapping[int, Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Rank files, plus the last /status of each rank that wrote none (a run stopped by a signal or
+    a crash): its counters up to that poll, wall time from its own clocks, `fromStatus` set."""
+    docs = [dict(d) for d in rank_docs]
+    have = {int(_num(d, "rank", -1)) for d in docs}
+    for rank, status in sorted(statuses.items()):
+        if rank in have:
+            continue
+        doc = dict(status)
+        doc["fromStatus"] = True
+        doc.setdefault("finalLoss", status.get("loss"))
+        if "wallSeconds" not in doc and _num(status, "time") > 0 and _num(status, "startTime") > 0:
+            doc["wallSeconds"] = _num(status, "time") - _num(status, "startTime")
+        docs.append(doc)
+    return docs
+
+
+def load_rank_docs(report_dir: Path) -> tuple[list[dict[str, Any]], list[str]]:
+    """Read every rank file of a run; unreadable files are returned as problems, not raised."""
+    docs: list[dict[str, Any]] = []
+    problems: list[str] = []
+    for path in sorted(report_dir.glob(RANK_FILE_GLOB)):
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, ValueError) as err:
+            problems.append(f"{path.name}: {err}")
+            continue
+        if isinstance(doc, dict):
+            docs.append(doc)
+        else:
+            problems.append(f"{path.name}: not a JSON object")
+    return docs, problems
+
+
+def summary_lines(report: Mapping[str, Any]) -> list[str]:
+    """A few plain lines for the end of a run."""
+
+    def fmt(value: Any, spec: str) -> str:
+        return format(value, spec) if isinstance(value, int | float) else "n/a"
+
+    emulation = report.get("emulation")
+    lines = [
+        f"mode {report.get('mode')}  workers {report.get('workers')}  steps {report.get('steps')}  wall {fmt(report.get('wall_s'), '.1f')}s",
+        f"throughput {fmt(report.get('throughput_samples_per_s'), '.1f')} samples/s  "
+        f"bound {fmt(report.get('bound_samples_per_s'), '.1f')} samples/s  efficiency {fmt(report.get('efficiency'), '.2f')}",
+        f"loss {fmt(report.get('initial_loss'), '.4f')} -> {fmt(report.get('final_loss'), '.4f')}"
+        + (f"  (DIVERGED: non-finite loss on ranks {report['diverged_ranks']})" if report.get("diverged_ranks") else ""),
+        "emulation: " + (json.dumps(emulation, sort_keys=True) if emulation else "none (real compute)"),
+    ]
+    for r in report.get("per_rank", []):
+        lines.append(
+            f"  rank {r['rank']} ({r['node']}): {r['speed_samples_per_s']:.1f} samples/s when busy, compute {r['compute_s']:.1f}s wait {r['wait_s']:.1f}s, {r['samples']} samples in {r['steps']} steps"
+        )
+    if report.get("missing_ranks"):
+        lines.append(f"missing rank reports: {report['missing_ranks']}")
+    return lines

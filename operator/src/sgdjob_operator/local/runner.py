@@ -1,0 +1,273 @@
+"""The local shell's imperative part: start the agents, poll them through the shared scrape path,
+show progress, stop everything on exit, Ctrl-C or SIGTERM, and write `report.json`.
+
+Extension point for the auto mode (issue 8): `run_local(..., on_poll=hook)` calls the hook after
+every poll with the `LocalRun` (which can `push` ControlCommands to the control rank), the latest
+scrape results (with `WorkerSample`s for the policy) and the progress snapshot. A hook can add
+entries to `run.report_extra` (e.g. `decisions`), which end up in report.json.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import secrets
+import signal
+import sys
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from sgdjob_operator.api.models import SGDJob
+from sgdjob_operator.local.launch import LOOPBACK, TRAINER_MODULE, LaunchPlan, job_name, plan_launch, resolve_mode
+from sgdjob_operator.local.procs import ProcessSet, free_port_blocks
+from sgdjob_operator.local.progress import Display, RunInfo, Snapshot, summarize
+from sgdjob_operator.local.report import RANK_FILE_GLOB, build_report, load_rank_docs, with_status_fallback
+from sgdjob_operator.local.timeline import Timeline
+from sgdjob_operator.scrape import ControlResult, Endpoint, ScrapeResult, post_control, scrape
+from sgdjob_trainer.control import ControlCommand
+
+EXIT_FAILED = 1
+EXIT_TIMEOUT = 124
+SIGNAL_EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143}
+
+
+@dataclass(frozen=True, slots=True)
+class RunOptions:
+    out_dir: Path
+    mode: str | None = None
+    poll_interval_s: float = 1.0
+    scrape_timeout_s: float = 2.0
+    timeout_s: float | None = None
+    failure_grace_s: float = 10.0
+    stop_grace_s: float = 10.0
+    python: str = sys.executable
+    trainer_module: str = TRAINER_MODULE  # what torchrun runs with `-m`; the real trainer unless a test swaps it
+
+
+@dataclass(slots=True)
+class RunOutcome:
+    exit_code: int
+    message: str
+    report: dict[str, Any] | None
+    report_path: Path | None
+
+
+@dataclass(slots=True)
+class LocalRun:
+    """A running job, as seen by a poll hook."""
+
+    plan: LaunchPlan
+    token: str
+    session: aiohttp.ClientSession
+    endpoints: tuple[Endpoint, ...]
+    last_results: list[ScrapeResult] = field(default_factory=list)
+    timeline: Timeline = field(default_factory=Timeline)
+    last_status: dict[int, dict[str, Any]] = field(default_factory=dict)  # by rank, for a report after a stop
+    report_extra: dict[str, Any] = field(default_factory=dict)
+
+    def control_endpoint(self) -> Endpoint | None:
+        """The endpoint of rank 0 (which owns /control), once a scrape has seen it."""
+        for result in self.last_results:
+            if result.status is not None and result.status.get("rank") == 0:
+                return result.endpoint
+            if result.sample is not None and result.sample.rank == 0:
+                return result.endpoint
+        return None
+
+    async def push(self, command: ControlCommand) -> ControlResult:
+        endpoint = self.control_endpoint()
+        if endpoint is None:
+            return ControlResult(0, error="rank 0 has not been seen yet")
+        return await post_control(endpoint, command, self.token, session=self.session)
+
+
+PollHook = Callable[[LocalRun, list[ScrapeResult], Snapshot], Awaitable[None]]
+
+
+def default_out_dir(job: SGDJob, now: float | None = None) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
+    return Path("runs") / f"{job_name(job)}-{stamp}"
+
+
+def prepare(job: SGDJob, options: RunOptions) -> tuple[LaunchPlan, str]:
+    """Choose ports and token, create the output directory and write each agent's run-config."""
+    mode, _auto = resolve_mode(job.spec.mode, options.mode)
+    notes: tuple[str, ...] = ()
+    ports = free_port_blocks(job.spec.replicas + 1, job.spec.nproc_per_node)
+    token = secrets.token_urlsafe(32)
+    out_dir = options.out_dir.resolve()
+    plan = plan_launch(
+        job,
+        mode,
+        out_dir,
+        rdzv_port=ports[0],
+        metrics_bases=ports[1:],
+        token=token,
+        python=options.python,
+        base_env=os.environ,
+        notes=notes,
+        trainer_module=options.trainer_module,
+    )
+    plan.report_dir.mkdir(parents=True, exist_ok=True)
+    for stale in [*plan.report_dir.glob(RANK_FILE_GLOB), plan.out_dir / "report.json"]:
+        stale.unlink(missing_ok=True)  # an --out reused from an earlier run
+    for agent in plan.agents:
+        agent.config_path.write_text(agent.run_config.model_dump_json(by_alias=True, indent=2) + "\n")
+    return plan, token
+
+
+def _failure_message(procs: ProcessSet, plan: LaunchPlan, stopped: set[str]) -> str:
+    """Which agents failed (with their log's tail) first, then those the runner had to stop."""
+    failed, ended = [], []
+    for agent in procs.agents:
+        rc = agent.returncode
+        if agent.plan.node in stopped:
+            ended.append(f"agent {agent.plan.node} was still running and was stopped by the runner (exit code {rc})")
+        elif rc not in (0, None):
+            failed.append(f"agent {agent.plan.node} exited with code {rc}; log: {agent.plan.log_path}")
+            tail = agent.log_tail()
+            if tail:
+                failed.append("  " + tail.replace("\n", "\n  "))
+    return "\n".join(failed + ended) or f"agents failed; logs in {plan.out_dir / 'logs'}"
+
+
+async def _supervise(
+    run: LocalRun,
+    procs: ProcessSet,
+    options: RunOptions,
+    display: Display,
+    on_poll: PollHook | None,
+    stop: asyncio.Event,
+    start: float,
+    start_wall: float,
+) -> str | None:
+    """Poll until every agent has exited, a stop is asked for, or the run times out. Returns why it
+    stopped early (None when the agents all exited by themselves)."""
+    snapshot: Snapshot | None = None
+    failed_at: float | None = None
+    while True:
+        procs.track()
+        now = time.monotonic()
+        if not procs.running():
+            return None
+        if stop.is_set():
+            return "stop"
+        if failed_at is None and any(a.returncode not in (0, None) for a in procs.agents):
+            failed_at = now
+            display.note(f"an agent failed; stopping the others if they do not exit within {options.failure_grace_s:.0f}s")
+        if failed_at is not None and now - failed_at > options.failure_grace_s:
+            return "failure"
+        if options.timeout_s is not None and now - start > options.timeout_s:
+            return "timeout"
+        results = await scrape(run.endpoints, status=True, timeout=options.scrape_timeout_s, session=run.session)
+        run.last_results = results
+        for result in results:
+            if result.status is not None and isinstance(result.status.get("rank"), int):
+                run.last_status[result.status["rank"]] = result.status
+        snapshot = summarize(results, now=time.time(), start=start_wall, previous=snapshot)
+        if snapshot.workers:
+            display.update(snapshot)
+            run.timeline.add(snapshot)
+        if on_poll is not None:
+            await on_poll(run, results, snapshot)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), timeout=options.poll_interval_s)
+
+
+def _write_report(plan: LaunchPlan, job: SGDJob, extra: Mapping[str, Any], statuses: Mapping[int, Mapping[str, Any]], fallback_wall: float) -> tuple[dict[str, Any], Path]:
+    rank_docs, problems = load_rank_docs(plan.report_dir)
+    docs = with_status_fallback(rank_docs, statuses)
+    emulation = job.spec.training.emulation
+    report = build_report(
+        docs,
+        job=plan.job,
+        mode=plan.mode.value,
+        expected_workers=plan.world_size,
+        emulation=emulation.model_dump(mode="json", by_alias=True) if emulation is not None else None,
+        fallback_wall_s=fallback_wall,
+        extra={**extra, "rank_file_problems": problems} if problems else extra,
+    )
+    path = plan.out_dir / "report.json"
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    return report, path
+
+
+async def run_local(job: SGDJob, options: RunOptions, display: Display, on_poll: PollHook | None = None) -> RunOutcome:
+    """Run the job's workers on this machine until they finish; always leaves no process behind.
+    When the mode is auto and no hook is given, the policy core drives the run (`local.auto`)."""
+    plan, token = prepare(job, options)
+    auto = resolve_mode(job.spec.mode, options.mode)[1]
+    if on_poll is None and auto:
+        from sgdjob_operator.local.auto import AutoController  # imports this module
+
+        on_poll = AutoController(job, display)
+    display.start(
+        RunInfo(
+            job=plan.job,
+            mode=f"auto (starts {plan.mode.value})" if auto else plan.mode.value,
+            nodes=len(plan.agents),
+            workers=plan.world_size,
+            steps=job.spec.training.steps,
+            out_dir=str(plan.out_dir),
+            notes=plan.notes,
+        )
+    )
+    endpoints = tuple(Endpoint(f"http://{LOOPBACK}:{port}", node=a.node) for a in plan.agents for port in a.metrics_ports)
+    stop = asyncio.Event()
+    received: list[signal.Signals] = []
+    loop = asyncio.get_running_loop()
+
+    def on_signal(sig: signal.Signals) -> None:
+        if stop.is_set():  # a second Ctrl-C: no more grace
+            procs.hurry.set()
+        received.append(sig)
+        stop.set()
+
+    procs = ProcessSet()
+    for sig in SIGNAL_EXIT:
+        loop.add_signal_handler(sig, on_signal, sig)
+    start, start_wall = time.monotonic(), time.time()
+    why: str | None = "stop"
+    extra: dict[str, Any] = {}
+    statuses: dict[int, dict[str, Any]] = {}
+    try:
+        procs.start(plan.agents)
+        async with aiohttp.ClientSession() as session:
+            run = LocalRun(plan, token, session, endpoints)
+            why = await _supervise(run, procs, options, display, on_poll, stop, start, start_wall)
+            extra, statuses = {**run.report_extra, "timeline": run.timeline.to_dict()}, run.last_status
+    finally:
+        stopped = {a.plan.node for a in procs.running()}
+        if procs.running() or procs.alive():
+            display.note("stopping all worker processes ...")
+        await loop.run_in_executor(None, procs.stop, options.stop_grace_s)
+        for sig in SIGNAL_EXIT:
+            loop.remove_signal_handler(sig)
+    codes = {a.plan.node: a.returncode for a in procs.agents}
+    run_wall = time.monotonic() - start
+    extra.update({"exit_codes": codes, "run_wall_s": run_wall, "out_dir": str(plan.out_dir)})
+    if plan.checkpoint_dir is not None:
+        extra["checkpoint_dir"] = str(plan.checkpoint_dir)
+    if why == "stop":
+        sig = received[0] if received else signal.SIGTERM
+        code, message = SIGNAL_EXIT[sig], f"stopped by {sig.name}: every worker process was ended"
+    elif why == "timeout":
+        code, message = EXIT_TIMEOUT, f"timed out after {options.timeout_s:.0f}s: every worker process was ended"
+    elif all(rc == 0 for rc in codes.values()):
+        code, message = 0, "all workers finished"
+    else:
+        code, message = EXIT_FAILED, "the job failed:\n" + _failure_message(procs, plan, stopped)
+    extra["ok"] = code == 0
+    if code != 0:
+        extra["error"] = message
+    report, path = _write_report(plan, job, extra, statuses, run_wall)
+    message += f"\nreport: {path}"
+    display.finish(report, message)
+    return RunOutcome(code, message, report, path)

@@ -1,0 +1,292 @@
+"""Scrape trainer processes over HTTP: `/metrics` into `WorkerSample`s, `/status` as JSON, and push
+`/control` commands.
+
+Shared by every shell: the Kubernetes operator scrapes pod IPs, the local runner scrapes loopback
+ports. Nothing here assumes local processes. One slow or broken worker never fails a scrape of the
+others: each endpoint gets its own timeout and its own error string in its `ScrapeResult`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from sgdjob_operator.policy.samples import WorkerSample
+from sgdjob_trainer.control import ControlCommand
+
+# Sample names as the trainer exports them (prometheus_client appends `_total` to counters).
+STEPS = "sgdjob_steps_total"
+SAMPLES = "sgdjob_samples_total"
+COMPUTE = "sgdjob_compute_seconds_total"
+COMM_WAIT = "sgdjob_comm_wait_seconds_total"
+LOSS = "sgdjob_loss"
+STALENESS = "sgdjob_staleness_steps"
+WORLD_SIZE = "sgdjob_world_size"
+BATCH_SIZE = "sgdjob_batch_size"
+MODE = "sgdjob_mode"
+WORKER_INFO = "sgdjob_worker_info"
+GRADIENT_BYTES = "sgdjob_gradient_bytes"  # optional: bytes of one gradient exchange, for the cost model
+REQUIRED = (STEPS, SAMPLES, COMPUTE, COMM_WAIT)
+
+T = TypeVar("T")
+
+DEFAULT_TIMEOUT_S = 2.0
+DEFAULT_CONCURRENCY = 64
+
+
+class MetricsError(ValueError):
+    """A /metrics text that is not a trainer's (unparseable, or required series missing)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """One trainer process's HTTP server. `rank` is a hint used only when the metrics carry none."""
+
+    url: str
+    pod: str | None = None
+    node: str | None = None
+    rank: int | None = None
+
+    def path(self, path: str) -> str:
+        return self.url.rstrip("/") + path
+
+
+@dataclass(frozen=True, slots=True)
+class ScrapeResult:
+    """What one endpoint answered: a sample and/or a status, or why not (`error`)."""
+
+    endpoint: Endpoint
+    time: float
+    sample: WorkerSample | None = None
+    status: dict[str, Any] | None = None
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+@dataclass(frozen=True, slots=True)
+class ControlResult:
+    """The answer to a POST /control: HTTP status (0 when no answer) and body or error."""
+
+    status: int
+    body: str = ""
+    error: str | None = None
+
+    @property
+    def accepted(self) -> bool:
+        return self.error is None and 200 <= self.status < 300
+
+
+# ---------------------------------------------------------------- pure parsing
+
+
+def _series(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+    out: dict[str, list[tuple[dict[str, str], float]]] = {}
+    try:
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                out.setdefault(s.name, []).append((dict(s.labels), float(s.value)))
+    except (ValueError, TypeError, IndexError) as err:
+        raise MetricsError(f"not Prometheus text: {err}") from err
+    return out
+
+
+def _first(series: dict[str, list[tuple[dict[str, str], float]]], name: str) -> float | None:
+    values = series.get(name)
+    return values[0][1] if values else None
+
+
+def _finite(value: float | None) -> float | None:
+    return value if value is not None and math.isfinite(value) else None
+
+
+def parse_metrics(text: str, *, time: float, endpoint: Endpoint | None = None) -> WorkerSample:
+    """Parse one trainer's /metrics text into a WorkerSample taken at `time` (supplied by the caller).
+
+    Rank and node come from `sgdjob_worker_info`, else from the endpoint's hints. Raises MetricsError
+    naming what is missing.
+    """
+    series = _series(text)
+    missing = [name for name in REQUIRED if name not in series]
+    if missing:
+        raise MetricsError(f"missing series: {', '.join(missing)}")
+    info = series.get(WORKER_INFO, [])
+    labels = info[0][0] if info else {}
+    rank: int | None
+    try:
+        rank = int(labels["rank"]) if "rank" in labels else None
+    except ValueError as err:
+        raise MetricsError(f"{WORKER_INFO} has a non-integer rank label {labels['rank']!r}") from err
+    if rank is None and endpoint is not None:
+        rank = endpoint.rank
+    if rank is None:
+        raise MetricsError(f"no rank: {WORKER_INFO} is missing and the endpoint gives none")
+    modes = [lab.get("mode", "") for lab, value in series.get(MODE, []) if value >= 0.5]
+    node = labels.get("node") or (endpoint.node if endpoint else None)
+    return WorkerSample(
+        rank=rank,
+        time=time,
+        steps=int(_first(series, STEPS) or 0),
+        samples=int(_first(series, SAMPLES) or 0),
+        compute_seconds=float(_first(series, COMPUTE) or 0.0),
+        comm_wait_seconds=float(_first(series, COMM_WAIT) or 0.0),
+        mode=modes[0] if modes else "unknown",
+        batch_size=int(_finite(_first(series, BATCH_SIZE)) or 0),
+        node=node,
+        pod=endpoint.pod if endpoint else None,
+        loss=_finite(_first(series, LOSS)),
+        staleness=_finite(_first(series, STALENESS)) or 0.0,
+        world_size=int(_finite(_first(series, WORLD_SIZE)) or 0),
+        gradient_bytes=int(_finite(_first(series, GRADIENT_BYTES)) or 0),
+    )
+
+
+def sample_from_status(status: dict[str, Any], *, time: float, endpoint: Endpoint | None = None) -> WorkerSample:
+    """The same WorkerSample built from a /status JSON document (or a rank report file).
+
+    One difference: `/status` `step` is the job's step (in async, the parameter server's), while
+    `sgdjob_steps_total` counts this process's own optimizer steps; the metrics view is preferred."""
+    try:
+        loss = status.get("loss")
+        return WorkerSample(
+            rank=int(status["rank"]),
+            time=time,
+            steps=int(status.get("step", 0)),
+            samples=int(status.get("samples", 0)),
+            compute_seconds=float(status.get("computeSeconds", 0.0)),
+            comm_wait_seconds=float(status.get("commWaitSeconds", 0.0)),
+            mode=str(status.get("mode", "unknown")),
+            batch_size=int(status.get("batchSize", 0)),
+            node=status.get("node") or (endpoint.node if endpoint else None),
+            pod=endpoint.pod if endpoint else None,
+            loss=_finite(float(loss)) if loss is not None else None,
+            staleness=float(status.get("staleness") or 0.0),
+            world_size=int(status.get("worldSize", 0)),
+            gradient_bytes=int(status.get("gradientBytes") or 0),
+        )
+    except (KeyError, TypeError, ValueError) as err:
+        raise MetricsError(f"not a trainer status: {err!r}") from err
+
+
+# ---------------------------------------------------------------- HTTP
+
+
+async def _get(session: aiohttp.ClientSession, url: str, timeout: float) -> str:
+    async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+        body = await resp.text()
+        if resp.status != 200:
+            raise MetricsError(f"HTTP {resp.status} from {url}")
+        return body
+
+
+def _describe(err: BaseException) -> str:
+    if isinstance(err, asyncio.TimeoutError | TimeoutError):
+        return "timed out"
+    text = str(err) or type(err).__name__
+    return text if isinstance(err, MetricsError) else f"{type(err).__name__}: {text}"
+
+
+async def _metrics(session: aiohttp.ClientSession, endpoint: Endpoint, timeout: float, now: float) -> WorkerSample:
+    return parse_metrics(await _get(session, endpoint.path("/metrics"), timeout), time=now, endpoint=endpoint)
+
+
+async def _status(session: aiohttp.ClientSession, endpoint: Endpoint, timeout: float) -> dict[str, Any]:
+    loaded = json.loads(await _get(session, endpoint.path("/status"), timeout))
+    if not isinstance(loaded, dict):
+        raise MetricsError("/status is not a JSON object")
+    return loaded
+
+
+async def _settle(coro: Awaitable[T]) -> tuple[T | None, str | None]:
+    """The coroutine's value, or why it failed: every failure is reported per endpoint, never raised."""
+    try:
+        return await coro, None
+    except Exception as err:
+        return None, _describe(err)
+
+
+async def _nothing() -> tuple[None, None]:
+    return None, None
+
+
+async def _scrape_one(
+    session: aiohttp.ClientSession,
+    endpoint: Endpoint,
+    *,
+    timeout: float,
+    metrics: bool,
+    status: bool,
+    clock: Callable[[], float],
+    gate: asyncio.Semaphore,
+) -> ScrapeResult:
+    async with gate:
+        now = clock()
+        (sample, metrics_error), (doc, status_error) = await asyncio.gather(
+            _settle(_metrics(session, endpoint, timeout, now)) if metrics else _nothing(),
+            _settle(_status(session, endpoint, timeout)) if status else _nothing(),
+        )
+        errors = [f"{path}: {err}" for path, err in (("/metrics", metrics_error), ("/status", status_error)) if err]
+        return ScrapeResult(endpoint, now, sample, doc, "; ".join(errors) or None)
+
+
+async def scrape(
+    endpoints: Sequence[Endpoint],
+    *,
+    timeout: float = DEFAULT_TIMEOUT_S,
+    metrics: bool = True,
+    status: bool = False,
+    concurrency: int = DEFAULT_CONCURRENCY,
+    session: aiohttp.ClientSession | None = None,
+    clock: Callable[[], float] = time.time,
+) -> list[ScrapeResult]:
+    """Scrape every endpoint concurrently (at most `concurrency` at once); one result per endpoint,
+    in order. Never raises for a bad worker: its result carries `error` instead."""
+    gate = asyncio.Semaphore(max(1, concurrency))
+    own = session is None
+    sess = session or aiohttp.ClientSession()
+    try:
+        return list(await asyncio.gather(*(_scrape_one(sess, ep, timeout=timeout, metrics=metrics, status=status, clock=clock, gate=gate) for ep in endpoints)))
+    finally:
+        if own:
+            await sess.close()
+
+
+def scrape_sync(endpoints: Sequence[Endpoint], **kwargs: Any) -> list[ScrapeResult]:
+    """`scrape` for callers without an event loop."""
+    return asyncio.run(scrape(endpoints, **kwargs))
+
+
+async def post_control(
+    endpoint: Endpoint,
+    command: ControlCommand,
+    token: str,
+    *,
+    timeout: float = DEFAULT_TIMEOUT_S,
+    session: aiohttp.ClientSession | None = None,
+) -> ControlResult:
+    """POST a ControlCommand to a control-owning trainer (rank 0). Never raises for HTTP trouble."""
+    own = session is None
+    sess = session or aiohttp.ClientSession()
+    try:
+        async with sess.post(
+            endpoint.path("/control"),
+            data=command.model_dump_json(by_alias=True, exclude_none=True),
+            headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
+            timeout=aiohttp.ClientTimeout(total=timeout),
+        ) as resp:
+            return ControlResult(resp.status, await resp.text())
+    except Exception as err:
+        return ControlResult(0, error=_describe(err))
+    finally:
+        if own:
+            await sess.close()

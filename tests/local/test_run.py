@@ -1,0 +1,190 @@
+"""`sgdjob run` end to end: real torchrun agents on loopback, with a stand-in trainer (fast, torch-free
+workers) for the runner's own behaviour and with the real trainer for each fixed mode."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from sgdjob_operator.cli import main
+from sgdjob_operator.local.procs import ProcessSet, is_alive, proc_id
+
+HERE = Path(__file__).parent
+REPO = HERE.parents[1]
+STAND_IN = "sgdjob_fake_trainer"
+SGDJOB = str(Path(sys.executable).parent / "sgdjob")  # the console script of this environment
+
+pytestmark = pytest.mark.multiproc
+
+
+def write_job(path: Path, *, replicas: int = 2, nproc: int = 1, steps: int = 10, mode: str = "sync", **training: Any) -> Path:
+    spec = {"replicas": replicas, "nprocPerNode": nproc, "mode": mode,
+            "training": {"steps": steps, "batchSize": 8, **training}}  # fmt: skip
+    path.write_text(yaml.safe_dump({"apiVersion": "sgdjob.dev/v1alpha1", "kind": "SGDJob", "metadata": {"name": "tiny"}, "spec": spec}))
+    return path
+
+
+RUNNER = textwrap.dedent(
+    """
+    import asyncio, sys
+    from pathlib import Path
+    from sgdjob_operator.api.validation import load_jobs
+    from sgdjob_operator.local.progress import PlainDisplay
+    from sgdjob_operator.local.runner import RunOptions, run_local
+    job = load_jobs(Path(sys.argv[1]))[0]
+    options = RunOptions(out_dir=Path(sys.argv[2]), trainer_module=sys.argv[3], poll_interval_s=0.3, stop_grace_s=3.0, failure_grace_s=3.0)
+    sys.exit(asyncio.run(run_local(job, options, PlainDisplay(every_s=0.0))).exit_code)
+    """
+)
+
+
+def start_runner(job: Path, out: Path, **env: str) -> subprocess.Popen[str]:
+    full_env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]), **env}
+    return subprocess.Popen([sys.executable, "-c", RUNNER, str(job), str(out), STAND_IN], env=full_env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
+
+
+def recorded_pids(out: Path) -> list[int]:
+    pids: list[int] = []
+    for path in (out / "ranks").glob("pids-*.json"):
+        pids.extend(json.loads(path.read_text()).values())
+    return pids
+
+
+def test_stand_in_run_writes_the_report(tmp_path: Path) -> None:
+    job = write_job(tmp_path / "job.yaml", replicas=2, nproc=2, mode="hierarchical")
+    proc = start_runner(job, tmp_path / "out", FAKE_STEPS="10")
+    output, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, output
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["ok"] and report["mode"] == "hierarchical" and report["workers"] == 4 and report["missing_ranks"] == []
+    assert sorted(r["rank"] for r in report["per_rank"]) == [0, 1, 2, 3]
+    assert sorted({r["node"] for r in report["per_rank"]}) == ["local-0", "local-1"]
+    assert report["samples"] == 4 * 10 * 8 and report["steps"] == 10
+    assert report["throughput_samples_per_s"] > 0 and 0 < report["efficiency"] <= 1.01
+    assert report["mode_timeline"][0]["mode"] == "hierarchical" and report["exit_codes"] == {"local-0": 0, "local-1": 0}
+    assert "step" in output and "all workers finished" in output
+    assert not any(pid_alive(p) for p in recorded_pids(tmp_path / "out"))
+
+
+def test_a_failing_worker_fails_the_run_with_its_log(tmp_path: Path) -> None:
+    job = write_job(tmp_path / "job.yaml", replicas=2)
+    proc = start_runner(job, tmp_path / "out", FAKE_STEPS="3", FAKE_FAIL_RANK="1")
+    output, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 1, output
+    assert "the job failed" in output and "exited with code" in output and ".log" in output
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["ok"] is False and "exited with code" in report["error"]
+    assert not any(pid_alive(p) for p in recorded_pids(tmp_path / "out"))
+
+
+@pytest.mark.parametrize(("sig", "code", "ignore_term"), [(signal.SIGTERM, 143, "0"), (signal.SIGINT, 130, "1")])
+def test_signal_stops_every_process(tmp_path: Path, sig: signal.Signals, code: int, ignore_term: str) -> None:
+    """SIGTERM / Ctrl-C (SIGINT) to the runner ends agents, workers and the workers' own children,
+    also when the workers ignore SIGTERM (then SIGKILL after the grace period)."""
+    job = write_job(tmp_path / "job.yaml", replicas=2, nproc=2)
+    out = tmp_path / "out"
+    proc = start_runner(job, out, FAKE_IGNORE_TERM=ignore_term)
+    deadline = time.monotonic() + 180
+    while len(list((out / "ranks").glob("pids-*.json"))) < 4:
+        assert proc.poll() is None, proc.communicate()[0]
+        assert time.monotonic() < deadline, "workers did not start"
+        time.sleep(0.2)
+    time.sleep(0.5)
+    pids = recorded_pids(out)
+    assert len(set(pids)) == 2 + 4 + 4 and all(pid_alive(p) for p in pids)
+    proc.send_signal(sig)
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == code, output
+    assert f"stopped by {sig.name}" in output
+    assert [p for p in pids if pid_alive(p)] == []
+    report = json.loads((out / "report.json").read_text())
+    assert report["ok"] is False and report["exit_codes"] and "stopped by" in report["error"]
+    # no rank files after a stop: the report is built from the last /status of every rank
+    assert report["ranks_from_last_status"] == [0, 1, 2, 3] and report["samples"] > 0 and report["wall_s"] > 0
+
+
+def test_process_set_kills_term_ignoring_workers_and_escaped_grandchildren(tmp_path: Path) -> None:
+    from sgdjob_operator.local.launch import AgentPlan
+    from sgdjob_trainer.config import RunConfig
+
+    script = tmp_path / "agent.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import signal, subprocess, sys, time
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            child = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"],
+                                     start_new_session=True)
+            print(child.pid, flush=True)
+            time.sleep(600)
+            """
+        )
+    )
+    plan = AgentPlan(0, "local-0", (sys.executable, str(script)), dict(os.environ), tmp_path / "c.json", RunConfig(), (0,), tmp_path / "agent.log")
+    procs = ProcessSet()
+    procs.start([plan])
+    deadline = time.monotonic() + 60
+    while not plan.log_path.read_text().strip():
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    grandchild = proc_id(int(plan.log_path.read_text().split()[0]))
+    assert grandchild is not None and is_alive(grandchild)
+    agent_id = procs.agents[0].id
+    procs.stop(grace_s=0.5)
+    assert not is_alive(agent_id) and not is_alive(grandchild)
+    assert procs.agents[0].returncode == -signal.SIGKILL
+
+
+def test_cli_names_the_bad_field_and_exits_2(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({"apiVersion": "sgdjob.dev/v1alpha1", "kind": "SGDJob", "metadata": {"name": "b"}, "spec": {"replicas": 0}}))
+    result = CliRunner().invoke(main, ["run", str(bad)])
+    assert result.exit_code == 2 and "spec.replicas" in result.output
+    result = CliRunner().invoke(main, ["run", str(bad), "--mode", "fastest"])
+    assert result.exit_code == 2 and "--mode" in result.output
+
+
+needs_trainer = pytest.mark.skipif(importlib.util.find_spec("sgdjob_trainer.__main__") is None, reason="the trainer entry point (sgdjob_trainer.__main__) is not in the tree yet")
+
+
+@needs_trainer
+@pytest.mark.parametrize("mode", ["sync", "hierarchical", "async"])
+def test_real_trainer_fixed_mode(tmp_path: Path, mode: str) -> None:
+    """Two workers, rank 1 emulated 2x slower. The spec says auto; --mode fixes the mode for the run."""
+    emulation = {"computeSeconds": 0.02, "slowdowns": [{"rank": 1, "factor": 2.0}]}
+    job = write_job(tmp_path / "job.yaml", replicas=2, steps=30, mode="auto", learningRate=0.02, emulation=emulation)
+    out = tmp_path / "out"
+    flags = ["--mode", mode]
+    proc = subprocess.run([SGDJOB, "run", str(job), *flags, "--out", str(out), "--timeout", "240"],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)  # fmt: skip
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output
+    report = json.loads((out / "report.json").read_text())
+    assert report["ok"] and report["mode"] == mode and report["workers"] == 2 and report["missing_ranks"] == []
+    assert report["mode_timeline"][0]["mode"] == mode and report["steps"] >= 1
+    assert report["throughput_samples_per_s"] > 0 and report["bound_samples_per_s"] >= report["throughput_samples_per_s"] * 0.99
+    assert report["diverged_ranks"] == [] and report["final_loss"] < report["initial_loss"], report
+    assert report["emulation"]["slowdowns"][0]["rank"] == 1
+    fast, slow = sorted(report["per_rank"], key=lambda r: r["rank"])
+    assert slow["speed_samples_per_s"] < fast["speed_samples_per_s"]

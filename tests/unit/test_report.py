@@ -1,0 +1,166 @@
+"""Pure parts of the local runner: report aggregation, progress snapshots, launch planning."""
+
+from __future__ import annotations
+
+import io
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sgdjob_operator.api.models import JobMode
+from sgdjob_operator.api.validation import validate_job
+from sgdjob_operator.local.launch import plan_launch, resolve_mode
+from sgdjob_operator.local.procs import free_port_blocks
+from sgdjob_operator.local.progress import PlainDisplay, RunInfo, summarize
+from sgdjob_operator.local.report import build_report, mode_timeline, summary_lines, with_status_fallback
+from sgdjob_operator.scrape import Endpoint, ScrapeResult
+from sgdjob_trainer.config import RunConfig, SyncMode
+
+EMULATION = {"computeSeconds": 0.05, "jitter": 0.0, "slowdowns": [{"rank": 1, "factor": 3.0}]}
+
+
+def rank_doc(rank: int, samples: int, compute: float, wait: float, wall: float, **kw: Any) -> dict[str, Any]:
+    doc = {"rank": rank, "node": f"local-{rank}", "step": samples // 32, "samples": samples, "computeSeconds": compute,
+           "commWaitSeconds": wait, "wallSeconds": wall, "initialLoss": 2.0 + rank, "finalLoss": 0.5 + rank}  # fmt: skip
+    doc.update(kw)
+    return doc
+
+
+def test_report_figures_follow_the_definitions() -> None:
+    # rank 0: 3200 samples in 10 s of compute (320/s); rank 1: 3x slower, 1600 samples in 15 s (106.7/s).
+    timeline = [{"timeS": 0.0, "step": 0, "mode": "async", "reason": "start"}]
+    docs = [rank_doc(1, 1600, 15.0, 0.5, 15.5), rank_doc(0, 3200, 10.0, 1.0, 16.0, modeTimeline=timeline, lossHistory=[[0, 2.0], [99, 0.5]])]
+    report = build_report(docs, job="j", mode="async", expected_workers=2, emulation=EMULATION)
+    assert report["wall_s"] == 16.0
+    assert report["throughput_samples_per_s"] == pytest.approx(4800 / 16.0)
+    assert report["bound_samples_per_s"] == pytest.approx(320.0 + 1600 / 15.0)
+    assert report["efficiency"] == pytest.approx(300.0 / (320.0 + 1600 / 15.0))
+    assert (report["initial_loss"], report["final_loss"]) == (2.5, 1.0)
+    assert report["steps"] == 100 and report["samples"] == 4800
+    assert [r["rank"] for r in report["per_rank"]] == [0, 1]
+    assert report["per_rank"][1] == {"rank": 1, "node": "local-1", "speed_samples_per_s": pytest.approx(1600 / 15.0), "compute_s": 15.0,
+                                     "wait_s": 0.5, "samples": 1600, "steps": 50, "wall_s": 15.5, "final_loss": 1.5}  # fmt: skip
+    assert report["mode_timeline"] == [{"time_s": 0.0, "step": 0, "mode": "async", "reason": "start"}]
+    assert report["emulation"] == EMULATION and report["missing_ranks"] == [] and report["diverged_ranks"] == []
+    assert report["loss_history"] == [[0, 2.0], [99, 0.5]]
+    assert any("efficiency 0.70" in line for line in summary_lines(report))
+
+
+def test_report_lists_missing_ranks_and_never_divides_by_zero() -> None:
+    report = build_report([rank_doc(0, 0, 0.0, 0.0, 0.0, finalLoss=None)], job="j", mode="sync", expected_workers=3, emulation=None, fallback_wall_s=0.0)
+    assert report["missing_ranks"] == [1, 2]
+    assert report["throughput_samples_per_s"] == 0.0 and report["efficiency"] == 0.0 and report["final_loss"] is None
+    assert report["emulation"] is None and report["diverged_ranks"] == [0]
+    blown = rank_doc(1, 64, 1.0, 0.0, 1.0, lossHistory=[[1, 2.0], [2, None], [3, 5.0]])
+    report = build_report([rank_doc(0, 64, 1.0, 0.0, 1.0, lossHistory=[[1, 2.0]]), blown], job="j", mode="sync", expected_workers=2, emulation=None)
+    assert report["diverged_ranks"] == [1] and any("DIVERGED" in line for line in summary_lines(report))
+    assert build_report([], job="j", mode="sync", expected_workers=1, emulation=None)["workers"] == 0
+
+
+def test_mode_timeline_always_starts_with_the_start_mode() -> None:
+    switches = [{"timeS": 9.0, "step": 120, "mode": "sync", "reason": "back"}, {"timeS": 4.0, "step": 50, "mode": "async", "reason": "rank 3 slow"}]
+    assert mode_timeline(switches, "sync") == [
+        {"time_s": 0.0, "step": 0, "mode": "sync", "reason": "start"},
+        {"time_s": 4.0, "step": 50, "mode": "async", "reason": "rank 3 slow"},
+        {"time_s": 9.0, "step": 120, "mode": "sync", "reason": "back"},
+    ]
+    assert mode_timeline(None, "hierarchical")[0]["mode"] == "hierarchical"
+    started = [{"timeS": 0.1, "step": 0, "mode": "sync", "reason": "initial mode"}]
+    assert mode_timeline(started, "sync") == [{"time_s": 0.1, "step": 0, "mode": "sync", "reason": "initial mode"}]
+
+
+def status_result(rank: int, samples: int, compute: float, **kw: Any) -> ScrapeResult:
+    status = {"rank": rank, "node": f"local-{rank}", "step": samples // 32, "samples": samples, "computeSeconds": compute,
+              "commWaitSeconds": 0.0, "loss": 1.0 + rank, "mode": "sync", "done": False}  # fmt: skip
+    status.update(kw)
+    return ScrapeResult(Endpoint(f"http://127.0.0.1:{9400 + rank}"), 0.0, status=status)
+
+
+def test_summarize_rates_and_keeps_workers_that_stop_answering() -> None:
+    first = summarize([status_result(0, 320, 1.0), status_result(1, 320, 3.0)], now=100.0, start=90.0)
+    assert first.samples_per_s is None and first.step == 10 and first.elapsed_s == 10.0
+    assert first.bound_per_s == pytest.approx(320 + 320 / 3)
+    assert first.loss == pytest.approx(1.5) and first.mode == "sync" and first.reachable == 2
+    gone = ScrapeResult(Endpoint("http://127.0.0.1:9401"), 0.0, error="timed out")
+    second = summarize([status_result(0, 960, 3.0, mode="async"), gone], now=102.0, start=90.0, previous=first)
+    assert second.samples_per_s == pytest.approx((960 + 320 - 640) / 2.0)
+    assert second.reachable == 1 and len(second.workers) == 2 and second.mode == "async"
+    assert second.errors == ("http://127.0.0.1:9401: timed out",)
+
+
+def test_plain_display_throttles_progress_lines() -> None:
+    out = io.StringIO()
+    display = PlainDisplay(out, every_s=5.0)
+    display.start(RunInfo(job="q", mode="sync", nodes=2, workers=2, steps=100, out_dir="/tmp/x", notes=("heads up",)))
+    for t in (100.0, 101.0, 106.0, 112.0):  # 101 is too soon; 112 repeats 106's figures
+        display.update(summarize([status_result(0, min(int(t), 106) * 32, 1.0)], now=t, start=90.0))
+    display.finish(None, "done")
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "note: heads up"
+    assert sum("step" in line and "samples/s" in line for line in lines) == 2
+    assert lines[-1] == "done"
+
+
+def job(mode: str = "auto", **spec: Any) -> Any:
+    training = {"steps": 50, "emulation": {"computeSeconds": 0.01}, "checkpoint": {"dir": "/tmp/ignored"}}
+    base = {"replicas": 3, "minReplicas": 2, "maxReplicas": 4, "nprocPerNode": 2, "mode": mode, "training": training}
+    base.update(spec)
+    return validate_job({"apiVersion": "sgdjob.dev/v1alpha1", "kind": "SGDJob", "metadata": {"name": "tiny"}, "spec": base})
+
+
+def test_resolve_mode_prefers_the_flag_and_starts_auto_synchronous() -> None:
+    assert resolve_mode(JobMode.AUTO, "async") == (SyncMode.ASYNC, False)
+    assert resolve_mode(JobMode.HIERARCHICAL, None) == (SyncMode.HIERARCHICAL, False)
+    assert resolve_mode(JobMode.AUTO, None) == (SyncMode.SYNC, True)
+    assert resolve_mode(JobMode.SYNC, "auto") == (SyncMode.SYNC, True)
+
+
+def test_plan_launch_builds_one_torchrun_agent_per_node(tmp_path: Path) -> None:
+    plan = plan_launch(job(), SyncMode.HIERARCHICAL, tmp_path, rdzv_port=29555, metrics_bases=[30000, 30010, 30020], token="tok",
+                       python="/py", base_env={"PATH": "/bin", "OMP_NUM_THREADS": "2", "SGDJOB_METRICS_PORT": "1"})  # fmt: skip
+    assert plan.world_size == 6 and [a.node for a in plan.agents] == ["local-0", "local-1", "local-2"]
+    a0, a1, _ = plan.agents
+    assert a0.argv[:3] == ("/py", "-m", "torch.distributed.run")
+    assert a0.argv[-4:] == ("-m", "sgdjob_trainer", "--config", str(tmp_path / "run-config-local-0.json"))
+    for flag in ("--nnodes=2:4", "--nproc-per-node=2", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:29555", "--rdzv-id=tiny", "--max-restarts=0"):
+        assert flag in a0.argv and flag in a1.argv
+    assert "--rdzv-conf=is_host=1" in a0.argv and "--rdzv-conf=is_host=0" in a1.argv
+    assert a1.metrics_ports == (30010, 30011)
+    assert a1.env["NODE_NAME"] == "local-1" and a1.env["SGDJOB_CONTROL_TOKEN"] == "tok" and a1.env["PATH"] == "/bin"
+    assert a1.env["SGDJOB_REPORT_DIR"] == str(tmp_path / "ranks") and a1.env["OMP_NUM_THREADS"] == "2"
+    assert "SGDJOB_METRICS_PORT" not in a1.env
+    cfg = RunConfig.model_validate_json(a1.run_config.model_dump_json(by_alias=True))
+    assert cfg.mode is SyncMode.HIERARCHICAL and cfg.job_name == "tiny" and cfg.reference_world_size == 4
+    assert cfg.training.metrics_port == 30010 and cfg.training.steps == 50
+    assert cfg.training.checkpoint.dir == str(tmp_path / "checkpoints") and plan.checkpoint_dir == tmp_path / "checkpoints"
+    assert any("checkpoints go to" in n for n in plan.notes)
+    with pytest.raises(ValueError, match="need 3"):
+        plan_launch(job(), SyncMode.SYNC, tmp_path, rdzv_port=1, metrics_bases=[1], token="t", python="p", base_env={})
+
+
+def test_free_port_blocks_are_distinct_and_bindable() -> None:
+    bases = free_port_blocks(3, size=2)
+    ports = [b + i for b in bases for i in range(2)]
+    assert len(set(ports)) == 6
+    socks = []
+    try:
+        for port in ports:
+            s = socket.socket()
+            s.bind(("127.0.0.1", port))
+            socks.append(s)
+    finally:
+        for s in socks:
+            s.close()
+
+
+def test_ranks_without_a_file_fall_back_to_their_last_status() -> None:
+    files = [rank_doc(0, 320, 1.0, 0.5, 2.0)]
+    statuses: dict[int, dict[str, Any]] = {0: {"rank": 0, "samples": 1}, 1: {"rank": 1, "node": "local-1", "samples": 160, "computeSeconds": 2.0, "step": 5,
+                                                 "loss": 0.75, "time": 1003.0, "startTime": 1000.0}}  # fmt: skip
+    docs = with_status_fallback(files, statuses)
+    assert docs[0] == files[0] and docs[1]["fromStatus"] and docs[1]["wallSeconds"] == 3.0 and docs[1]["finalLoss"] == 0.75
+    report = build_report(docs, job="j", mode="sync", expected_workers=2, emulation=None)
+    assert report["ranks_from_last_status"] == [1] and report["missing_ranks"] == [] and report["samples"] == 480
+    assert report["wall_s"] == 3.0 and report["per_rank"][1]["speed_samples_per_s"] == 80.0

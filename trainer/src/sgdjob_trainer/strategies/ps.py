@@ -1,0 +1,263 @@
+"""Sharded parameter server for async SGD, hosted on threads inside the worker processes.
+
+Placement: the flat parameter vector is cut into `async.shards` contiguous slices; shard j lives
+on rank j*N // shards (shard 0 always on rank 0, the control owner) and is served by a thread of
+that process over its own gloo process group, so shard traffic never shares a communicator with
+the training collectives or with another shard. A worker pushes its gradient slice to every shard
+(non-blocking sends, reply receives posted first so no cycle of blocking sends can form) and gets
+each shard's fresh slice back; a shard co-located with the worker is applied in-process.
+
+Staleness: a shard counts updates (its version). A gradient's staleness is the number of updates
+other workers made since this worker last pulled, divided by N-1: "how many steps the average
+other worker took meanwhile" (a 3x slower worker among equals sees about 3). The learning rate is
+damped by the configured rule (1/(1+s) or 1/sqrt(1+s)), and each update is weighted by its share
+of the world's batch (b / sum of batch sizes), so per sample the step size matches sync SGD. With a
+bound (`async.staleness`), a gradient staler than the bound is discarded (not counted as useful
+samples) and the worker just takes the fresh model: fast workers never wait for slow ones at all,
+a slow worker pays for its own staleness. Classic clock-based SSP blocking would instead pin fast
+workers to a persistent straggler's pace; this bound limits the same thing (how old an applied
+gradient may be) without that. `staleness: null` applies everything (ASP).
+
+End of an async phase: shard 0 raises `stop` when any worker's push completes step `steps`
+(the job's steps are the fastest worker's, per TrainingConfig.steps); every worker stops at its
+next reply. Control epochs travel the same way (rank 0's pending epoch in every shard-0 reply).
+
+Limits: each shard is one Python thread serialising its pushes (measured on the quickstart MLP,
+4 processes on a loaded 2-core machine: about 3 ms per exchange for a remote worker, 0.4 ms for
+the co-located one, so a few hundred pushes/s per shard; add shards to spread the load over ranks);
+the host's worker shares its CPU and GIL with the shard threads; per step each worker moves
+2 x (model size) over the network spread over `shards` hosts; tensors go through host memory
+(gloo), so GPU models pay a device copy per exchange; at most 64 shards (config bound).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from sgdjob_trainer.config import AsyncConfig, StalenessLr
+from sgdjob_trainer.runtime import COLLECTIVE_TIMEOUT
+
+log = logging.getLogger("sgdjob_trainer.ps")
+
+PUSH, STOP = 1, 2
+HEADER, REPLY = 4, 5  # int64 words: [kind, step, batch, 0] / [version, epoch, stop, staleness_milli, applied]
+TAG_PUSH, TAG_GRAD, TAG_REPLY, TAG_PARAMS = 11, 12, 13, 14
+# A shard thread sits in an any-source receive for as long as the job runs in another mode.
+IDLE_TIMEOUT = timedelta(days=30)
+
+
+def damping(rule: StalenessLr, staleness: float) -> float:
+    if rule == StalenessLr.INVERSE:
+        return 1.0 / (1.0 + staleness)
+    if rule == StalenessLr.SQRT:
+        return 1.0 / math.sqrt(1.0 + staleness)
+    return 1.0
+
+
+@dataclass(slots=True)
+class Reply:
+    version: int
+    epoch: int
+    stop: bool
+    staleness: float
+    applied: bool
+
+
+class Shard:
+    """One slice of the parameters and its update rule; every access under the lock."""
+
+    def __init__(self, size: int, world_size: int, cfg: AsyncConfig, momentum: float) -> None:
+        self.lock = threading.Lock()
+        self.params = torch.zeros(size)
+        self.momentum_buf = torch.zeros(size)
+        self.world_size = world_size
+        self.cfg = cfg
+        self.momentum = momentum
+        self.version = 0
+        self.base = [0] * world_size
+        self.lr = 0.0
+        self.total_batch = 1
+
+    def load(self, params: torch.Tensor, lr: float, total_batch: int) -> None:
+        with self.lock:
+            self.params = params.detach().to("cpu", torch.float32).clone()
+            self.momentum_buf.zero_()
+            self.base = [self.version] * self.world_size
+            self.lr, self.total_batch = lr, total_batch
+
+    def apply(self, worker: int, grad: torch.Tensor, batch_size: int, out: torch.Tensor) -> Reply:
+        """Apply (or discard) one worker's gradient and copy the fresh slice into `out`."""
+        with self.lock:
+            staleness = (self.version - self.base[worker]) / max(1, self.world_size - 1)
+            applied = self.cfg.staleness is None or staleness <= self.cfg.staleness
+            if applied:
+                scale = self.lr * batch_size / self.total_batch * damping(self.cfg.staleness_lr, staleness)
+                if self.momentum > 0:
+                    self.momentum_buf.mul_(self.momentum).add_(grad, alpha=scale)
+                    self.params.sub_(self.momentum_buf)
+                else:
+                    self.params.add_(grad, alpha=-scale)
+                self.version += 1
+            self.base[worker] = self.version
+            out.copy_(self.params)
+            return Reply(self.version, 0, False, staleness, applied)
+
+    def snapshot(self) -> dict[str, Any]:
+        with self.lock:
+            return {"params": self.params.clone(), "momentum": self.momentum_buf.clone(), "version": self.version}
+
+
+class ParameterServer:
+    """Made once per process (collectively: it creates one gloo group per shard), used whenever
+    the job is in async mode, idle otherwise; `close()` (collective) stops its threads."""
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        numel: int,
+        cfg: AsyncConfig,
+        momentum: float,
+        steps: int,
+        control_epoch: Callable[[], int],
+        ctl: dist.ProcessGroup | None,
+    ) -> None:
+        self.rank, self.world_size, self.steps = rank, world_size, steps
+        self.control_epoch = control_epoch
+        count = max(1, min(cfg.shards, numel))
+        cuts = [numel * j // count for j in range(count + 1)]
+        self.bounds = [(cuts[j], cuts[j + 1]) for j in range(count)]
+        self.hosts = [j * world_size // count for j in range(count)]
+        distributed = world_size > 1
+        self.groups: list[dist.ProcessGroup | None] = [dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT) if distributed else None for _ in range(count)]
+        # CPU (gloo) group over all ranks for loading and gathering shards, whatever the training backend is.
+        self.ctl = ctl
+        self.shards = {j: Shard(hi - lo, world_size, cfg, momentum) for j, (lo, hi) in enumerate(self.bounds) if self.hosts[j] == rank}
+        self.stop_flag = False
+        self.threads = [threading.Thread(target=self._serve, args=(j,), name=f"sgdjob-ps-{j}", daemon=True) for j in self.shards if distributed]
+        for thread in self.threads:
+            thread.start()
+
+    # -- server side -------------------------------------------------------------------------------
+    def _serve(self, j: int) -> None:
+        shard, group = self.shards[j], self.groups[j]
+        lo, hi = self.bounds[j]
+        header = torch.zeros(HEADER, dtype=torch.int64)
+        grad = torch.zeros(hi - lo)
+        out = torch.zeros(hi - lo)
+        try:
+            while True:
+                src = dist.recv(header, src=None, group=group, tag=TAG_PUSH)
+                if int(header[0]) == STOP:
+                    return
+                dist.recv(grad, src=src, group=group, tag=TAG_GRAD)
+                reply = self._apply(j, shard, src, grad, int(header[1]), int(header[2]), out)
+                dist.send(_encode(reply), dst=src, group=group, tag=TAG_REPLY)
+                dist.send(out, dst=src, group=group, tag=TAG_PARAMS)
+        except Exception:
+            # Workers would wait on this shard forever: fail the whole process instead, so
+            # torchrun restarts the job (from its checkpoint) rather than leaving it hung.
+            log.exception("parameter-server shard %d failed; exiting so torchrun restarts the workers", j)
+            logging.shutdown()
+            os._exit(1)
+
+    def _apply(self, j: int, shard: Shard, worker: int, grad: torch.Tensor, step: int, batch: int, out: torch.Tensor) -> Reply:
+        reply = shard.apply(worker, grad, batch, out)
+        if j == 0:
+            if step + 1 >= self.steps:
+                self.stop_flag = True
+            reply.epoch, reply.stop = self.control_epoch(), self.stop_flag
+        return reply
+
+    # -- worker side -------------------------------------------------------------------------------
+    def exchange(self, grad: torch.Tensor, step: int, batch: int, out: torch.Tensor) -> Reply:
+        """Push this worker's flat gradient (CPU) to every shard; fill `out` with the fresh model."""
+        works: list[dist.Work] = []
+        keep: list[torch.Tensor] = []
+        replies: list[torch.Tensor] = []
+        for j, (lo, hi) in enumerate(self.bounds):
+            host = self.hosts[j]
+            if host == self.rank:
+                continue
+            reply = torch.zeros(REPLY, dtype=torch.int64)
+            replies.append(reply)
+            group = self.groups[j]
+            # Receives first: a shard's reply send then always finds its receive posted.
+            for tensor, tag in ((reply, TAG_REPLY), (out[lo:hi], TAG_PARAMS)):
+                works.append(_req(dist.irecv(tensor, src=host, group=group, tag=tag)))
+            header = torch.tensor([PUSH, step, batch, 0], dtype=torch.int64)
+            payload = grad[lo:hi].contiguous()
+            keep += [header, payload]
+            for tensor, tag in ((header, TAG_PUSH), (payload, TAG_GRAD)):
+                works.append(_req(dist.isend(tensor, dst=host, group=group, tag=tag)))
+        local = [self._apply(j, shard, self.rank, grad[self.bounds[j][0] : self.bounds[j][1]], step, batch, out[self.bounds[j][0] : self.bounds[j][1]]) for j, shard in self.shards.items()]
+        for work in works:
+            work.wait(COLLECTIVE_TIMEOUT)  # a lost shard host surfaces as an error, not a hang
+        merged = local + [_decode(r) for r in replies]
+        return Reply(
+            version=max(r.version for r in merged),
+            epoch=max(r.epoch for r in merged),
+            stop=any(r.stop for r in merged),
+            staleness=max(r.staleness for r in merged),
+            applied=all(r.applied for r in merged),
+        )
+
+    # -- collective phases -------------------------------------------------------------------------
+    def load(self, flat: torch.Tensor, lr: float, total_batch: int) -> None:
+        """Collective: each host takes its slice of the (consistent) model; then a barrier, so no
+        push reaches a shard before it is loaded."""
+        cpu = flat.detach().to("cpu", torch.float32)
+        for j, shard in self.shards.items():
+            lo, hi = self.bounds[j]
+            shard.load(cpu[lo:hi], lr, total_batch)
+        self.stop_flag = False
+        if self.ctl is not None:
+            dist.barrier(group=self.ctl)
+
+    def gather(self, numel: int) -> torch.Tensor:
+        """Collective: the whole server model on every rank (each host broadcasts its slices)."""
+        flat = torch.zeros(numel)
+        for j, (lo, hi) in enumerate(self.bounds):
+            if j in self.shards:
+                flat[lo:hi] = self.shards[j].snapshot()["params"]
+            if self.ctl is not None:
+                dist.broadcast(flat[lo:hi], src=self.hosts[j], group=self.ctl)
+        return flat
+
+    def snapshot(self) -> dict[int, dict[str, Any]]:
+        """This rank's hosted shards, for TrainState.ps_shards (checkpoints)."""
+        return {j: shard.snapshot() for j, shard in self.shards.items()}
+
+    def close(self) -> None:
+        """Collective: the rank after each host sends that shard's thread a STOP (a thread cannot
+        be woken from its receive by its own process)."""
+        if self.world_size > 1:
+            for j, host in enumerate(self.hosts):
+                if (host + 1) % self.world_size == self.rank:
+                    dist.send(torch.tensor([STOP, 0, 0, 0], dtype=torch.int64), dst=host, group=self.groups[j], tag=TAG_PUSH)
+        for thread in self.threads:
+            thread.join(timeout=30)
+
+
+def _req(work: dist.Work | None) -> dist.Work:
+    assert work is not None, "point-to-point operations always return a request"
+    return work
+
+
+def _encode(reply: Reply) -> torch.Tensor:
+    return torch.tensor([reply.version, reply.epoch, int(reply.stop), round(reply.staleness * 1000), int(reply.applied)], dtype=torch.int64)
+
+
+def _decode(t: torch.Tensor) -> Reply:
+    v = [int(x) for x in t.tolist()]
+    return Reply(version=v[0], epoch=v[1], stop=bool(v[2]), staleness=v[3] / 1000, applied=bool(v[4]))

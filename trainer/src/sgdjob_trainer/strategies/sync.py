@@ -1,0 +1,22 @@
+"""Synchronous SGD: every step, one allreduce of sample-weighted gradients over the whole world.
+
+With equal batch sizes this is exactly what torch's DistributedDataParallel computes (the mean of
+the ranks' gradients, then the same optimizer step on every rank). With per-rank batch sizes
+(rebalanced sync, ControlCommand.batchSizes) each rank's gradient weighs by its samples, so the
+update is the mean over all samples of the step, as if one big batch had been used.
+"""
+
+from __future__ import annotations
+
+from sgdjob_trainer.config import SyncMode
+from sgdjob_trainer.strategies.base import StepResult, Strategy
+
+
+class SyncStrategy(Strategy):
+    mode = SyncMode.SYNC
+
+    def step(self, offered_epoch: int) -> StepResult:
+        loss, compute, batch_size = self.compute_gradients()
+        wait, seen = self.weighted_allreduce(None, batch_size, offered_epoch)
+        compute += self.optimizer_step()
+        return StepResult(loss=loss, samples=batch_size, compute_s=compute, wait_s=wait, seen_epoch=seen)

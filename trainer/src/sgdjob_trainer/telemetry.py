@@ -1,0 +1,202 @@
+"""What a trainer process reports: Prometheus metrics, the /status document and the end-of-run summary.
+
+Counters are cumulative since the process started (a restart resets them, which is how a scraper
+tells one). "samples" counts samples whose gradient reached the model (useful work: a gradient the
+parameter server discarded as too stale is not counted); "compute seconds" is time in forward,
+backward and optimizer plus emulated compute; "comm wait" is time blocked in collectives or
+parameter-server exchanges. Switch pauses are counted apart from both.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+
+from sgdjob_trainer.config import SyncMode
+from sgdjob_trainer.runtime import WorldInfo
+
+# `*_created` series double every counter's output and no consumer here reads them.
+disable_created_metrics()  # type: ignore[no-untyped-call]
+
+STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+# The loss history is decimated (every 2nd point dropped, stride doubled) past this many points.
+HISTORY_POINTS = 1024
+
+
+@dataclass(slots=True)
+class SwitchRecord:
+    from_mode: str
+    to_mode: str
+    step: int
+    pause_s: float
+    reason: str
+    time_s: float
+
+    def as_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        return {"fromMode": d["from_mode"], "toMode": d["to_mode"], "step": d["step"], "pauseS": d["pause_s"], "reason": d["reason"], "timeS": d["time_s"]}
+
+
+class Telemetry:
+    """Thread-safe: the training loop writes, the HTTP server thread reads."""
+
+    def __init__(self, info: WorldInfo, mode: SyncMode, batch_size: int) -> None:
+        self.info = info
+        self.lock = threading.Lock()
+        self.start_time = time.time()
+        self.mode = mode
+        self.world_size = info.world_size
+        self.step = 0
+        self.samples = 0
+        self.compute_seconds = 0.0
+        self.comm_wait_seconds = 0.0
+        self.loss = math.nan
+        self.staleness = 0.0
+        self.batch_size = batch_size
+        self.control_epoch = 0
+        self.switches: list[SwitchRecord] = []
+        self.done = False
+        self.initial_loss = math.nan
+        self.final_loss = math.nan
+        self.loss_history: list[tuple[int, float]] = []
+        self._history_stride = 1
+        self.mode_timeline: list[dict[str, Any]] = [{"timeS": 0.0, "step": 0, "mode": mode.value, "reason": "start mode"}]
+        self.end_time: float | None = None
+
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.m_steps = Counter("sgdjob_steps", "Optimizer steps taken by this process.", registry=r)
+        self.m_samples = Counter("sgdjob_samples", "Samples whose gradient was applied to the model.", registry=r)
+        self.m_compute = Counter("sgdjob_compute_seconds", "Seconds in forward/backward/optimizer plus emulated compute.", registry=r)
+        self.m_wait = Counter("sgdjob_comm_wait_seconds", "Seconds blocked in collectives or parameter-server exchanges.", registry=r)
+        self.m_step_time = Histogram("sgdjob_step_seconds", "Wall seconds per step.", buckets=STEP_BUCKETS, registry=r)
+        self.m_loss = Gauge("sgdjob_loss", "Training loss of the last step on this process.", registry=r)
+        self.m_staleness = Gauge("sgdjob_staleness_steps", "Staleness of the last applied update, in steps.", registry=r)
+        self.m_world = Gauge("sgdjob_world_size", "Processes in the job.", registry=r)
+        self.m_batch = Gauge("sgdjob_batch_size", "This process's batch size.", registry=r)
+        self.m_epoch = Gauge("sgdjob_control_epoch", "Epoch of the last applied control command.", registry=r)
+        self.m_mode = Gauge("sgdjob_mode", "1 for the active synchronisation mode, 0 for the others.", ["mode"], registry=r)
+        self.m_info = Gauge("sgdjob_worker_info", "Identity of this process.", ["rank", "local_rank", "node"], registry=r)
+        self.m_switches = Counter("sgdjob_switches", "Mode switches done.", registry=r)
+        self.m_pause = Counter("sgdjob_switch_pause_seconds", "Seconds spent paused in mode switches.", registry=r)
+        self.m_info.labels(rank=str(info.rank), local_rank=str(info.local_rank), node=info.node).set(1)
+        self.m_world.set(info.world_size)
+        self.m_batch.set(batch_size)
+        self._set_mode_gauge(mode)
+
+    def _set_mode_gauge(self, mode: SyncMode) -> None:
+        for m in SyncMode:
+            self.m_mode.labels(mode=m.value).set(1 if m == mode else 0)
+
+    def record_step(self, step: int, samples: int, compute_s: float, wait_s: float, step_s: float, loss: float, staleness: float) -> None:
+        with self.lock:
+            self.step = step
+            self.samples += samples
+            self.compute_seconds += compute_s
+            self.comm_wait_seconds += wait_s
+            self.loss = loss
+            self.staleness = staleness
+            if step % self._history_stride == 0:
+                self.loss_history.append((step, loss))
+                if len(self.loss_history) > HISTORY_POINTS:
+                    self.loss_history = self.loss_history[::2]
+                    self._history_stride *= 2
+        self.m_steps.inc()
+        self.m_samples.inc(samples)
+        self.m_compute.inc(compute_s)
+        self.m_wait.inc(wait_s)
+        self.m_step_time.observe(step_s)
+        self.m_loss.set(loss)
+        self.m_staleness.set(staleness)
+
+    def set_step(self, step: int) -> None:
+        with self.lock:
+            self.step = step
+
+    def set_batch_size(self, batch_size: int) -> None:
+        with self.lock:
+            self.batch_size = batch_size
+        self.m_batch.set(batch_size)
+
+    def set_control_epoch(self, epoch: int) -> None:
+        with self.lock:
+            self.control_epoch = epoch
+        self.m_epoch.set(epoch)
+
+    def record_switch(self, from_mode: SyncMode, to_mode: SyncMode, step: int, pause_s: float, reason: str) -> None:
+        now = time.time() - self.start_time
+        with self.lock:
+            self.mode = to_mode
+            self.switches.append(SwitchRecord(from_mode.value, to_mode.value, step, pause_s, reason, now))
+            self.mode_timeline.append({"timeS": now, "step": step, "mode": to_mode.value, "reason": reason})
+        self._set_mode_gauge(to_mode)
+        self.m_switches.inc()
+        self.m_pause.inc(pause_s)
+
+    def finish(self, final_loss: float) -> None:
+        with self.lock:
+            self.final_loss = final_loss
+            self.done = True
+            self.end_time = time.time()
+
+    def render_metrics(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def status(self) -> dict[str, Any]:
+        with self.lock:
+            return {
+                "rank": self.info.rank,
+                "localRank": self.info.local_rank,
+                "worldSize": self.world_size,
+                "node": self.info.node,
+                "mode": self.mode.value,
+                "step": self.step,
+                "samples": self.samples,
+                "computeSeconds": self.compute_seconds,
+                "commWaitSeconds": self.comm_wait_seconds,
+                "loss": _finite(self.loss),
+                "staleness": self.staleness,
+                "batchSize": self.batch_size,
+                "controlEpoch": self.control_epoch,
+                "switches": [s.as_json() for s in self.switches],
+                "done": self.done,
+                "time": time.time(),
+                "startTime": self.start_time,
+            }
+
+    def summary(self) -> dict[str, Any]:
+        """/status plus the run's history: what `sgdjob run` aggregates into report.json."""
+        doc = self.status()
+        with self.lock:
+            end = self.end_time or time.time()
+            doc.update(
+                initialLoss=_finite(self.initial_loss),
+                finalLoss=_finite(self.final_loss),
+                lossHistory=[[s, _finite(v)] for s, v in self.loss_history],
+                modeTimeline=list(self.mode_timeline),
+                wallSeconds=end - self.start_time,
+                speedSamplesPerS=self.samples / self.compute_seconds if self.compute_seconds > 0 else 0.0,
+            )
+        return doc
+
+    def write_report(self, directory: str) -> Path:
+        """Write rank-<rank>.json atomically (temp file + rename): a reader never sees half a file."""
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        target = out / f"rank-{self.info.rank}.json"
+        tmp = out / f".rank-{self.info.rank}.json.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps(self.summary(), indent=1))
+        os.replace(tmp, target)
+        return target
+
+
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None

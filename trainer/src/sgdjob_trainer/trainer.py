@@ -1,0 +1,221 @@
+"""The training loop: one strategy at a time, switched at agreed points on the controller's command.
+
+Switch protocol (every rank runs the same sequence of collectives, so nothing can deadlock):
+1. Rank 0 offers the epoch of its pending control command to each step; the active mode carries it
+   to every rank (sync: inside the gradient allreduce; hierarchical: inside the cross-group round,
+   consumed at the same step everywhere; async: in the parameter server's reply).
+2. A rank that sees an epoch newer than the applied one, or that is done, calls `leave()` on its
+   strategy (collective; leaves one consistent model on every rank), then all ranks allreduce
+   (done, step) with MAX: the whole job finishes if any rank is done, and every rank continues
+   from the same step (the fastest worker's, in async).
+3. Rank 0 broadcasts the command it holds (the newest, merged), every rank applies it and the
+   next strategy's `enter()` runs. The pause, from leaving the old mode to entering the new one,
+   is measured per rank and reported (sgdjob_switch_pause_seconds_total, /status switches).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from sgdjob_trainer.config import LrScaling, RunConfig, TrainingConfig
+from sgdjob_trainer.control import ControlCommand
+from sgdjob_trainer.data import ShardedStream, build_dataset, eval_batch
+from sgdjob_trainer.emulation import ComputeEmulator
+from sgdjob_trainer.models import build_loss, build_model
+from sgdjob_trainer.runtime import WorldInfo, choose_device, init_distributed, setup_logging, shutdown_distributed
+from sgdjob_trainer.server import ControlInbox, TrainerServer
+from sgdjob_trainer.state import TrainState
+from sgdjob_trainer.strategies import STRATEGIES, Context, Strategy
+from sgdjob_trainer.strategies.hierarchical import valid_groups
+from sgdjob_trainer.strategies.ps import ParameterServer
+from sgdjob_trainer.telemetry import Telemetry
+
+log = logging.getLogger("sgdjob_trainer")
+
+
+def scaled_lr(training: TrainingConfig, world_size: int, reference_world_size: int) -> float:
+    """The learning rate at this world size under the configured rule (for the global batch)."""
+    ratio = world_size / reference_world_size
+    if training.lr_scaling == LrScaling.LINEAR:
+        return training.learning_rate * ratio
+    if training.lr_scaling == LrScaling.SQRT:
+        return training.learning_rate * math.sqrt(ratio)
+    return training.learning_rate
+
+
+def metrics_port(training: TrainingConfig, local_rank: int) -> int:
+    """SGDJOB_METRICS_PORT (else training.metricsPort) plus the local rank; 0 means ephemeral."""
+    raw = os.environ.get("SGDJOB_METRICS_PORT")
+    base = int(raw) if raw not in (None, "") else training.metrics_port
+    return 0 if base == 0 else base + local_rank
+
+
+class Trainer:
+    def __init__(self, config: RunConfig, info: WorldInfo | None = None) -> None:
+        self.config = config
+        self.training = t = config.training
+        self.info = info or WorldInfo.from_env()
+        setup_logging(self.info)
+        t.check_world(self.info.world_size)
+        self.telemetry = Telemetry(self.info, config.mode, t.batch_size)
+        self.inbox = ControlInbox() if self.info.rank == 0 else None
+        # The server starts before the process group so a scraper sees the process while it joins.
+        host = os.environ.get("SGDJOB_METRICS_HOST", "0.0.0.0")
+        self.server = TrainerServer(self.telemetry, self.inbox, host, metrics_port(t, self.info.local_rank))
+        self.server.start()
+        self.device = choose_device(self.info)
+        init_distributed(self.info, self.device)
+        # gloo group for small CPU-side agreements, whatever backend the gradients use.
+        self.ctl = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
+
+        dataset = build_dataset(t.dataset)
+        model = build_model(t.model, t.seed).to(self.device)
+        # Hooks may build models nondeterministically; rank 0's parameters are the start for all.
+        with torch.no_grad():
+            for tensor in model.state_dict().values():
+                dist.broadcast(tensor, src=0)
+        self.lr = scaled_lr(t, self.info.world_size, config.reference_world_size)
+        optimizer = torch.optim.SGD(model.parameters(), lr=self.lr, momentum=t.momentum)
+        self.emulator = ComputeEmulator(t.emulation, self.info.rank, self.info.node, t.batch_size, t.seed)
+        self.state = TrainState(model=model, optimizer=optimizer, mode=config.mode, groups=t.hierarchical.groups, jitter_rng=self.emulator.rng)
+        self.stream = ShardedStream(dataset, self.info.rank, self.info.world_size, t.seed, self.state.data)
+        self.eval_x, self.eval_y = (v.to(self.device) for v in eval_batch(dataset))
+        loss_fn = build_loss(t.loss, t.dataset, self.eval_y)
+        numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        ps = ParameterServer(
+            self.info.rank,
+            self.info.world_size,
+            numel,
+            t.async_,
+            t.momentum,
+            t.steps,
+            self.inbox.pending_epoch if self.inbox else (lambda: 0),
+            self.ctl if self.ctl is not None else dist.group.WORLD,
+        )
+        # Called on every rank right after each switch (all ranks are at the same point, so an
+        # observer may run collectives): lets tests and tools check the model's consistency.
+        self.switch_observers: list[Callable[[Trainer], None]] = []
+        self.ctx = Context(self.info, self.device, t, self.state, self.stream, self.emulator, loss_fn, self.lr, self.telemetry, ps)
+        log.info(
+            "job %s: world %d (restart %d), mode %s, model %s on %s, lr %.4g, %d steps, device %s",
+            config.job_name,
+            self.info.world_size,
+            self.info.restart_count,
+            config.mode.value,
+            t.model,
+            t.dataset,
+            self.lr,
+            t.steps,
+            self.device,
+        )
+
+    def evaluate(self) -> float:
+        with torch.no_grad():
+            return float(self.ctx.loss_fn(self.state.model(self.eval_x), self.eval_y))
+
+    def _make(self) -> Strategy:
+        strategy = STRATEGIES[self.state.mode](self.ctx)
+        strategy.enter()
+        return strategy
+
+    def train(self) -> TrainState:
+        state, t, telemetry = self.state, self.training, self.telemetry
+        telemetry.initial_loss = self.evaluate()
+        telemetry.start_time = time.time()
+        strategy = self._make()
+        while True:
+            done = state.step >= t.steps
+            seen = 0
+            if not done:
+                offered = self.inbox.pending_epoch() if self.inbox else 0
+                start = time.perf_counter()
+                result = strategy.step(offered)
+                state.step += 1
+                telemetry.record_step(state.step, result.samples, result.compute_s, result.wait_s, time.perf_counter() - start, result.loss, result.staleness)
+                if not math.isfinite(result.loss):
+                    # Fail loudly (torchrun then stops every worker) rather than train on NaNs.
+                    raise FloatingPointError(f"loss is {result.loss} at step {state.step} in {state.mode.value} mode")
+                done = result.stop or state.step >= t.steps
+                seen = result.seen_epoch
+            if not done and seen <= state.control_epoch:
+                continue
+            paused = time.perf_counter()
+            strategy.leave()
+            agreed = torch.tensor([int(done), state.step], dtype=torch.int64)
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.ctl)
+            state.step = int(agreed[1])
+            telemetry.set_step(state.step)
+            if int(agreed[0]):
+                break
+            old_mode = state.mode
+            command = self._receive_command()
+            strategy = self._make()
+            pause = time.perf_counter() - paused
+            for observer in self.switch_observers:
+                observer(self)
+            if state.mode != old_mode:
+                reason = command.reason if command else ""
+                telemetry.record_switch(old_mode, state.mode, state.step, pause, reason)
+                log.info("switched %s -> %s at step %d in %.3f s (epoch %d: %s)", old_mode.value, state.mode.value, state.step, pause, state.control_epoch, reason)
+        self._finish()
+        return state
+
+    def _receive_command(self) -> ControlCommand | None:
+        """Collective: rank 0's newest command to every rank, applied identically everywhere."""
+        holder: list[Any] = [None]
+        if self.inbox is not None:
+            command = self.inbox.take()
+            holder[0] = command.model_dump(mode="json", by_alias=True) if command else None
+        dist.broadcast_object_list(holder, src=0, group=self.ctl)
+        if holder[0] is None:
+            return None
+        command = ControlCommand.model_validate(holder[0])
+        self._apply(command)
+        return command
+
+    def _apply(self, command: ControlCommand) -> None:
+        state, world = self.state, self.info.world_size
+        if command.batch_sizes:
+            shard = self.stream.size // world  # a batch must fit in one rank's shard of an epoch
+            bad = {r: b for r, b in command.batch_sizes.items() if not 0 <= r < world or not 1 <= b <= shard}
+            if bad:
+                log.warning("epoch %d: ignoring batch sizes for unknown ranks or outside 1..%d: %s", command.epoch, shard, bad)
+            state.batch_sizes.update({r: b for r, b in command.batch_sizes.items() if r not in bad})
+        if command.groups is not None:
+            if valid_groups(command.groups, world):
+                state.groups = [sorted(g) for g in command.groups]
+            else:
+                log.warning("epoch %d: groups %s do not cover ranks 0..%d exactly once; keeping %s", command.epoch, command.groups, world - 1, state.groups)
+        if command.mode is not None:
+            state.mode = command.mode
+        state.control_epoch = command.epoch
+        if self.inbox is not None:
+            self.inbox.mark_applied(command.epoch)
+        self.telemetry.set_control_epoch(command.epoch)
+        self.telemetry.set_batch_size(self.ctx.batch_size())
+
+    def _finish(self) -> None:
+        final = self.evaluate()
+        self.telemetry.finish(final)
+        log.info("done at step %d: loss %.5f -> %.5f", self.state.step, self.telemetry.initial_loss, final)
+        report_dir = os.environ.get("SGDJOB_REPORT_DIR")
+        if report_dir:
+            self.telemetry.write_report(report_dir)
+        assert self.ctx.ps is not None
+        self.ctx.ps.close()
+
+    def close(self) -> None:
+        """Stop serving and leave the process group (after train(), or on an error path)."""
+        self.server.stop()
+        # After a failure the shard threads may sit in a receive on the group; tearing it down
+        # under them can hang, so leave it to process exit (torchrun stops the other workers).
+        if self.telemetry.done:
+            shutdown_distributed()
