@@ -7,12 +7,19 @@ missing control plane is a failure instead, so CI can never pass by skipping the
 from __future__ import annotations
 
 import os
+import signal
+import threading
 from collections.abc import Iterator
 from pathlib import Path
+from types import FrameType
+from typing import TYPE_CHECKING
 
 import pytest
 
 from e2e.controlplane import AssetsMissing, ControlPlane, assets_dir
+
+if TYPE_CHECKING:  # imported in the fixture: unit-test runs need not load the Kubernetes client
+    from e2e.cluster import LocalCluster
 
 ROOT = Path(__file__).resolve().parent.parent
 CRD_FILE = ROOT / "crds" / "sgdjobs.sgdjob.dev.yaml"
@@ -44,3 +51,49 @@ def k8s_crd(k8s: ControlPlane) -> ControlPlane:
     k8s.kubectl("apply", "-f", str(CRD_FILE))
     k8s.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/sgdjobs.sgdjob.dev")
     return k8s
+
+
+@pytest.fixture
+def k8s_assets() -> Path:
+    """The control-plane binaries, for tests that start their own cluster (same skip/fail rules)."""
+    _require_assets()
+    return assets_dir()
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+@pytest.fixture(scope="session")
+def cluster() -> Iterator[LocalCluster]:
+    """Control plane with controllers + the node agent: node-0..node-3 with one `nvidia.com/gpu` each
+    (label nvidia.com/gpu.present=true) and node-4 without GPUs. Restart backoff and the deletion
+    grace are capped low so tests stay fast. Teardown fails if any pod process outlived the agent.
+    """
+    _require_assets()
+    from e2e.cluster import LocalCluster, default_nodes
+    from e2e.proctree import reap_orphans
+
+    reap_orphans()  # pods of an earlier run that was SIGKILLed (only processes whose agent is gone)
+
+    # SIGTERM (CI cancelling a run) becomes KeyboardInterrupt, so pytest still tears this down.
+    restore = None
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        restore = signal.signal(signal.SIGTERM, _interrupt)
+    local = LocalCluster(default_nodes(gpu_nodes=4, cpu_nodes=1), backoff_base=0.5, backoff_cap=4.0, grace_cap=5.0)
+    try:
+        yield local.start()
+    finally:
+        local.stop()
+        if restore is not None:
+            signal.signal(signal.SIGTERM, restore)
+    leftovers = local.agent.leftover_pids()
+    assert not leftovers, f"pod processes outlived the node agent: {leftovers}"
+
+
+@pytest.fixture(scope="session")
+def cluster_crd(cluster: LocalCluster) -> LocalCluster:
+    """The local cluster with the SGDJob CRD installed and established."""
+    cluster.plane.kubectl("apply", "-f", str(CRD_FILE))
+    cluster.plane.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/sgdjobs.sgdjob.dev")
+    return cluster

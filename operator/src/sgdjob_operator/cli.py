@@ -44,8 +44,11 @@ def validate(files: tuple[Path, ...]) -> None:
         sys.exit(1)
 
 
+# Subcommands live in the modules that own their work; each imports its heavy dependencies lazily.
 from sgdjob_operator.cli_simulate import simulate  # noqa: E402
 from sgdjob_operator.local.cli import run  # noqa: E402
+from sgdjob_operator.operator_cli import operator  # noqa: E402
 
-main.add_command(simulate)
 main.add_command(run)
+main.add_command(operator)
+main.add_command(simulate)

@@ -66,10 +66,12 @@ class Telemetry:
         self.done = False
         self.initial_loss = math.nan
         self.final_loss = math.nan
-        self.loss_history: list[tuple[int, float]] = []
+        self.loss_history: list[tuple[int, float, float]] = []  # (step, loss, seconds since start)
         self._history_stride = 1
         self.mode_timeline: list[dict[str, Any]] = [{"timeS": 0.0, "step": 0, "mode": mode.value, "reason": "start mode"}]
         self.end_time: float | None = None
+        # Further /status and report fields (restart history, checkpoint figures), by their key.
+        self.extra: dict[str, Any] = {}
 
         self.registry = CollectorRegistry()
         r = self.registry
@@ -105,7 +107,7 @@ class Telemetry:
             self.loss = loss
             self.staleness = staleness
             if step % self._history_stride == 0:
-                self.loss_history.append((step, loss))
+                self.loss_history.append((step, loss, time.time() - self.start_time))
                 if len(self.loss_history) > HISTORY_POINTS:
                     self.loss_history = self.loss_history[::2]
                     self._history_stride *= 2
@@ -116,6 +118,13 @@ class Telemetry:
         self.m_step_time.observe(step_s)
         self.m_loss.set(loss)
         self.m_staleness.set(staleness)
+
+    def resumed(self, step: int, mode: SyncMode, reason: str) -> None:
+        """A restarted process continues at `step` in `mode` (from a checkpoint)."""
+        with self.lock:
+            self.step, self.mode = step, mode
+            self.mode_timeline = [{"timeS": 0.0, "step": step, "mode": mode.value, "reason": reason}]
+        self._set_mode_gauge(mode)
 
     def set_step(self, step: int) -> None:
         with self.lock:
@@ -170,6 +179,7 @@ class Telemetry:
                 "done": self.done,
                 "time": time.time(),
                 "startTime": self.start_time,
+                **self.extra,
             }
 
     def summary(self) -> dict[str, Any]:
@@ -180,7 +190,7 @@ class Telemetry:
             doc.update(
                 initialLoss=_finite(self.initial_loss),
                 finalLoss=_finite(self.final_loss),
-                lossHistory=[[s, _finite(v)] for s, v in self.loss_history],
+                lossHistory=[[s, _finite(v), round(t, 3)] for s, v, t in self.loss_history],
                 modeTimeline=list(self.mode_timeline),
                 wallSeconds=end - self.start_time,
                 speedSamplesPerS=self.samples / self.compute_seconds if self.compute_seconds > 0 else 0.0,

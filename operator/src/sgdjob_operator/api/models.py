@@ -179,6 +179,21 @@ class Straggler(CamelModel):
     slowdown: Annotated[float, Field(ge=0.0, le=1e6, description="Step compute time relative to the median.")] = 1.0
 
 
+_OPAQUE: dict[str, Any] = {"x-kubernetes-preserve-unknown-fields": True}
+
+
+class ControllerState(CamelModel):
+    """The operator's own bookkeeping, kept in status (never only in memory) so a restarted operator
+    resumes where it stopped: the control command it wants applied, nodes it keeps the job off,
+    failures already counted against backoffLimit, and the policy's opaque state."""
+
+    command: Annotated[dict[str, Any] | None, Field(description="Latest control command (ControlCommand JSON), re-pushed until rank 0 reports its epoch.", json_schema_extra=_OPAQUE)] = None
+    excluded_nodes: Annotated[list[Annotated[str, Field(max_length=253)]], Field(max_length=256, description="Nodes this job's workers are kept off (replaced stragglers).")] = []
+    counted_failures: Annotated[list[Annotated[str, Field(max_length=64)]], Field(max_length=256, description="UIDs of failed worker pods already counted in restarts.")] = []
+    policy_state: Annotated[str | None, Field(max_length=1_000_000, description="The policy core's state between evaluations, as JSON text (the API server would drop nulls inside arrays).")] = None
+    last_change_time: Annotated[str | None, Field(max_length=64, description="When the operator last changed the job (RFC 3339).")] = None
+
+
 class SGDJobStatus(CamelModel):
     """Observed state of an SGDJob, written by the operator."""
 
@@ -200,6 +215,7 @@ class SGDJobStatus(CamelModel):
     start_time: Annotated[str | None, Field(max_length=64, description="When the workers started (RFC 3339).")] = None
     completion_time: Annotated[str | None, Field(max_length=64, description="When the job finished (RFC 3339).")] = None
     message: Annotated[str, Field(max_length=4096, description="Latest human-readable summary.")] = ""
+    controller: Annotated[ControllerState | None, Field(description="Operator bookkeeping; not for users.")] = None
 
 
 class SGDJob(CamelModel):

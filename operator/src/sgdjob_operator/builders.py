@@ -1,0 +1,258 @@
+"""Pure builders for every object an SGDJob owns: headless Service, rendezvous pod, worker pods,
+control-token Secret and run-config ConfigMap. No I/O; the kopf shell creates what these return.
+
+Rendezvous: a small dedicated pod (`<job>-rdzv`) hosts the c10d TCPStore that torchrun's agents
+rendezvous through (`python -m sgdjob_operator.rendezvous`, with `is_host=0` on every worker). With the
+store on worker 0, as plain torchrun does, losing worker 0 would take the rendezvous with it; on its own
+pod, any single worker may go and the others re-rendezvous. The pod is recreated if it is lost.
+
+Names are deterministic (`<job>-worker-<i>`), so a create that races an earlier one is a 409, never
+a duplicate pod, whichever operator process or restart issued it.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sgdjob_operator.api.models import API_VERSION, KIND, SGDJobSpec
+from sgdjob_trainer.config import RunConfig, SyncMode
+
+LABEL_JOB = "sgdjob.dev/job-name"
+LABEL_ROLE = "sgdjob.dev/role"
+LABEL_INDEX = "sgdjob.dev/replica-index"
+ROLE_WORKER = "worker"
+ROLE_RDZV = "rendezvous"
+CONTAINER = "trainer"
+RDZV_PORT = 29400
+CONFIG_DIR = "/etc/sgdjob/config"
+CONFIG_FILE = "run-config.json"
+TOKEN_DIR = "/etc/sgdjob/control"
+TOKEN_KEY = "token"
+DEFAULT_IMAGE = "ghcr.io/sgdjob/trainer:0.1.0"
+
+
+@dataclass(frozen=True, slots=True)
+class JobRef:
+    """The identity of one SGDJob: enough to name, label and own its objects."""
+
+    name: str
+    namespace: str
+    uid: str
+
+    @classmethod
+    def from_body(cls, body: dict[str, Any]) -> JobRef:
+        meta = body["metadata"]
+        return cls(name=str(meta["name"]), namespace=str(meta.get("namespace") or "default"), uid=str(meta.get("uid", "")))
+
+    @property
+    def service(self) -> str:
+        return self.name
+
+    @property
+    def secret(self) -> str:
+        return f"{self.name}-control"
+
+    @property
+    def config_map(self) -> str:
+        return f"{self.name}-config"
+
+    @property
+    def rdzv_pod(self) -> str:
+        return f"{self.name}-rdzv"
+
+    def worker(self, index: int) -> str:
+        return f"{self.name}-worker-{index}"
+
+    @property
+    def rdzv_endpoint(self) -> str:
+        # hostname.subdomain.namespace.svc resolves through the headless Service, whatever the cluster domain.
+        return f"{self.rdzv_pod}.{self.service}.{self.namespace}.svc:{RDZV_PORT}"
+
+    @property
+    def selector(self) -> str:
+        return f"{LABEL_JOB}={self.name}"
+
+
+def owner_reference(job: JobRef) -> dict[str, Any]:
+    # controller=True lets `kubectl describe` and the garbage collector treat the SGDJob as the owner.
+    return {"apiVersion": API_VERSION, "kind": KIND, "name": job.name, "uid": job.uid, "controller": True, "blockOwnerDeletion": True}
+
+
+def _meta(job: JobRef, name: str, role: str | None = None, extra_labels: dict[str, str] | None = None) -> dict[str, Any]:
+    labels = {LABEL_JOB: job.name, "app.kubernetes.io/managed-by": "sgdjob-operator"}
+    if role is not None:
+        labels[LABEL_ROLE] = role
+    labels.update(extra_labels or {})
+    return {"name": name, "namespace": job.namespace, "labels": labels, "ownerReferences": [owner_reference(job)]}
+
+
+def build_service(job: JobRef) -> dict[str, Any]:
+    """Headless Service over all the job's pods, so `<pod>.<job>` resolves before pods are ready
+    (torchrun needs the names during rendezvous, long before a readiness probe could pass)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(job, job.service),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": {LABEL_JOB: job.name},
+            "ports": [{"name": "rendezvous", "port": RDZV_PORT, "targetPort": RDZV_PORT, "protocol": "TCP"}],
+        },
+    }
+
+
+def build_secret(job: JobRef, token: str) -> dict[str, Any]:
+    """The job's /control bearer token; workers read it from a file, the operator from the Secret."""
+    return {"apiVersion": "v1", "kind": "Secret", "metadata": _meta(job, job.secret), "type": "Opaque", "stringData": {TOKEN_KEY: token}}
+
+
+def run_config(job: JobRef, spec: SGDJobSpec, mode: SyncMode) -> RunConfig:
+    return RunConfig(job_name=job.name, mode=mode, reference_world_size=spec.min_workers * spec.nproc_per_node, training=spec.training)
+
+
+def build_config_map(job: JobRef, spec: SGDJobSpec, mode: SyncMode) -> dict[str, Any]:
+    """The RunConfig every trainer reads. `mode` is the mode a (re)started worker should begin in: the
+    operator keeps it at the target mode so a restarted world does not fall back to the initial one."""
+    text = run_config(job, spec, mode).model_dump_json(by_alias=True, indent=2) + "\n"
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(job, job.config_map), "data": {CONFIG_FILE: text}}
+
+
+def config_map_mode(config_map: dict[str, Any]) -> str | None:
+    try:
+        return str(json.loads(config_map["data"][CONFIG_FILE])["mode"])
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def _field_env(name: str, path: str) -> dict[str, Any]:
+    return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
+
+
+def worker_env(job: JobRef, spec: SGDJobSpec, index: int) -> list[dict[str, Any]]:
+    """torchrun's PET_* contract plus what the trainer reads. POD_IP comes first so later values
+    can expand `$(POD_IP)`."""
+    # Surviving agents restart their processes when a peer is lost; that must not exhaust their own
+    # budget before the job's, so each agent may restart once per possible peer on top of backoffLimit.
+    max_restarts = spec.run_policy.backoff_limit + spec.max_workers
+    return [
+        _field_env("POD_IP", "status.podIP"),
+        _field_env("NODE_NAME", "spec.nodeName"),
+        _field_env("POD_NAME", "metadata.name"),
+        _field_env("POD_NAMESPACE", "metadata.namespace"),
+        {"name": "PET_NNODES", "value": f"{spec.min_workers}:{spec.max_workers}"},
+        {"name": "PET_NPROC_PER_NODE", "value": str(spec.nproc_per_node)},
+        {"name": "PET_RDZV_BACKEND", "value": "c10d"},
+        {"name": "PET_RDZV_ENDPOINT", "value": job.rdzv_endpoint},
+        {"name": "PET_RDZV_ID", "value": job.uid or job.name},
+        {"name": "PET_RDZV_CONF", "value": "is_host=0"},
+        {"name": "PET_MAX_RESTARTS", "value": str(max_restarts)},
+        {"name": "PET_LOCAL_ADDR", "value": "$(POD_IP)"},
+        {"name": "SGDJOB_METRICS_HOST", "value": "$(POD_IP)"},
+        {"name": "SGDJOB_CONTROL_TOKEN_FILE", "value": f"{TOKEN_DIR}/{TOKEN_KEY}"},
+        {"name": "SGDJOB_JOB_NAME", "value": job.name},
+        {"name": "SGDJOB_WORKER_INDEX", "value": str(index)},
+        {"name": "PYTHONUNBUFFERED", "value": "1"},
+    ]
+
+
+def _merge_named(user: list[dict[str, Any]], ours: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """User entries first (in their order), ours replacing any of the same name: the contract wins."""
+    names = {item["name"] for item in ours}
+    return [item for item in user if item.get("name") not in names] + ours
+
+
+def _exclusion_affinity(affinity: dict[str, Any], excluded: Sequence[str]) -> dict[str, Any]:
+    """Add `metadata.name NotIn excluded` to every required node-selector term (ANDed with the
+    user's own terms, which are ORed among themselves), creating the term if there is none."""
+    if not excluded:
+        return affinity
+    out = copy.deepcopy(affinity)
+    required = out.setdefault("nodeAffinity", {}).setdefault("requiredDuringSchedulingIgnoredDuringExecution", {})
+    terms = required.get("nodeSelectorTerms") or [{}]
+    requirement = {"key": "metadata.name", "operator": "NotIn", "values": sorted(set(excluded))}
+    for term in terms:
+        term["matchFields"] = [*term.get("matchFields", []), requirement]
+    required["nodeSelectorTerms"] = terms
+    return out
+
+
+def _trainer_container(containers: list[dict[str, Any]]) -> int:
+    for i, container in enumerate(containers):
+        if container.get("name") == CONTAINER:
+            return i
+    return 0
+
+
+def build_worker_pod(job: JobRef, spec: SGDJobSpec, index: int, *, default_image: str, excluded_nodes: Sequence[str] = ()) -> dict[str, Any]:
+    """Worker pod `index`: the user's template with the operator's contract merged into the trainer
+    container (named `trainer`, else the first). Everything else in the template is kept as written:
+    resources (incl. nvidia.com/gpu), nodeSelector, tolerations, volumes, sidecars, extra env."""
+    template = copy.deepcopy(spec.template)
+    tmeta = template.get("metadata") or {}
+    pod_spec: dict[str, Any] = template.get("spec") or {}
+    name = job.worker(index)
+    meta = _meta(job, name, ROLE_WORKER, {LABEL_INDEX: str(index)})
+    meta["labels"] = {**(tmeta.get("labels") or {}), **meta["labels"]}
+    if tmeta.get("annotations"):
+        meta["annotations"] = dict(tmeta["annotations"])
+
+    containers: list[dict[str, Any]] = pod_spec.get("containers") or [{"name": CONTAINER}]
+    main = containers[_trainer_container(containers)]
+    main.setdefault("name", CONTAINER)
+    main["image"] = main.get("image") or default_image
+    if not main.get("command") and not main.get("args"):
+        main["command"] = ["torchrun"]
+        main["args"] = ["-m", "sgdjob_trainer", "--config", f"{CONFIG_DIR}/{CONFIG_FILE}"]
+    main["env"] = _merge_named(main.get("env") or [], worker_env(job, spec, index))
+    base = spec.training.metrics_port
+    ports = [{"name": "metrics" if lr == 0 else f"metrics-{lr}", "containerPort": base + lr, "protocol": "TCP"} for lr in range(spec.nproc_per_node)]
+    taken = {p.get("containerPort") for p in main.get("ports") or []}
+    main["ports"] = [*(main.get("ports") or []), *(p for p in ports if p["containerPort"] not in taken)]
+    mounts = [{"name": "sgdjob-config", "mountPath": CONFIG_DIR, "readOnly": True}, {"name": "sgdjob-control", "mountPath": TOKEN_DIR, "readOnly": True}]
+    main["volumeMounts"] = _merge_named(main.get("volumeMounts") or [], mounts)
+    volumes = [
+        {"name": "sgdjob-config", "configMap": {"name": job.config_map}},
+        {"name": "sgdjob-control", "secret": {"secretName": job.secret, "defaultMode": 0o400}},
+    ]
+    pod_spec["containers"] = containers
+    pod_spec["volumes"] = _merge_named(pod_spec.get("volumes") or [], volumes)
+    # The operator restarts failed workers itself (counting them against backoffLimit), so the
+    # kubelet must not restart them behind its back.
+    pod_spec["restartPolicy"] = "Never"
+    # Trainers never call the Kubernetes API; a template that needs it can say so.
+    pod_spec.setdefault("automountServiceAccountToken", False)
+    pod_spec["hostname"] = name
+    pod_spec["subdomain"] = job.service
+    affinity = _exclusion_affinity(pod_spec.get("affinity") or {}, excluded_nodes)
+    if affinity:
+        pod_spec["affinity"] = affinity
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
+
+
+def build_rdzv_pod(job: JobRef, spec: SGDJobSpec, *, default_image: str) -> dict[str, Any]:
+    """The rendezvous store's pod: the trainer image (it has torch), tiny resources, restarted in
+    place by the kubelet, and the template's scheduling constraints so it can land where workers can."""
+    pod_spec: dict[str, Any] = copy.deepcopy(spec.template.get("spec") or {})
+    containers = pod_spec.get("containers") or [{}]
+    image = containers[_trainer_container(containers)].get("image") or default_image
+    keep = {k: pod_spec[k] for k in ("nodeSelector", "tolerations", "imagePullSecrets", "priorityClassName", "serviceAccountName", "securityContext") if k in pod_spec}
+    container = {
+        "name": "rendezvous",
+        "image": image,
+        "command": ["python", "-m", "sgdjob_operator.rendezvous", "--host", "$(POD_IP)", "--port", str(RDZV_PORT)],
+        "env": [_field_env("POD_IP", "status.podIP"), {"name": "PYTHONUNBUFFERED", "value": "1"}],
+        "ports": [{"name": "rendezvous", "containerPort": RDZV_PORT, "protocol": "TCP"}],
+        "resources": {"requests": {"cpu": "50m", "memory": "64Mi"}, "limits": {"memory": "256Mi"}},
+        "readinessProbe": {"tcpSocket": {"port": RDZV_PORT}, "periodSeconds": 5},
+    }
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": _meta(job, job.rdzv_pod, ROLE_RDZV),
+        "spec": {**keep, "containers": [container], "restartPolicy": "Always", "hostname": job.rdzv_pod, "subdomain": job.service, "automountServiceAccountToken": False},
+    }

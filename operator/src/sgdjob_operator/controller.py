@@ -1,0 +1,265 @@
+"""The imperative shell around the pure core: one reconciliation pass of one SGDJob.
+
+A pass reads the job and its pods from the API (never from a cache that could be stale after our own
+write), scrapes the workers when the policy interval is due, plans with the pure functions and carries
+the plan out through the one API wrapper. Memory here is only timing and de-duplication of noisy
+Events; losing it (operator restart) changes nothing that matters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from sgdjob_operator import metrics
+from sgdjob_operator.api.models import Phase, SGDJobSpec, SGDJobStatus
+from sgdjob_operator.api.validation import SpecError, validate_spec
+from sgdjob_operator.builders import (
+    TOKEN_KEY,
+    JobRef,
+    build_config_map,
+    build_rdzv_pod,
+    build_secret,
+    build_service,
+    build_worker_pod,
+)
+from sgdjob_operator.kube import ApiError, Kube, core_path
+from sgdjob_operator.monitor import Observation, Outcome, apply_decision, command_to_push, endpoints, observe, record_observation
+from sgdjob_operator.policy_adapter import run_policy, without_change
+from sgdjob_operator.reconcile import plan_reconcile
+from sgdjob_operator.scrape import post_control
+from sgdjob_operator.settings import OperatorSettings
+from sgdjob_operator.status import FINISHED, Event, PodView, controller, dump_status, finish, in_flight, load_status
+from sgdjob_operator.status import workers as worker_pods
+from sgdjob_trainer.config import SyncMode
+
+log = logging.getLogger("sgdjob_operator")
+Key = tuple[str, str]
+
+
+@dataclass(slots=True)
+class Runtime:
+    """What the handlers share: settings, the API client, the scrape session and soft memory."""
+
+    settings: OperatorSettings
+    kube: Kube
+    http: aiohttp.ClientSession
+    wakeups: dict[Key, asyncio.Event] = field(default_factory=dict)
+    loops: dict[Key, asyncio.Task[None]] = field(default_factory=dict)
+    generations: dict[Key, int] = field(default_factory=dict)
+    phases: dict[Key, str] = field(default_factory=dict)
+    tokens: dict[str, str] = field(default_factory=dict)
+    next_monitor: dict[str, float] = field(default_factory=dict)
+    last_ensure: dict[str, float] = field(default_factory=dict)
+    noisy: dict[tuple[str, str], str] = field(default_factory=dict)
+
+    def wake(self, key: Key) -> None:
+        event = self.wakeups.get(key)
+        if event is not None:
+            event.set()
+
+    def forget(self, key: Key, uid: str) -> None:
+        for table in (self.wakeups, self.generations, self.phases):
+            table.pop(key, None)
+        for uid_table in (self.tokens, self.next_monitor, self.last_ensure):
+            uid_table.pop(uid, None)
+        metrics.set_phases(self.phases.values())
+
+
+async def post_events(rt: Runtime, ref: JobRef, events: list[Event]) -> None:
+    for ev in events:
+        try:
+            await rt.kube.post_event(ref, ev.type, ev.reason, ev.message)
+        except ApiError as err:  # an Event is worth a log line, never a failed pass
+            log.warning("cannot post event %s for %s/%s: %s", ev.reason, ref.namespace, ref.name, err)
+        (log.warning if ev.type == "Warning" else log.info)("%s/%s %s: %s", ref.namespace, ref.name, ev.reason, ev.message)
+
+
+async def ensure_children(rt: Runtime, ref: JobRef, spec: SGDJobSpec, status: SGDJobStatus) -> None:
+    """Service, token Secret and run-config ConfigMap: created if missing; the ConfigMap is kept at
+    the mode a restarted world should start in (the target mode)."""
+    rt.last_ensure[ref.uid] = time.monotonic()  # first, so the create handler and the daemon do not both do it
+    mode = status.target_mode or spec.initial_mode.value
+    config_map = build_config_map(ref, spec, SyncMode(mode))
+    try:
+        _, _, fresh = await asyncio.gather(rt.kube.create(build_service(ref)), rt.kube.create(build_secret(ref, secrets.token_urlsafe(32))), rt.kube.create(config_map))
+        if not fresh:
+            await rt.kube.patch(f"{core_path(ref.namespace, 'configmaps')}/{ref.config_map}", {"data": config_map["data"]})
+    except ApiError:
+        rt.last_ensure.pop(ref.uid, None)  # the next pass tries again
+        raise
+
+
+async def job_token(rt: Runtime, ref: JobRef) -> str | None:
+    if ref.uid not in rt.tokens:
+        secret = await rt.kube.get(f"{core_path(ref.namespace, 'secrets')}/{ref.secret}")
+        data = (secret or {}).get("data") or {}
+        if TOKEN_KEY not in data:
+            return None
+        rt.tokens[ref.uid] = base64.b64decode(data[TOKEN_KEY]).decode().strip()
+    return rt.tokens[ref.uid]
+
+
+async def _once(rt: Runtime, ref: JobRef, kind: str, message: str, ev_type: str = "Warning") -> list[Event]:
+    """An Event for a condition that repeats every pass (a worker that cannot be scraped): posted when
+    the condition's text changes, not every time."""
+    key = (ref.uid, kind)
+    if rt.noisy.get(key) == message:
+        return []
+    rt.noisy[key] = message
+    return [Event(ev_type, kind, message)] if message else []
+
+
+async def _monitor(rt: Runtime, ref: JobRef, spec: SGDJobSpec, st: SGDJobStatus, pods: list[PodView], now: float) -> tuple[Outcome | None, list[Event], SGDJobSpec]:
+    """Scrape, evaluate, apply the decision to `st`, push the desired command. Returns the outcome,
+    Events, and the spec as it now stands (a rescale changes replicas)."""
+    eps = endpoints(spec, pods, host=rt.settings.scrape_host, scheme=rt.settings.scrape_scheme)
+    if not eps:
+        return None, [], spec
+    obs: Observation = await observe(eps, now=now, timeout=rt.settings.scrape_timeout_s, session=rt.http)
+    events: list[Event] = []
+    if obs.errors:
+        metrics.SCRAPE_ERRORS.inc(len(obs.errors))
+    failing = "; ".join(f"{url}: {err}" for url, err in sorted(obs.errors.items()))
+    events += await _once(rt, ref, "ScrapeFailed", f"cannot scrape {len(obs.errors)} of {len(eps)} workers: {failing}" if failing else "")
+    if not obs.samples:
+        return None, events, spec
+    decision, health, state, problem = run_policy(spec, st, obs, now)
+    events += await _once(rt, ref, "PolicyError", problem)
+    events += record_observation(st, obs, health)
+    busy = in_flight(st, spec, pods)
+    rank_pods = {s.rank: s.pod for s in obs.samples if s.pod}
+    outcome = apply_decision(st, spec, decision, rank_pods, now=now, busy=busy)
+    if state is not None:
+        ctl = controller(st)
+        ctl.policy_state = without_change(state, ctl.policy_state) if outcome.deferred else state
+    if str(getattr(decision, "action", "keep")) == "keep":
+        log.debug("%s/%s: keep: %s", ref.namespace, ref.name, getattr(decision, "reason", ""))
+    if outcome.applied:
+        metrics.DECISIONS.labels(action=outcome.applied, reason=metrics.reason_label(str(decision.reason))).inc()
+    if outcome.deferred:
+        metrics.DEFERRED.labels(action=outcome.deferred).inc()
+        log.info("%s/%s: %s deferred (%s)", ref.namespace, ref.name, outcome.deferred, busy or "mode fixed by spec")
+    if outcome.scale_to is not None and await rt.kube.scale_job(ref, outcome.scale_to) is not None:
+        spec = spec.model_copy(update={"replicas": outcome.scale_to})
+    command = command_to_push(st, obs)
+    if command is not None and obs.control is not None:
+        token = await job_token(rt, ref)
+        result = await post_control(obs.control, command, token or "", timeout=rt.settings.scrape_timeout_s, session=rt.http)
+        metrics.CONTROL_PUSHES.labels(result=str(result.status) if result.status else "error").inc()
+        bad = "" if result.accepted else f"POST {obs.control.url}/control epoch {command.epoch}: {result.error or f'HTTP {result.status} {result.body[:200]}'}"
+        events += await _once(rt, ref, "ControlPushFailed", bad)
+    if outcome.config_changed:
+        await ensure_children(rt, ref, spec, st)
+    return outcome, events + outcome.events, spec
+
+
+async def reconcile(rt: Runtime, ref: JobRef) -> float | None:
+    """One pass; returns seconds until the next one is due (None: the job is gone)."""
+    started = time.perf_counter()
+    body = await rt.kube.get_job(ref)
+    if body is None or body["metadata"].get("uid") != ref.uid:
+        return None
+    if body["metadata"].get("deletionTimestamp"):
+        return None
+    key = (ref.namespace, ref.name)
+    generation = int(body["metadata"].get("generation") or 0)
+    rt.generations[key] = generation
+    raw_status = body.get("status") or {}
+    st = load_status(raw_status)
+    now = time.time()
+    events: list[Event] = []
+    try:
+        spec = validate_spec(body.get("spec") or {})
+    except SpecError as err:
+        events = mark_invalid(st, err.problems, now)
+        st.observed_generation = generation
+        await _write(rt, ref, raw_status, st, events)
+        return rt.settings.resync_s
+    if st.phase is Phase.FAILED and any(c.type == "Failed" and c.reason == "InvalidSpec" for c in st.conditions):
+        st = SGDJobStatus(restarts=st.restarts, decisions=st.decisions, controller=st.controller)  # fixed spec: start over
+    if time.monotonic() - rt.last_ensure.get(ref.uid, -1e9) > rt.settings.resync_s and st.phase not in FINISHED:
+        await ensure_children(rt, ref, spec, st)
+    pods = [PodView.from_obj(p) for p in await rt.kube.job_pods(ref)]
+    outcome: Outcome | None = None
+    due = rt.next_monitor.get(ref.uid, 0.0)
+    if st.phase in (Phase.RUNNING, Phase.ADAPTING) and time.monotonic() >= due and not spec.run_policy.suspend:
+        rt.next_monitor[ref.uid] = time.monotonic() + spec.policy.interval_seconds
+        outcome, events, spec = await _monitor(rt, ref, spec, st, pods, now)
+    plan = plan_reconcile(spec, st, pods, generation=generation, now=now)
+    excluded = controller(plan.status).excluded_nodes
+    creates = [build_worker_pod(ref, spec, i, default_image=rt.settings.trainer_image, excluded_nodes=excluded) for i in plan.create_workers]
+    if plan.create_rdzv:
+        creates.append(build_rdzv_pod(ref, spec, default_image=rt.settings.trainer_image))
+    results = await asyncio.gather(*(rt.kube.create(pod) for pod in creates), return_exceptions=True)
+    failed = [f"{pod['metadata']['name']}: {result}" for pod, result in zip(creates, results, strict=True) if isinstance(result, BaseException)]
+    for pod, result in zip(creates, results, strict=True):
+        if result is True:
+            metrics.PODS_CREATED.labels(role=pod["metadata"]["labels"].get("sgdjob.dev/role", "worker")).inc()
+    # Admission refusals repeat every pass until someone fixes the cause: one Event per distinct cause.
+    events += await _once(rt, ref, "CreateFailed", f"cannot create {len(failed)} pods; first: {failed[0]}" if failed else "")
+    deletes = list(plan.delete_pods)
+    if outcome is not None and outcome.delete_pod and outcome.delete_pod not in {n for n, _ in deletes}:
+        deletes.append((outcome.delete_pod, "replaced by the policy"))
+    for name, why in deletes:
+        if await rt.kube.delete("Pod", ref.namespace, name):
+            metrics.PODS_DELETED.labels(why=metrics.reason_label(why)).inc()
+    await _write(rt, ref, raw_status, plan.status, events + plan.events)
+    rt.phases[key] = plan.status.phase.value
+    metrics.set_phases(rt.phases.values())
+    metrics.RECONCILE_SECONDS.observe(time.perf_counter() - started)
+    if plan.delete_job:
+        await post_events(rt, ref, [Event("Normal", "Deleted", f"ttlSecondsAfterFinished ({spec.run_policy.ttl_seconds_after_finished}s) elapsed")])
+        await rt.kube.delete_job(ref)
+        return None
+    delay = next_delay(rt, ref, spec, plan.status, pods)
+    return min(delay, 5.0) if failed else delay
+
+
+def next_delay(rt: Runtime, ref: JobRef, spec: SGDJobSpec, st: SGDJobStatus, pods: list[PodView]) -> float:
+    delay = rt.settings.resync_s
+    if st.phase in (Phase.RUNNING, Phase.ADAPTING):
+        delay = min(delay, max(0.0, rt.next_monitor.get(ref.uid, 0.0) - time.monotonic()) + 0.01)
+    ttl = spec.run_policy.ttl_seconds_after_finished
+    if st.phase in FINISHED and ttl is not None:
+        delay = min(delay, float(ttl) + 0.5)
+    deadline = spec.run_policy.active_deadline_seconds
+    if deadline is not None and st.start_time and st.phase not in FINISHED:
+        delay = min(delay, float(deadline) + 0.5)
+    if any(p.deleting for p in worker_pods(pods)):
+        delay = min(delay, 1.0)  # a terminating name is recreated as soon as it is free
+    return max(delay, rt.settings.min_tick_s)
+
+
+def mark_invalid(st: SGDJobStatus, problems: list[str], now: float) -> list[Event]:
+    """A spec the schema accepted but the cross-field rules refuse: Failed, naming the fields."""
+    message = "invalid spec: " + "; ".join(problems)
+    already = st.phase is Phase.FAILED and st.message == message
+    event = finish(st, Phase.FAILED, "InvalidSpec", message, now)
+    st.message = message
+    return [] if already else [event]
+
+
+def _pruned(value: Any) -> Any:
+    """JSON as the API server stores it after a merge patch: no null members."""
+    if isinstance(value, dict):
+        return {k: _pruned(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_pruned(v) for v in value]
+    return value
+
+
+async def _write(rt: Runtime, ref: JobRef, before: dict[str, Any], st: SGDJobStatus, events: list[Event]) -> None:
+    """Write status only when it changed (each write wakes every watcher), then post the Events:
+    a decision is in status before anyone hears of it."""
+    after = dump_status(st)
+    if _pruned(after) != _pruned(before):
+        await rt.kube.patch_job_status(ref, after)
+    await post_events(rt, ref, events)

@@ -1,0 +1,211 @@
+"""Thin kopf handlers: they only wire events to the controller's passes. Importing this module
+registers them (the CLI imports it; `kopf run -m sgdjob_operator` does through the package).
+
+- one `on.startup` applies every setting; `on.login` gives kopf the operator's own credentials;
+- `on.create/resume/update(spec)` validate the spec (PermanentError naming the field when the
+  cross-field rules refuse it) and create the job's Service, Secret and ConfigMap;
+- one loop per SGDJob (started from its events) runs the level-based passes (pods, status,
+  monitor), woken early by events on the job or its pods, otherwise every policy interval or resync;
+- a DELETED event removes what garbage collection would (for clusters without it) and the memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any
+
+import aiohttp
+import kopf
+
+from sgdjob_operator import metrics
+from sgdjob_operator.api.models import GROUP, PLURAL, VERSION
+from sgdjob_operator.api.validation import SpecError, validate_spec
+from sgdjob_operator.builders import LABEL_JOB, JobRef
+from sgdjob_operator.controller import Runtime, ensure_children, mark_invalid, post_events, reconcile
+from sgdjob_operator.kube import ApiError, Credentials, Kube, core_path, pods_path
+from sgdjob_operator.settings import current
+from sgdjob_operator.status import dump_status, load_status
+
+log = logging.getLogger("sgdjob_operator")
+PREFIX = "sgdjob.dev"
+
+
+class _State:
+    runtime: Runtime | None = None
+    credentials: Credentials | None = None
+
+
+def runtime() -> Runtime:
+    if _State.runtime is None:
+        raise kopf.TemporaryError("operator is still starting", delay=1)
+    return _State.runtime
+
+
+def _credentials() -> Credentials:
+    if _State.credentials is None:
+        cfg = current()
+        _State.credentials = Credentials.load(cfg.kubeconfig, cfg.context)
+    return _State.credentials
+
+
+@kopf.on.login(errors=kopf.ErrorsMode.PERMANENT)
+def login(**_: Any) -> kopf.ConnectionInfo:
+    c = _credentials()
+    return kopf.ConnectionInfo(
+        server=c.server, ca_path=c.ca_file, insecure=c.insecure, scheme="Bearer" if c.token else None, token=c.bearer(), certificate_path=c.cert_file, private_key_path=c.key_file
+    )
+
+
+@kopf.on.startup()
+async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
+    cfg = current()
+    # Handler progress and the last-handled spec live in annotations: status belongs to our model.
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=PREFIX)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=PREFIX, key="last-handled-configuration")
+    settings.persistence.finalizer = f"{PREFIX}/finalizer"
+    # Our own Events carry the decisions; kopf adds one only for warnings and errors in handlers.
+    settings.posting.level = logging.WARNING
+    # Re-list periodically so a silently dropped watch cannot leave a job unwatched.
+    settings.watching.server_timeout = 300
+    settings.watching.client_timeout = 330
+    settings.networking.request_timeout = 60
+    settings.batching.worker_limit = 1000
+    settings.execution.max_workers = 8
+    kube = Kube(_credentials(), max_connections=cfg.api_concurrency)
+    http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=256))
+    _State.runtime = Runtime(settings=cfg, kube=kube, http=http)
+    if cfg.metrics_port:
+        metrics.serve(cfg.metrics_port, cfg.metrics_host)
+    log.info("sgdjob operator started: namespaces %s, trainer image %s", ",".join(cfg.namespaces) or "all", cfg.trainer_image)
+
+
+@kopf.on.cleanup()
+async def cleanup(**_: Any) -> None:
+    rt = _State.runtime
+    if rt is not None:
+        for task in rt.loops.values():
+            task.cancel()
+        await asyncio.gather(*rt.loops.values(), return_exceptions=True)
+        await rt.kube.close()
+        await rt.http.close()
+        _State.runtime = None
+
+
+@kopf.on.probe(id="jobs")
+def probe(**_: Any) -> int:
+    """Liveness detail: how many jobs this operator is reconciling."""
+    return len(_State.runtime.loops) if _State.runtime else 0
+
+
+@kopf.on.create(GROUP, VERSION, PLURAL)
+@kopf.on.resume(GROUP, VERSION, PLURAL)
+@kopf.on.update(GROUP, VERSION, PLURAL, field="spec")
+async def admit(body: kopf.Body, patch: kopf.Patch, retry: int, **_: Any) -> None:
+    """Validate and create the job's fixed objects; the daemon does the rest."""
+    rt = runtime()
+    ref = JobRef.from_body(dict(body))
+    status = load_status(dict(body.get("status") or {}))
+    try:
+        spec = validate_spec(dict(body["spec"]))
+    except SpecError as err:
+        events = mark_invalid(status, err.problems, time.time())
+        patch.status.update(dump_status(status))
+        await post_events(rt, ref, events)
+        raise kopf.PermanentError("; ".join(err.problems)) from err
+    if time.monotonic() - rt.last_ensure.get(ref.uid, -1e9) < 2.0:
+        return  # the daemon's first pass, racing this handler, has just done it
+    try:
+        await ensure_children(rt, ref, spec, status)
+    except ApiError as err:
+        if err.retriable or err.status == 403:
+            raise kopf.TemporaryError(f"cannot create the job's objects yet: {err}", delay=min(60, 2 ** min(retry, 5))) from err
+        raise kopf.PermanentError(str(err)) from err
+    rt.wake((ref.namespace, ref.name))
+
+
+async def job_loop(rt: Runtime, ref: JobRef) -> None:
+    """The per-job daemon: level-based passes until the job is gone. Our own task rather than a
+    kopf daemon, because kopf puts a finalizer on every object with a daemon, and a finalizer would
+    block `kubectl delete` (and garbage collection) whenever the operator is not running."""
+    key = (ref.namespace, ref.name)
+    wake = rt.wakeups.setdefault(key, asyncio.Event())
+    failures = 0
+    while True:
+        wake.clear()
+        try:
+            delay = await reconcile(rt, ref)
+            failures = 0
+        except ApiError as err:
+            failures += 1
+            metrics.RECONCILE_ERRORS.inc()
+            delay = min(60.0, 0.5 * 2**failures)
+            log.warning("%s/%s: pass failed (retry in %.1fs): %s", ref.namespace, ref.name, delay, err)
+        except Exception:
+            failures += 1
+            metrics.RECONCILE_ERRORS.inc()
+            delay = min(60.0, 0.5 * 2**failures)
+            log.exception("%s/%s: pass failed (retry in %.1fs)", ref.namespace, ref.name, delay)
+        if delay is None:
+            return  # the job is gone or being deleted
+        await asyncio.sleep(rt.settings.min_tick_s)  # a burst of events becomes one pass
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(wake.wait(), timeout=max(0.0, delay - rt.settings.min_tick_s))
+
+
+def _supervise(rt: Runtime, ref: JobRef) -> None:
+    """One loop per job (by UID: a job deleted and re-created under its name gets a fresh one)."""
+    key = (ref.namespace, ref.name)
+    task = rt.loops.get(key)
+    if task is not None and not task.done() and task.get_name() == ref.uid:
+        return
+    if task is not None:
+        task.cancel()
+    rt.loops[key] = asyncio.create_task(job_loop(rt, ref), name=ref.uid)
+
+
+@kopf.on.event(GROUP, VERSION, PLURAL)
+async def job_event(*, event: kopf.RawEvent, name: str, namespace: str | None, uid: str, meta: kopf.Meta, **_: Any) -> None:
+    """Every event on an SGDJob (the initial listing included, so a restarted operator adopts every
+    job): keep its loop running, wake it for a new generation, clean up after a deletion."""
+    rt = _State.runtime
+    if rt is None:
+        return
+    ref = JobRef(name=name, namespace=namespace or "default", uid=uid)
+    key = (ref.namespace, ref.name)
+    if event["type"] == "DELETED":
+        task = rt.loops.pop(key, None)
+        if task is not None:
+            task.cancel()
+        rt.forget(key, uid)
+        await _delete_children(rt, ref)
+        return
+    _supervise(rt, ref)
+    # Our own status writes come back as events too; only a new generation (spec) needs a pass.
+    if meta.get("generation") != rt.generations.get(key):
+        rt.wake(key)
+
+
+@kopf.on.event("", "v1", "pods", labels={LABEL_JOB: kopf.PRESENT})
+def pod_event(*, namespace: str | None, labels: kopf.Labels, **_: Any) -> None:
+    rt = _State.runtime
+    if rt is not None:
+        rt.wake((namespace or "default", str(labels[LABEL_JOB])))
+
+
+async def _delete_children(rt: Runtime, ref: JobRef) -> None:
+    """What the garbage collector does through ownerReferences, done directly so a cluster without a
+    running GC (or a slow one) is cleaned too. Every step tolerates 'already gone'."""
+    try:
+        for pod in await rt.kube.list_objects(pods_path(ref.namespace), ref.selector):
+            owners = pod["metadata"].get("ownerReferences") or []
+            if any(o.get("uid") == ref.uid for o in owners):
+                await rt.kube.delete("Pod", ref.namespace, pod["metadata"]["name"], grace_s=5)
+        for kind, plural, obj_name in (("Service", "services", ref.service), ("Secret", "secrets", ref.secret), ("ConfigMap", "configmaps", ref.config_map)):
+            obj = await rt.kube.get(f"{core_path(ref.namespace, plural)}/{obj_name}")
+            if obj and any(o.get("uid") == ref.uid for o in obj["metadata"].get("ownerReferences") or []):
+                await rt.kube.delete(kind, ref.namespace, obj_name)
+    except ApiError as err:
+        log.warning("%s/%s: clean-up incomplete (garbage collection finishes it): %s", ref.namespace, ref.name, err)

@@ -1,0 +1,71 @@
+"""`sgdjob operator`: run the kopf operator in this process."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import click
+
+from sgdjob_operator.settings import OperatorSettings, set_current
+
+
+@click.command("operator")
+@click.option("--namespace", "-n", "namespaces", multiple=True, help="Watch this namespace (repeatable). Default: all namespaces.")
+@click.option("--all-namespaces", "-A", is_flag=True, help="Watch every namespace (the default when no --namespace is given).")
+@click.option("--kubeconfig", type=click.Path(dir_okay=False), default=None, help="Kubeconfig file; default: in-cluster service account, else $KUBECONFIG or ~/.kube/config.")
+@click.option("--context", default=None, help="Kubeconfig context.")
+@click.option("--liveness", default=None, metavar="URL", help="Serve a liveness probe, e.g. http://0.0.0.0:8080/healthz.")
+@click.option("--metrics-port", type=int, default=None, help="Serve the operator's Prometheus metrics on this port (0: off).")
+@click.option("--metrics-host", default=None, help="Address for the metrics server (default 0.0.0.0).")
+@click.option("--trainer-image", default=None, help="Image for worker pods whose template names none (env SGDJOB_TRAINER_IMAGE).")
+@click.option("--scrape-host", default=None, help="Scrape workers at this host instead of their pod IPs (tests, port-forwarding).")
+@click.option("--resync", type=float, default=None, help="Seconds between passes over a quiet job (default 30).")
+@click.option("--verbose", "-v", is_flag=True, help="Debug logging.")
+def operator(
+    namespaces: tuple[str, ...],
+    all_namespaces: bool,
+    kubeconfig: str | None,
+    context: str | None,
+    liveness: str | None,
+    metrics_port: int | None,
+    metrics_host: str | None,
+    trainer_image: str | None,
+    scrape_host: str | None,
+    resync: float | None,
+    verbose: bool,
+) -> None:
+    """Run the SGDJob operator (kopf) until interrupted."""
+    if namespaces and all_namespaces:
+        raise click.UsageError("give --namespace or --all-namespaces, not both")
+    base = OperatorSettings.from_env()
+    changes: dict[str, object] = {"namespaces": namespaces, "context": context}
+    for name, value in (
+        ("kubeconfig", kubeconfig),
+        ("liveness", liveness),
+        ("metrics_port", metrics_port),
+        ("metrics_host", metrics_host),
+        ("trainer_image", trainer_image),
+        ("scrape_host", scrape_host),
+        ("resync_s", resync),
+    ):
+        if value is not None:
+            changes[name] = value
+    settings = base.with_(**changes)
+    set_current(settings)
+    if settings.kubeconfig:
+        os.environ["KUBECONFIG"] = settings.kubeconfig  # for anything that reads the default location
+    import kopf
+
+    import sgdjob_operator.handlers  # noqa: F401 - registers the handlers
+
+    kopf.configure(verbose=verbose, debug=False, log_prefix=True)
+    if not verbose:
+        # kopf logs every handled pod event at INFO; with hundreds of workers that is noise and CPU.
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
+    kopf.run(
+        standalone=True,
+        clusterwide=not settings.namespaces,
+        namespaces=settings.namespaces,
+        liveness_endpoint=settings.liveness,
+    )

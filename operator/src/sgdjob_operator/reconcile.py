@@ -1,0 +1,180 @@
+"""Pure reconciliation planning: from the spec, the stored status and the observed pods to the pods to
+create and delete, the new status and the Events. The kopf shell only carries the plan out.
+
+Level-based: nothing here remembers a previous call. Failed pods already counted against the
+backoff budget are remembered by UID in status, so a restart of the operator (or a re-run of a tick
+after a crash between two writes) never counts one failure twice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from sgdjob_operator.api.models import CleanPodPolicy, JobMode, Phase, SGDJobSpec, SGDJobStatus
+from sgdjob_operator.status import (
+    FINISHED,
+    INFRA_REASONS,
+    Event,
+    PodView,
+    controller,
+    desired_conditions,
+    finish,
+    merge_conditions,
+    new_command,
+    parse_time,
+    phase_for,
+    rdzv_pods,
+    record_decision,
+    rfc3339,
+    workers,
+)
+
+MAX_COUNTED = 256
+
+
+@dataclass(slots=True)
+class Plan:
+    status: SGDJobStatus
+    create_workers: list[int] = field(default_factory=list)
+    create_rdzv: bool = False
+    delete_pods: list[tuple[str, str]] = field(default_factory=list)  # (name, why)
+    events: list[Event] = field(default_factory=list)
+    delete_job: bool = False
+
+
+def _cleanup(plan: Plan, spec: SGDJobSpec, pods: Sequence[PodView]) -> None:
+    policy = spec.run_policy.clean_pod_policy
+    for pod in pods:
+        if pod.deleting or policy is CleanPodPolicy.NONE:
+            continue
+        if policy is CleanPodPolicy.ALL or pod.phase in ("Pending", "Running", "Unknown"):
+            plan.delete_pods.append((pod.name, f"job finished (cleanPodPolicy {policy.value})"))
+
+
+def _follow_spec_mode(status: SGDJobStatus, spec: SGDJobSpec, now: float, events: list[Event]) -> None:
+    """A fixed spec.mode is the user's decision; auto starts from the initial mode and lets the policy move it."""
+    if status.target_mode is None:
+        status.target_mode = spec.initial_mode.value
+        return
+    if spec.mode is not JobMode.AUTO and status.target_mode != spec.mode.value:
+        reason = f"spec.mode set to {spec.mode.value}"
+        status.target_mode = spec.mode.value
+        new_command(status, now, reason, mode=spec.mode.value)
+        record_decision(status, now, "switchMode", reason, mode=spec.mode.value)
+        events.append(Event("Normal", "SwitchMode", reason))
+
+
+def _count_failures(plan: Plan, spec: SGDJobSpec, ws: Sequence[PodView], now: float) -> None:
+    st = plan.status
+    ctl = controller(st)
+    for pod in ws:
+        if pod.phase != "Failed":
+            continue
+        if pod.uid not in ctl.counted_failures:
+            ctl.counted_failures = [*ctl.counted_failures, pod.uid][-MAX_COUNTED:]
+            infra = pod.reason in INFRA_REASONS
+            if not infra:
+                st.restarts += 1
+            detail = f"worker pod {pod.name} failed (exit code {pod.exit_code}, {pod.reason or 'Error'}){': ' + pod.message if pod.message else ''}"
+            budget = "not counted: infrastructure" if infra else f"restart {st.restarts} of backoffLimit {spec.run_policy.backoff_limit}"
+            plan.events.append(Event("Warning", "WorkerFailed", f"{detail}; {budget}"))
+            if st.restarts > spec.run_policy.backoff_limit:
+                plan.events.append(finish(st, Phase.FAILED, "BackoffLimitExceeded", f"{st.restarts} worker failures exceed backoffLimit {spec.run_policy.backoff_limit}; last: {detail}", now))
+                return
+        if not pod.deleting:
+            plan.delete_pods.append((pod.name, "failed; recreated"))
+
+
+def plan_reconcile(spec: SGDJobSpec, status: SGDJobStatus, pods: Sequence[PodView], *, generation: int, now: float) -> Plan:
+    """One reconciliation step; `status` is not modified (the plan carries a copy)."""
+    st = status.model_copy(deep=True)
+    plan = Plan(status=st)
+    st.observed_generation = max(st.observed_generation, generation)
+    previous_phase = st.phase
+    ws = workers(pods)
+    rdzv = rdzv_pods(pods)
+    _fill_counts(st, spec, ws)
+
+    if st.phase not in FINISHED:
+        _follow_spec_mode(st, spec, now, plan.events)
+        deadline = spec.run_policy.active_deadline_seconds
+        started = parse_time(st.start_time)
+        if deadline is not None and started is not None and now - started > deadline:
+            plan.events.append(finish(st, Phase.FAILED, "DeadlineExceeded", f"the job ran longer than activeDeadlineSeconds ({deadline}s)", now))
+        else:
+            _count_failures(plan, spec, ws, now)
+
+    if st.phase in FINISHED:
+        _cleanup(plan, spec, pods)
+        ttl = spec.run_policy.ttl_seconds_after_finished
+        done = parse_time(st.completion_time)
+        plan.delete_job = ttl is not None and done is not None and now >= done + ttl
+        return plan
+
+    if spec.run_policy.suspend:
+        for pod in pods:
+            if not pod.deleting:
+                plan.delete_pods.append((pod.name, "job suspended"))
+        st.phase = Phase.SUSPENDED
+        st.start_time = None  # as for Kubernetes Jobs: the deadline counts from the resume
+        st.message = "suspended: worker pods removed, checkpoints kept"
+        st.conditions = merge_conditions(st.conditions, desired_conditions(Phase.SUSPENDED, created=True, adapting_reason="", message=st.message), now)
+        if previous_phase is not Phase.SUSPENDED:
+            plan.events.append(Event("Normal", "Suspended", st.message))
+        return plan
+
+    succeeded = [p for p in ws if p.phase == "Succeeded"]
+    if succeeded:
+        # torchrun agents exit 0 together when training is done; wait for the others, start nothing new.
+        if not any(p.active for p in ws):
+            plan.events.append(finish(st, Phase.SUCCEEDED, "WorkersSucceeded", f"{len(succeeded)} worker pods completed successfully", now))
+            _cleanup(plan, spec, pods)
+            return plan
+    else:
+        _plan_membership(plan, spec, ws)
+        if not rdzv:
+            plan.create_rdzv = True
+        for pod in rdzv:
+            if pod.phase in ("Failed", "Succeeded") and not pod.deleting:
+                plan.delete_pods.append((pod.name, "rendezvous pod ended; recreated"))
+
+    if st.start_time is None and st.ready_replicas >= spec.min_workers:
+        st.start_time = rfc3339(now)
+    phase, why = phase_for(st, spec, pods)
+    if succeeded and phase is Phase.ADAPTING:
+        phase, why = Phase.RUNNING, ""  # finishing, not adapting: the others are about to exit too
+        st.message = f"completing: {len(succeeded)} of {len(ws)} workers finished"
+    st.phase = phase
+    if previous_phase is Phase.SUSPENDED:
+        plan.events.append(Event("Normal", "Resumed", "job resumed: worker pods recreated"))
+    if phase is not previous_phase and phase in (Phase.RUNNING, Phase.ADAPTING):
+        plan.events.append(Event("Normal", phase.value, why or f"{st.ready_replicas} workers ready in mode {st.mode or st.target_mode}"))
+    if not succeeded:
+        st.message = why or (f"{st.ready} workers ready" if phase is not Phase.PENDING else f"waiting for workers: {st.ready} ready, at least {spec.min_workers} needed")
+    st.conditions = merge_conditions(st.conditions, desired_conditions(phase, created=True, adapting_reason="ChangeInFlight" if why else "", message=st.message), now)
+    return plan
+
+
+def _fill_counts(st: SGDJobStatus, spec: SGDJobSpec, ws: Sequence[PodView]) -> None:
+    """Printer fields: pods that exist, pods ready, 'ready/desired'."""
+    live = [p for p in ws if p.active]
+    st.replicas = len(live)
+    st.ready_replicas = sum(1 for p in live if p.phase == "Running" and p.ready)
+    st.ready = f"{st.ready_replicas}/{spec.replicas}"
+
+
+def _plan_membership(plan: Plan, spec: SGDJobSpec, ws: Sequence[PodView]) -> None:
+    """Indices 0..replicas-1 exist, none beyond (kubectl scale and Rescale both land here), and none
+    on a node the job is kept off. A name still held by a terminating pod is created next time."""
+    excluded = set(controller(plan.status).excluded_nodes)
+    doomed = {name for name, _ in plan.delete_pods}
+    for pod in ws:
+        if pod.deleting or pod.name in doomed or pod.index is None:
+            continue
+        if pod.index >= spec.replicas:
+            plan.delete_pods.append((pod.name, f"scaled down to {spec.replicas} replicas"))
+        elif pod.node is not None and pod.node in excluded and pod.phase != "Succeeded":
+            plan.delete_pods.append((pod.name, f"node {pod.node} excluded for this job; replaced"))
+    held = {p.index for p in ws}
+    plan.create_workers = [i for i in range(spec.replicas) if i not in held]

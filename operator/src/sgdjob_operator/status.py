@@ -1,0 +1,235 @@
+"""Pure status logic: what the operator observes of a job's pods, the phase machine, Kubernetes-style
+conditions, the printer fields and the bounded decision history. No I/O and no clock: `now` is given.
+
+Phases: Pending (never had minReplicas workers ready) -> Running <-> Adapting (a mode switch or a
+membership change is in flight) -> Succeeded | Failed; Suspended while spec.runPolicy.suspend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from sgdjob_operator.api.models import MAX_DECISIONS, Condition, ControllerState, DecisionRecord, Phase, SGDJobSpec, SGDJobStatus
+from sgdjob_operator.builders import LABEL_INDEX, LABEL_ROLE, ROLE_RDZV, ROLE_WORKER
+
+FINISHED = (Phase.SUCCEEDED, Phase.FAILED)
+ACTIVE_POD_PHASES = ("Pending", "Running", "Unknown")
+# Pod failures caused by the infrastructure, not by the training: restarted without spending backoffLimit.
+INFRA_REASONS = frozenset({"Evicted", "NodeLost", "Preempting", "Shutdown", "NodeShutdown", "Terminated", "UnexpectedAdmissionError", "OutOfcpu", "OutOfmemory"})
+# Conditions always shown; the others appear once they have been true.
+ALWAYS_CONDITIONS = ("Created", "Running")
+CONDITION_ORDER = ("Created", "Running", "Adapting", "Suspended", "Succeeded", "Failed")
+
+
+def rfc3339(t: float) -> str:
+    return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse_time(value: str | None) -> float | None:
+    if not value:
+        return None
+    try:
+        return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class PodView:
+    """The facts about one of the job's pods that the operator acts on."""
+
+    name: str
+    uid: str
+    role: str
+    index: int | None
+    phase: str
+    ready: bool
+    ip: str | None
+    node: str | None
+    deleting: bool
+    exit_code: int | None = None
+    reason: str = ""
+    message: str = ""
+
+    @property
+    def active(self) -> bool:
+        return not self.deleting and self.phase in ACTIVE_POD_PHASES
+
+    @classmethod
+    def from_obj(cls, pod: dict[str, Any]) -> PodView:
+        meta, spec, st = pod.get("metadata") or {}, pod.get("spec") or {}, pod.get("status") or {}
+        labels = meta.get("labels") or {}
+        try:
+            index = int(labels[LABEL_INDEX]) if LABEL_INDEX in labels else None
+        except ValueError:
+            index = None
+        ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in st.get("conditions") or [])
+        exit_code: int | None = None
+        reason, message = str(st.get("reason") or ""), str(st.get("message") or "")
+        for cs in st.get("containerStatuses") or []:
+            term = (cs.get("state") or {}).get("terminated")
+            if term and (exit_code is None or term.get("exitCode", 0) != 0):
+                exit_code = int(term.get("exitCode", 0))
+                reason = reason or str(term.get("reason") or "")
+                message = message or str(term.get("message") or "")
+        return cls(
+            name=str(meta.get("name", "")),
+            uid=str(meta.get("uid", "")),
+            role=str(labels.get(LABEL_ROLE, ROLE_WORKER)),
+            index=index,
+            phase=str(st.get("phase") or "Pending"),
+            ready=ready,
+            ip=st.get("podIP") or None,
+            node=spec.get("nodeName") or None,
+            deleting=bool(meta.get("deletionTimestamp")),
+            exit_code=exit_code,
+            reason=reason,
+            message=message[:512],
+        )
+
+
+def workers(pods: Iterable[PodView]) -> list[PodView]:
+    return sorted((p for p in pods if p.role == ROLE_WORKER and p.index is not None), key=lambda p: (p.index or 0, p.name))
+
+
+def rdzv_pods(pods: Iterable[PodView]) -> list[PodView]:
+    return [p for p in pods if p.role == ROLE_RDZV]
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """A Kubernetes Event to post about the job."""
+
+    type: str  # Normal | Warning
+    reason: str
+    message: str
+
+
+def load_status(raw: dict[str, Any] | None) -> SGDJobStatus:
+    """The stored status, tolerant of fields a newer or older operator wrote: unknown or invalid
+    parts are dropped rather than failing the whole job."""
+    raw = dict(raw or {})
+    try:
+        return SGDJobStatus.model_validate(raw)
+    except ValueError:
+        known = set(SGDJobStatus.model_fields) | {f.alias for f in SGDJobStatus.model_fields.values() if f.alias}
+        kept: dict[str, Any] = {}
+        for key, value in raw.items():
+            if key not in known:
+                continue
+            try:
+                SGDJobStatus.model_validate({key: value})
+            except ValueError:
+                continue
+            kept[key] = value
+        return SGDJobStatus.model_validate(kept)
+
+
+def _compact(value: Any) -> Any:
+    """Inside list items, drop null and empty-string members: the v1.20 API server turns an empty
+    string inside a merge-patched array into null and then rejects it against the schema."""
+    if isinstance(value, dict):
+        return {k: _compact(v) for k, v in value.items() if v is not None and v != ""}
+    if isinstance(value, list):
+        return [_compact(v) for v in value]
+    return value
+
+
+def dump_status(status: SGDJobStatus) -> dict[str, Any]:
+    """Status as a merge patch: top-level nulls delete stale members; list items are compacted."""
+    raw = status.model_dump(mode="json", by_alias=True, exclude_none=False)
+    return {k: (_compact(v) if isinstance(v, list | dict) and k != "controller" else (None if v == "" else v)) for k, v in raw.items()}
+
+
+def controller(status: SGDJobStatus) -> ControllerState:
+    if status.controller is None:
+        status.controller = ControllerState()
+    return status.controller
+
+
+def record_decision(status: SGDJobStatus, now: float, action: str, reason: str, *, mode: str | None = None, rank: int | None = None, replicas: int | None = None) -> DecisionRecord:
+    """Append to the bounded history (oldest dropped first)."""
+    record = DecisionRecord(time=rfc3339(now), action=action, reason=reason[:4096], mode=mode, rank=rank, replicas=replicas, step=status.step or None)
+    status.decisions = [*status.decisions, record][-MAX_DECISIONS:]
+    return record
+
+
+def new_command(status: SGDJobStatus, now: float, reason: str, *, carry: bool = True, **fields: Any) -> dict[str, Any]:
+    """A new control command with the next epoch. With `carry`, merged over the previous one so a
+    mode set earlier is not forgotten by a later rebalance (a restarted trainer gets it all again);
+    a mode switch starts afresh (its own groups and batch sizes, or none)."""
+    ctl = controller(status)
+    previous = dict(ctl.command or {})
+    epoch = int(previous.get("epoch", 0)) + 1
+    kept = {k: v for k, v in previous.items() if k in ("mode", "groups", "batchSizes")} if carry else {}
+    command = {**kept, **{k: v for k, v in fields.items() if v is not None}}
+    command.update({"epoch": epoch, "reason": reason[:4096]})
+    ctl.command = command
+    ctl.last_change_time = rfc3339(now)
+    return command
+
+
+def desired_conditions(phase: Phase, *, created: bool, adapting_reason: str, message: str) -> dict[str, tuple[bool, str, str]]:
+    """Condition type -> (true?, reason, message) for a phase."""
+    return {
+        "Created": (created, "ObjectsCreated" if created else "Creating", "service, secret, config and pods created" if created else ""),
+        "Running": (phase in (Phase.RUNNING, Phase.ADAPTING), "WorkersRunning" if phase in (Phase.RUNNING, Phase.ADAPTING) else phase.value, message if phase is Phase.RUNNING else ""),
+        "Adapting": (phase is Phase.ADAPTING, adapting_reason or "Stable", message if phase is Phase.ADAPTING else ""),
+        "Suspended": (phase is Phase.SUSPENDED, "JobSuspended" if phase is Phase.SUSPENDED else "JobResumed", message if phase is Phase.SUSPENDED else ""),
+        "Succeeded": (phase is Phase.SUCCEEDED, "WorkersSucceeded" if phase is Phase.SUCCEEDED else "", message if phase is Phase.SUCCEEDED else ""),
+        "Failed": (phase is Phase.FAILED, adapting_reason if phase is Phase.FAILED else "", message if phase is Phase.FAILED else ""),
+    }
+
+
+def merge_conditions(previous: Sequence[Condition], wanted: dict[str, tuple[bool, str, str]], now: float) -> list[Condition]:
+    """Kubernetes conventions: lastTransitionTime changes only when the status flips; optional
+    conditions are listed once they have been true."""
+    old = {c.type: c for c in previous}
+    out: list[Condition] = []
+    for ctype in CONDITION_ORDER:
+        true, reason, message = wanted[ctype]
+        prior = old.get(ctype)
+        if not true and prior is None and ctype not in ALWAYS_CONDITIONS:
+            continue
+        value = "True" if true else "False"
+        when = prior.last_transition_time if prior is not None and prior.status == value else rfc3339(now)
+        out.append(Condition(type=ctype, status=value, reason=reason, message=message[:4096], last_transition_time=when))
+    return out
+
+
+def in_flight(status: SGDJobStatus, spec: SGDJobSpec, pods: Sequence[PodView]) -> str:
+    """Why a change is still in flight ('' when none): the one-change-at-a-time gate and the
+    Adapting phase both read this, from observed state only."""
+    if status.mode and status.target_mode and status.mode != status.target_mode:
+        return f"switching mode {status.mode} -> {status.target_mode}"
+    ws = workers(pods)
+    if any(p.deleting for p in ws):
+        return "worker pods terminating"
+    live = [p for p in ws if p.active]
+    if len(live) != spec.replicas:
+        return f"{len(live)} of {spec.replicas} worker pods exist"
+    ready = sum(1 for p in live if p.phase == "Running" and p.ready)
+    if ready != spec.replicas:
+        return f"{ready} of {spec.replicas} workers ready"
+    return ""
+
+
+def phase_for(status: SGDJobStatus, spec: SGDJobSpec, pods: Sequence[PodView]) -> tuple[Phase, str]:
+    """Phase of a job that is neither finished nor suspended, and the in-flight reason."""
+    if status.start_time is None:
+        return Phase.PENDING, ""
+    why = in_flight(status, spec, pods)
+    return (Phase.ADAPTING, why) if why else (Phase.RUNNING, "")
+
+
+def finish(status: SGDJobStatus, phase: Phase, reason: str, message: str, now: float) -> Event:
+    """Move to a terminal phase (idempotent: the first finish wins)."""
+    if status.phase not in FINISHED:
+        status.phase = phase
+        status.completion_time = rfc3339(now)
+        status.message = message
+        status.conditions = merge_conditions(status.conditions, desired_conditions(phase, created=True, adapting_reason=reason, message=message), now)
+    return Event("Normal" if phase is Phase.SUCCEEDED else "Warning", reason, message)

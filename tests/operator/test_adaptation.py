@@ -1,0 +1,215 @@
+"""A simulated metrics source drives the operator's policy loop: real HTTP servers on loopback
+addresses (set as the pods' podIPs) serve Prometheus text from real prometheus-client registries
+under the trainer's metric names; rank 0 accepts POST /control with the job's token."""
+
+from __future__ import annotations
+
+import base64
+import json
+import socket
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+from tests.operator.conftest import Cluster, Operator, wait_for
+
+pytestmark = pytest.mark.k8s
+BATCH = 32
+
+
+class FakeWorker:
+    """One trainer process as the operator sees it. Sync: every rank takes the slowest rank's step
+    time and waits the difference; any other mode: each rank runs at its own speed."""
+
+    def __init__(self, rank: int, world: int, host: str, port: int, compute_s: float, shared: dict[str, Any]) -> None:
+        self.rank, self.world, self.compute_s, self.shared = rank, world, compute_s, shared
+        self.reg = CollectorRegistry()
+        self.steps = Counter("sgdjob_steps", "steps", registry=self.reg)
+        self.samples = Counter("sgdjob_samples", "samples", registry=self.reg)
+        self.compute = Counter("sgdjob_compute_seconds", "compute", registry=self.reg)
+        self.wait = Counter("sgdjob_comm_wait_seconds", "wait", registry=self.reg)
+        self.loss = Gauge("sgdjob_loss", "loss", registry=self.reg)
+        Gauge("sgdjob_world_size", "world", registry=self.reg).set(world)
+        Gauge("sgdjob_batch_size", "batch", registry=self.reg).set(BATCH)
+        self.epoch = Gauge("sgdjob_control_epoch", "epoch", registry=self.reg)
+        self.mode = Gauge("sgdjob_mode", "mode", ["mode"], registry=self.reg)
+        Gauge("sgdjob_worker_info", "info", ["rank", "local_rank", "node"], registry=self.reg).labels(rank=str(rank), local_rank="0", node=f"node-{rank}").set(1)
+        self.last = time.monotonic()
+        self.done = 0.0
+        worker = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def _send(self, code: int, body: bytes, ctype: str = "application/json") -> None:
+                self.send_response(code)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self) -> None:
+                worker.advance()
+                if self.path == "/metrics":
+                    self._send(200, generate_latest(worker.reg), "text/plain; version=0.0.4")
+                elif self.path == "/status":
+                    body = {"rank": worker.rank, "mode": worker.shared["mode"], "controlEpoch": worker.shared["epoch"], "step": int(worker.steps._value.get())}
+                    self._send(200, json.dumps(body).encode())
+                else:
+                    self._send(404, b"{}")
+
+            def do_POST(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                body = json.loads(self.rfile.read(length) or b"{}")
+                if worker.rank != 0 or self.path != "/control":
+                    self._send(404, b"{}")
+                    return
+                worker.shared["posts"].append((self.headers.get("Authorization"), body))
+                if self.headers.get("Authorization") != f"Bearer {worker.shared['token']}":
+                    self._send(401, b'{"error": "bad token"}')
+                    return
+                self._send(202, b'{"accepted": true}')
+
+        self.server = ThreadingHTTPServer((host, port), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def advance(self) -> None:
+        now = time.monotonic()
+        dt, self.last = now - self.last, now
+        mode = self.shared["mode"]
+        for m in ("sync", "hierarchical", "async"):
+            self.mode.labels(mode=m).set(1 if m == mode else 0)
+        self.epoch.set(self.shared["epoch"])
+        step_s = max(self.shared["speeds"]) if mode == "sync" else self.compute_s
+        self.done += dt / step_s
+        whole = int(self.done)
+        if whole:
+            self.done -= whole
+            self.steps.inc(whole)
+            self.samples.inc(whole * BATCH)
+            self.compute.inc(whole * self.compute_s)
+            self.wait.inc(whole * (step_s - self.compute_s))
+            self.loss.set(1.0 / (1.0 + self.steps._value.get() / 100))
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _free_port(hosts: list[str]) -> int:
+    for _ in range(50):
+        with socket.socket() as probe:
+            probe.bind((hosts[0], 0))
+            port = int(probe.getsockname()[1])
+        try:
+            for host in hosts[1:]:
+                with socket.socket() as other:
+                    other.bind((host, port))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no port free on every address")
+
+
+def _start(cluster: Cluster, name: str, spec: dict[str, Any], speeds: list[float], subnet: int) -> tuple[dict[str, Any], list[FakeWorker]]:
+    """Apply the job, start one fake trainer per worker on its own loopback address, and report
+    the pods Running at those addresses (the kubelet's part)."""
+    hosts = [f"127.0.{subnet}.{i + 2}" for i in range(len(speeds))]
+    port = _free_port(hosts)
+    cluster.apply(name, {**spec, "replicas": len(speeds), "training": {"metricsPort": port, "batchSize": BATCH}})
+    token = base64.b64decode(wait_for("token", lambda: cluster.core.read_namespaced_secret(f"{name}-control", cluster.ns).data)["token"]).decode()
+    shared: dict[str, Any] = {"mode": "sync", "epoch": 0, "posts": [], "token": token, "speeds": speeds}
+    workers = [FakeWorker(r, len(speeds), hosts[r], port, speeds[r], shared) for r in range(len(speeds))]
+    wait_for(f"{len(speeds)} pods", lambda: len(cluster.pods(name)) == len(speeds))
+    for i, host in enumerate(hosts):
+        cluster.run_pod(f"{name}-worker-{i}", host, node=f"node-{i}")
+    return shared, workers
+
+
+def test_simulated_straggler_drives_a_mode_switch(cluster: Cluster, operator: Operator) -> None:
+    policy = {"intervalSeconds": 1, "persistenceIntervals": 2, "cooldownSeconds": 0, "switchMargin": 0.1, "allowedActions": ["switchMode"]}
+    shared, workers = _start(cluster, "adapt", {"mode": "auto", "policy": policy}, [0.02, 0.02, 0.02, 0.06], subnet=20)  # rank 3 three times slower
+    token = shared["token"]
+    try:
+        status = wait_for("Running in sync with steps", lambda: (s := cluster.status("adapt")).get("mode") == "sync" and s.get("step", 0) > 0 and s)
+        assert status["phase"] == "Running"
+
+        status = wait_for("a switch decision", lambda: (s := cluster.status("adapt")).get("targetMode") not in (None, "sync") and s, timeout=90)
+        target = status["targetMode"]
+        decision = status["decisions"][-1]
+        assert decision["action"] == "switchMode" and decision["mode"] == target and decision["reason"]
+        assert status["phase"] == "Adapting"  # workers still report sync
+        event = wait_for("SwitchMode event", lambda: [e for e in cluster.events("adapt") if e.reason == "SwitchMode"])
+        assert target in event[0].message
+
+        # Level-triggered: the command is pushed with the job's token, and again while unapplied.
+        posts = wait_for("two pushes", lambda: len(shared["posts"]) >= 2 and list(shared["posts"]), timeout=30)
+        auth, body = posts[-1]
+        assert auth == f"Bearer {token}" and body["mode"] == target and body["epoch"] >= 1
+        assert {p[1]["epoch"] for p in posts} == {body["epoch"]}
+
+        # An operator restart mid-switch loses nothing: the decision and the command live in status.
+        operator.kill()
+        seen = len(shared["posts"])
+        operator.start()
+        wait_for("re-push after restart", lambda: len(shared["posts"]) > seen, timeout=60)
+        assert shared["posts"][-1][1]["epoch"] == body["epoch"] and shared["posts"][-1][1]["mode"] == target
+        assert cluster.status("adapt")["decisions"] == status["decisions"]
+
+        shared["mode"], shared["epoch"] = target, body["epoch"]  # the workers switch and report it
+        status = wait_for("mode follows", lambda: (s := cluster.status("adapt")).get("mode") == target and s.get("phase") == "Running" and s)
+        assert status["targetMode"] == target
+        wait_for("ModeSwitched event", lambda: "ModeSwitched" in cluster.reasons("adapt"))
+        pushes = len(shared["posts"])
+        time.sleep(3)
+        assert len(shared["posts"]) == pushes  # applied: no more pushes
+        assert status["throughput"] and status["loss"] is not None
+        run_config = json.loads(cluster.core.read_namespaced_config_map("adapt-config", cluster.ns).data["run-config.json"])
+        assert run_config["mode"] == target  # a restarted world starts in the new mode
+    finally:
+        for w in workers:
+            w.stop()
+
+
+def test_node_bound_straggler_is_replaced_off_its_node(cluster: Cluster, operator: Operator) -> None:
+    # A replacement restarts the world (restartSeconds 60 in the cost model): it must repay that within
+    # the cooldown, hence the long cooldown; minReplicas 3 lets training go on while it happens.
+    policy = {"intervalSeconds": 1, "persistenceIntervals": 2, "cooldownSeconds": 120, "allowedActions": ["replaceWorker"]}
+    _, workers = _start(cluster, "swap", {"minReplicas": 3, "policy": policy}, [0.02, 0.02, 0.02, 0.06], subnet=21)
+    try:
+        old = cluster.pods("swap")["swap-worker-3"].metadata.uid
+        status = wait_for("replacement decided", lambda: (s := cluster.status("swap")).get("decisions") and s, timeout=90)
+        decision = status["decisions"][-1]
+        assert decision["action"] == "replaceWorker" and decision["rank"] == 3
+        assert status["controller"]["excludedNodes"] == ["node-3"]
+        new = wait_for("worker 3 recreated", lambda: (p := cluster.pods("swap").get("swap-worker-3")) is not None and p.metadata.uid != old and p)
+        (term,) = new.spec.affinity.node_affinity.required_during_scheduling_ignored_during_execution.node_selector_terms
+        assert [(f.key, f.operator, f.values) for f in term.match_fields] == [("metadata.name", "NotIn", ["node-3"])]
+        assert all(p.spec.affinity is None for n, p in cluster.pods("swap").items() if n != "swap-worker-3")  # only new pods carry it
+        event = wait_for("ReplaceWorker event", lambda: [e for e in cluster.events("swap") if e.reason == "ReplaceWorker"])
+        assert "node-3" in event[0].message
+        assert len(cluster.status("swap")["decisions"]) == 1  # one change in flight: nothing else while it lands
+    finally:
+        for w in workers:
+            w.stop()
+
+
+def test_straggler_removed_by_rescale_within_bounds(cluster: Cluster, operator: Operator) -> None:
+    policy = {"intervalSeconds": 1, "persistenceIntervals": 2, "cooldownSeconds": 120, "allowedActions": ["rescale"]}
+    _, workers = _start(cluster, "trim", {"minReplicas": 3, "maxReplicas": 4, "policy": policy}, [0.02, 0.02, 0.02, 0.06], subnet=22)
+    try:
+        status = wait_for("rescale decided", lambda: (s := cluster.status("trim")).get("decisions") and s, timeout=90)
+        assert status["decisions"][-1]["action"] == "rescale" and status["decisions"][-1]["replicas"] == 3
+        assert cluster.job("trim")["spec"]["replicas"] == 3  # the same knob `kubectl scale` turns
+        wait_for("worker 3 removed", lambda: set(cluster.pods("trim")) == {"trim-worker-0", "trim-worker-1", "trim-worker-2"})
+        wait_for("Rescale event", lambda: "Rescale" in cluster.reasons("trim"))
+        assert wait_for("back to Running", lambda: (s := cluster.status("trim")).get("phase") == "Running" and s)["ready"] == "3/3"
+    finally:
+        for w in workers:
+            w.stop()

@@ -1,0 +1,198 @@
+"""Pure status, reconciliation planning and decision application: no cluster, no clock."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from sgdjob_operator.api.models import MAX_DECISIONS, Phase, SGDJobStatus
+from sgdjob_operator.api.validation import validate_spec
+from sgdjob_operator.controller import mark_invalid
+from sgdjob_operator.monitor import Observation, apply_decision, command_to_push
+from sgdjob_operator.policy import Keep, Rebalance, ReplaceWorker, Rescale, SwitchMode, WorkerSample
+from sgdjob_operator.reconcile import plan_reconcile
+from sgdjob_operator.scrape import Endpoint
+from sgdjob_operator.status import PodView, controller, dump_status, load_status, record_decision, rfc3339
+
+T0 = 1_800_000_000.0
+
+
+def _spec(**extra: Any) -> Any:
+    return validate_spec({"replicas": 2, "minReplicas": 1, "maxReplicas": 4, **extra})
+
+
+def pod(index: int | None, phase: str = "Running", *, ready: bool = True, uid: str = "", node: str | None = None, deleting: bool = False, reason: str = "", role: str = "worker") -> PodView:
+    name = f"j-worker-{index}" if role == "worker" else "j-rdzv"
+    return PodView(name, uid or f"uid-{name}", role, index, phase, ready, "10.0.0.1", node, deleting, 1 if phase == "Failed" else None, reason)
+
+
+def rdzv() -> PodView:
+    return pod(None, role="rendezvous")
+
+
+def running(st: SGDJobStatus | None = None) -> SGDJobStatus:
+    st = st or SGDJobStatus()
+    st.start_time = rfc3339(T0)
+    st.phase = Phase.RUNNING
+    st.target_mode = "sync"
+    return st
+
+
+def test_pod_view_reads_what_a_kubelet_reports() -> None:
+    obj = {
+        "metadata": {"name": "j-worker-3", "uid": "u", "labels": {"sgdjob.dev/replica-index": "3", "sgdjob.dev/role": "worker"}, "deletionTimestamp": "x"},
+        "spec": {"nodeName": "n1"},
+        "status": {
+            "phase": "Failed",
+            "podIP": "10.1.1.1",
+            "conditions": [{"type": "Ready", "status": "False"}],
+            "containerStatuses": [{"state": {"terminated": {"exitCode": 137, "reason": "OOMKilled"}}}],
+        },
+    }
+    view = PodView.from_obj(obj)
+    assert (view.index, view.phase, view.ready, view.ip, view.node, view.deleting, view.exit_code, view.reason) == (3, "Failed", False, "10.1.1.1", "n1", True, 137, "OOMKilled")
+    assert not view.active
+
+
+def test_new_job_creates_every_worker_and_the_rendezvous() -> None:
+    plan = plan_reconcile(_spec(), SGDJobStatus(), [], generation=4, now=T0)
+    assert plan.create_workers == [0, 1] and plan.create_rdzv and not plan.delete_pods
+    st = plan.status
+    assert st.phase is Phase.PENDING and st.ready == "0/2" and st.target_mode == "sync" and st.observed_generation == 4
+    assert [(c.type, c.status) for c in st.conditions] == [("Created", "True"), ("Running", "False")]
+
+
+def test_pending_to_running_to_adapting_with_stable_transition_times() -> None:
+    spec = _spec()
+    plan = plan_reconcile(spec, SGDJobStatus(), [pod(0), pod(1, "Pending", ready=False), rdzv()], generation=1, now=T0)
+    assert plan.status.phase is Phase.RUNNING or plan.status.phase is Phase.ADAPTING  # minReplicas 1 ready: started
+    assert plan.status.start_time == rfc3339(T0)
+    plan = plan_reconcile(spec, plan.status, [pod(0), pod(1), rdzv()], generation=1, now=T0 + 5)
+    assert plan.status.phase is Phase.RUNNING and plan.status.ready == "2/2" and "Running" in [e.reason for e in plan.events]
+    running_since = {c.type: c.last_transition_time for c in plan.status.conditions}["Running"]
+    plan = plan_reconcile(spec, plan.status, [pod(0), pod(1), rdzv()], generation=1, now=T0 + 50)
+    assert {c.type: c.last_transition_time for c in plan.status.conditions}["Running"] == running_since
+    assert not plan.events  # nothing changed: nothing to say
+    st = plan.status
+    st.mode, st.target_mode = "sync", "async"
+    plan = plan_reconcile(spec, st, [pod(0), pod(1), rdzv()], generation=1, now=T0 + 60)
+    assert plan.status.phase is Phase.ADAPTING and "switching mode" in plan.status.message
+
+
+def test_scale_and_excluded_nodes_change_membership() -> None:
+    st = running()
+    controller(st).excluded_nodes = ["bad"]
+    pods = [pod(0, node="ok"), pod(1, node="bad"), pod(2, node="ok"), pod(3, deleting=True), rdzv()]
+    plan = plan_reconcile(_spec(replicas=2), st, pods, generation=1, now=T0)
+    assert sorted(plan.delete_pods) == [("j-worker-1", "node bad excluded for this job; replaced"), ("j-worker-2", "scaled down to 2 replicas")]
+    assert plan.create_workers == []  # index 1 is still held until its pod is gone
+    plan = plan_reconcile(_spec(replicas=4), running(), [pod(0), pod(1), rdzv()], generation=2, now=T0)
+    assert plan.create_workers == [2, 3] and plan.status.phase is Phase.ADAPTING
+
+
+def test_failures_count_once_and_infrastructure_is_free() -> None:
+    spec = _spec(runPolicy={"backoffLimit": 1})
+    pods = [pod(0, "Failed", uid="a"), pod(1), rdzv()]
+    plan = plan_reconcile(spec, running(), pods, generation=1, now=T0)
+    assert plan.status.restarts == 1 and ("j-worker-0", "failed; recreated") in plan.delete_pods
+    assert [e.reason for e in plan.events].count("WorkerFailed") == 1
+    again = plan_reconcile(spec, plan.status, pods, generation=1, now=T0 + 1)  # same failed pod seen again
+    assert again.status.restarts == 1 and "WorkerFailed" not in [e.reason for e in again.events]
+    evicted = plan_reconcile(spec, again.status, [pod(0, "Failed", uid="b", reason="Evicted"), pod(1), rdzv()], generation=1, now=T0 + 2)
+    assert evicted.status.restarts == 1 and evicted.status.phase is not Phase.FAILED
+    final = plan_reconcile(spec, evicted.status, [pod(0, "Failed", uid="c"), pod(1), rdzv()], generation=1, now=T0 + 3)
+    assert final.status.phase is Phase.FAILED and final.status.restarts == 2
+    failed = {c.type: c for c in final.status.conditions}["Failed"]
+    assert failed.reason == "BackoffLimitExceeded" and "j-worker-0" in failed.message
+    # cleanPodPolicy Running: the running worker and the rendezvous go; the failed pod stays for its logs
+    assert {n for n, _ in final.delete_pods} == {"j-worker-1", "j-rdzv"}
+
+
+def test_success_deadline_and_ttl() -> None:
+    spec = _spec(runPolicy={"ttlSecondsAfterFinished": 60, "cleanPodPolicy": "None"})
+    plan = plan_reconcile(spec, running(), [pod(0, "Succeeded"), pod(1), rdzv()], generation=1, now=T0)
+    assert plan.status.phase is Phase.RUNNING and not plan.create_workers  # one done: wait for the other, start nothing
+    plan = plan_reconcile(spec, plan.status, [pod(0, "Succeeded"), pod(1, "Succeeded"), rdzv()], generation=1, now=T0 + 1)
+    assert plan.status.phase is Phase.SUCCEEDED and plan.status.completion_time and not plan.delete_pods and not plan.delete_job
+    later = plan_reconcile(spec, plan.status, [], generation=1, now=T0 + 62)
+    assert later.delete_job and later.status.phase is Phase.SUCCEEDED
+    deadline = _spec(runPolicy={"activeDeadlineSeconds": 10})
+    late = plan_reconcile(deadline, running(), [pod(0), pod(1), rdzv()], generation=1, now=T0 + 11)
+    assert late.status.phase is Phase.FAILED and {c.type: c.reason for c in late.status.conditions}["Failed"] == "DeadlineExceeded"
+    assert {n for n, _ in late.delete_pods} == {"j-worker-0", "j-worker-1", "j-rdzv"}
+
+
+def test_suspend_removes_pods_and_resume_starts_over() -> None:
+    spec = _spec(runPolicy={"suspend": True})
+    plan = plan_reconcile(spec, running(), [pod(0), pod(1), rdzv()], generation=2, now=T0)
+    assert plan.status.phase is Phase.SUSPENDED and plan.status.start_time is None and len(plan.delete_pods) == 3
+    assert [e.reason for e in plan.events] == ["Suspended"]
+    resumed = plan_reconcile(_spec(), plan.status, [], generation=3, now=T0 + 5)
+    assert resumed.status.phase is Phase.PENDING and resumed.create_workers == [0, 1] and "Resumed" in [e.reason for e in resumed.events]
+
+
+def test_fixed_mode_change_is_a_recorded_command() -> None:
+    plan = plan_reconcile(_spec(mode="async"), running(), [pod(0), pod(1), rdzv()], generation=2, now=T0)
+    st = plan.status
+    assert st.target_mode == "async" and controller(st).command is not None and controller(st).command["epoch"] == 1
+    assert st.decisions[-1].action == "switchMode" and "spec.mode" in st.decisions[-1].reason
+
+
+def test_decision_history_is_bounded_and_status_round_trips() -> None:
+    st = SGDJobStatus()
+    for i in range(MAX_DECISIONS + 5):
+        record_decision(st, T0 + i, "rescale", f"r{i}", replicas=2)
+    assert len(st.decisions) == MAX_DECISIONS and st.decisions[0].reason == "r5"
+    raw = json.loads(json.dumps(dump_status(st)))
+    assert load_status(raw).decisions == st.decisions
+    assert load_status({**raw, "phase": "Bogus", "future": 1}).decisions == st.decisions  # bad parts dropped, not fatal
+
+
+def test_invalid_spec_marks_failed_once() -> None:
+    st = SGDJobStatus()
+    events = mark_invalid(st, ["spec.minReplicas: must be <= replicas"], T0)
+    assert st.phase is Phase.FAILED and events[0].reason == "InvalidSpec" and "spec.minReplicas" in st.message
+    assert mark_invalid(st, ["spec.minReplicas: must be <= replicas"], T0 + 1) == []
+
+
+def _sample(rank: int, mode: str = "sync") -> WorkerSample:
+    return WorkerSample(rank=rank, time=T0, steps=10, samples=320, compute_seconds=1.0, comm_wait_seconds=0.1, mode=mode, batch_size=32, pod=f"j-worker-{rank}", node=f"n{rank}")
+
+
+def test_switch_is_recorded_then_pushed_until_applied() -> None:
+    spec, st = _spec(), running()
+    out = apply_decision(st, spec, SwitchMode(mode="async", reason="straggler"), {}, now=T0, busy="")
+    assert out.applied == "switchMode" and out.config_changed and st.target_mode == "async"
+    assert controller(st).command == {"epoch": 1, "mode": "async", "reason": "straggler"} and st.decisions[-1].mode == "async"
+    control = Endpoint("http://10.0.0.1:9400")
+    unapplied = Observation(T0, (_sample(0), _sample(1)), {}, control, control_epoch=0)
+    command = command_to_push(st, unapplied)
+    assert command is not None and command.epoch == 1 and command.mode is not None and command.mode.value == "async"
+    assert command_to_push(st, Observation(T0, (_sample(0, "async"),), {}, control, control_epoch=1)) is None
+    assert command_to_push(st, Observation(T0, (_sample(0), _sample(1)), {}, control, control_epoch=None)) is not None  # no epoch: mode decides
+    assert Observation(T0, (_sample(0, "sync"), _sample(1, "async")), {}).mode is None  # mid-switch
+
+
+@pytest.mark.parametrize("busy", ["switching mode sync -> async", "worker pods terminating"])
+def test_one_change_in_flight(busy: str) -> None:
+    st = running()
+    out = apply_decision(st, _spec(), Rescale(replicas=3, reason="faster"), {}, now=T0, busy=busy)
+    assert out.deferred == "rescale" and out.scale_to is None and not st.decisions
+
+
+def test_replace_rescale_rebalance_and_keep() -> None:
+    spec, st = _spec(policy={"allowedActions": ["rescale", "replaceWorker"]}), running()
+    out = apply_decision(st, spec, ReplaceWorker(rank=1, reason="slow node", exclude_node="n1"), {1: "j-worker-1"}, now=T0, busy="")
+    assert controller(st).excluded_nodes == ["n1"] and out.delete_pod is None and st.decisions[-1].rank == 1
+    out = apply_decision(st, spec, ReplaceWorker(rank=0, reason="slow pod"), {0: "j-worker-0"}, now=T0, busy="")
+    assert out.delete_pod == "j-worker-0"
+    out = apply_decision(st, spec, Rescale(replicas=99, reason="more"), {}, now=T0, busy="")
+    assert out.scale_to == 4 and st.decisions[-1].replicas == 4  # clamped to maxReplicas
+    out = apply_decision(st, spec, Rebalance(batch_sizes={0: 40, 1: 24}, reason="even out"), {}, now=T0, busy="")
+    assert controller(st).command is not None and controller(st).command["batchSizes"] == {"0": 40, "1": 24}
+    before = st.model_copy(deep=True)
+    assert apply_decision(st, spec, Keep("fine"), {}, now=T0, busy="").applied is None and st == before
+    fixed = running()
+    assert apply_decision(fixed, _spec(mode="sync"), SwitchMode(mode="async", reason="x"), {}, now=T0, busy="").deferred == "switchMode"
