@@ -26,7 +26,8 @@ from sgdjob_trainer.emulation import ComputeEmulator
 from sgdjob_trainer.models import build_loss, build_model
 from sgdjob_trainer.runtime import WorldInfo
 
-LOSS_EVERY = 10
+# Every step, like the trainer's loss history, so time-to-target is read at the same resolution.
+LOSS_EVERY = 1
 
 
 def main() -> None:
@@ -58,7 +59,7 @@ def main() -> None:
         emulated = emulator.run(step, train.batch_size)
         optimizer.zero_grad()
         loss = loss_fn(model(x), y)
-        loss.backward()  # DDP's allreduce happens inside backward and waits for the slowest rank
+        loss.backward()  # type: ignore[no-untyped-call]  # DDP's allreduce happens inside backward and waits for the slowest rank
         optimizer.step()
         compute += emulated
         if (step + 1) % LOSS_EVERY == 0 or step + 1 == train.steps:

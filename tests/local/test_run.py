@@ -29,8 +29,8 @@ SGDJOB = str(Path(sys.executable).parent / "sgdjob")  # the console script of th
 pytestmark = pytest.mark.multiproc
 
 
-def write_job(path: Path, *, replicas: int = 2, nproc: int = 1, steps: int = 10, mode: str = "sync", **training: Any) -> Path:
-    spec = {"replicas": replicas, "nprocPerNode": nproc, "mode": mode,
+def write_job(path: Path, *, replicas: int = 2, nproc: int = 1, steps: int = 10, mode: str = "sync", backoff_limit: int = 3, **training: Any) -> Path:
+    spec = {"replicas": replicas, "nprocPerNode": nproc, "mode": mode, "runPolicy": {"backoffLimit": backoff_limit},
             "training": {"steps": steps, "batchSize": 8, **training}}  # fmt: skip
     path.write_text(yaml.safe_dump({"apiVersion": "sgdjob.dev/v1alpha1", "kind": "SGDJob", "metadata": {"name": "tiny"}, "spec": spec}))
     return path
@@ -88,7 +88,8 @@ def test_stand_in_run_writes_the_report(tmp_path: Path) -> None:
 
 
 def test_a_failing_worker_fails_the_run_with_its_log(tmp_path: Path) -> None:
-    job = write_job(tmp_path / "job.yaml", replicas=2)
+    # No restarts allowed (runPolicy.backoffLimit 0), so the first failure is final.
+    job = write_job(tmp_path / "job.yaml", replicas=2, backoff_limit=0)
     proc = start_runner(job, tmp_path / "out", FAKE_STEPS="3", FAKE_FAIL_RANK="1")
     output, _ = proc.communicate(timeout=240)
     assert proc.returncode == 1, output
@@ -188,3 +189,20 @@ def test_real_trainer_fixed_mode(tmp_path: Path, mode: str) -> None:
     assert report["emulation"]["slowdowns"][0]["rank"] == 1
     fast, slow = sorted(report["per_rank"], key=lambda r: r["rank"])
     assert slow["speed_samples_per_s"] < fast["speed_samples_per_s"]
+
+
+@needs_trainer
+def test_real_trainer_survives_an_emulated_fault(tmp_path: Path) -> None:
+    """Two agents (emulated nodes); rank 1 exits abruptly at step 15 on its first life. torchrun
+    (--max-restarts from runPolicy.backoffLimit) restarts both workers, they resume from the
+    checkpoint of step 10, and the report counts the restart and the steps redone."""
+    training = {"emulation": {"computeSeconds": 0.01}, "checkpoint": {"dir": "ignored", "intervalSteps": 10}, "faults": [{"rank": 1, "atStep": 15}]}
+    job = write_job(tmp_path / "job.yaml", replicas=2, steps=40, mode="sync", learningRate=0.02, **training)
+    out = tmp_path / "out"
+    proc = subprocess.run([SGDJOB, "run", str(job), "--out", str(out), "--timeout", "400"], capture_output=True, text=True, timeout=450, cwd=tmp_path)
+    report = json.loads((out / "report.json").read_text())
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert report["ok"] and report["steps"] == 40 and report["restarts"] == 1, report
+    assert 0 <= report["lost_steps"] <= 10 and report["resumes"][0]["fromStep"] == 10
+    assert report["checkpoint"]["completed"][-1] == 40 and report["final_loss"] < report["initial_loss"] * 1.5
+    assert (out / "checkpoints" / "step-0000000040" / "COMPLETE").exists()

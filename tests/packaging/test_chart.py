@@ -100,3 +100,28 @@ def test_rendered_chart_passes_server_side_dry_run(k8s_crd: ControlPlane, option
     manifest = yaml.safe_dump_all(_render(*options))
     result = k8s_crd.kubectl("apply", "--dry-run=server", "-f", "-", check=False, input_text=manifest)
     assert result.returncode == 0, result.stderr
+
+
+def test_operator_args_are_what_sgdjob_operator_accepts_and_the_webhook_path_is_kopfs() -> None:
+    from click.testing import CliRunner
+
+    from sgdjob_operator.cli import main
+    from sgdjob_operator.webhook import PATH
+
+    docs = {d["kind"]: d for d in _render(*ALL_ON)}
+    container = docs["Deployment"]["spec"]["template"]["spec"]["containers"][0]
+    assert container["command"] == ["sgdjob"] and container["args"][0] == "operator"
+    options = CliRunner().invoke(main, ["operator", "--help"], terminal_width=200).output
+    for arg in container["args"][1:]:
+        assert arg.split("=", 1)[0] in options, arg
+    assert {"--webhook-port=9443", "--webhook-cert=/etc/sgdjob/webhook/tls.crt", "--webhook-key=/etc/sgdjob/webhook/tls.key"} <= set(container["args"])
+    hook = docs["ValidatingWebhookConfiguration"]["webhooks"][0]["clientConfig"]
+    assert hook["service"]["path"] == PATH and hook["caBundle"] == "Zm9v"
+
+
+def test_webhook_ca_from_cert_manager_needs_no_ca_bundle() -> None:
+    injected = ["--set", "webhook.enabled=true", "--set", "webhook.certSecret=tls", "--set-string", "webhook.annotations.cert-manager\\.io/inject-ca-from=sgdjob-system/sgdjob-webhook"]
+    config = next(d for d in _render(*injected) if d["kind"] == "ValidatingWebhookConfiguration")
+    assert config["metadata"]["annotations"] == {"cert-manager.io/inject-ca-from": "sgdjob-system/sgdjob-webhook"} and "caBundle" not in config["webhooks"][0]["clientConfig"]
+    result = _helm_run("template", "x", str(CHART), "--set", "webhook.enabled=true", "--set", "webhook.certSecret=tls")
+    assert result.returncode != 0 and "webhook.caBundle is required" in result.stderr

@@ -37,6 +37,7 @@ def test_worker_pod_carries_the_torchrun_contract() -> None:
     assert env["PET_RDZV_BACKEND"] == "c10d" and env["PET_RDZV_ID"] == "u-1" and env["PET_RDZV_CONF"] == "is_host=0"
     assert env["PET_RDZV_ENDPOINT"] == "j-rdzv.j.ns.svc:29400"
     assert env["PET_MAX_RESTARTS"] == "5"  # backoffLimit + maxReplicas
+    assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"  # else survivors of a rank-0 loss dial its dead store
     assert env["NODE_NAME"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
     assert env["POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
     names = [e["name"] for e in pod["spec"]["containers"][0]["env"]]

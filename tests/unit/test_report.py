@@ -124,7 +124,7 @@ def test_plan_launch_builds_one_torchrun_agent_per_node(tmp_path: Path) -> None:
     a0, a1, _ = plan.agents
     assert a0.argv[:3] == ("/py", "-m", "torch.distributed.run")
     assert a0.argv[-4:] == ("-m", "sgdjob_trainer", "--config", str(tmp_path / "run-config-local-0.json"))
-    for flag in ("--nnodes=2:4", "--nproc-per-node=2", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:29555", "--rdzv-id=tiny", "--max-restarts=0"):
+    for flag in ("--nnodes=2:4", "--nproc-per-node=2", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:29555", "--rdzv-id=tiny", "--max-restarts=3"):
         assert flag in a0.argv and flag in a1.argv
     assert "--rdzv-conf=is_host=1" in a0.argv and "--rdzv-conf=is_host=0" in a1.argv
     assert a1.metrics_ports == (30010, 30011)

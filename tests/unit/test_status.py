@@ -10,7 +10,7 @@ import pytest
 from sgdjob_operator.api.models import MAX_DECISIONS, Phase, SGDJobStatus
 from sgdjob_operator.api.validation import validate_spec
 from sgdjob_operator.controller import mark_invalid
-from sgdjob_operator.monitor import Observation, apply_decision, command_to_push
+from sgdjob_operator.monitor import Observation, apply_decision, command_to_push, record_observation
 from sgdjob_operator.policy import Keep, Rebalance, ReplaceWorker, Rescale, SwitchMode, WorkerSample
 from sgdjob_operator.reconcile import plan_reconcile
 from sgdjob_operator.scrape import Endpoint
@@ -116,6 +116,7 @@ def test_success_deadline_and_ttl() -> None:
     assert plan.status.phase is Phase.RUNNING and not plan.create_workers  # one done: wait for the other, start nothing
     plan = plan_reconcile(spec, plan.status, [pod(0, "Succeeded"), pod(1, "Succeeded"), rdzv()], generation=1, now=T0 + 1)
     assert plan.status.phase is Phase.SUCCEEDED and plan.status.completion_time and not plan.delete_pods and not plan.delete_job
+    assert plan.status.step == spec.training.steps  # the final step, not the last scrape's
     later = plan_reconcile(spec, plan.status, [], generation=1, now=T0 + 62)
     assert later.delete_job and later.status.phase is Phase.SUCCEEDED
     deadline = _spec(runPolicy={"activeDeadlineSeconds": 10})
@@ -173,6 +174,15 @@ def test_switch_is_recorded_then_pushed_until_applied() -> None:
     assert command_to_push(st, Observation(T0, (_sample(0, "async"),), {}, control, control_epoch=1)) is None
     assert command_to_push(st, Observation(T0, (_sample(0), _sample(1)), {}, control, control_epoch=None)) is not None  # no epoch: mode decides
     assert Observation(T0, (_sample(0, "sync"), _sample(1, "async")), {}).mode is None  # mid-switch
+
+
+def test_step_is_the_jobs_step_after_a_resume() -> None:
+    """Per-process step counters restart at 0 with the process; rank 0's /status step is the job's."""
+    st = running()
+    record_observation(st, Observation(T0, (_sample(0), _sample(1)), {}, job_step=137), None)
+    assert st.step == 137
+    record_observation(st, Observation(T0, (_sample(0), _sample(1)), {}), None)
+    assert st.step == 10  # without rank 0's /status: the counters
 
 
 @pytest.mark.parametrize("busy", ["switching mode sync -> async", "worker pods terminating"])

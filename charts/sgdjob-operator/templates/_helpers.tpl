@@ -31,23 +31,29 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 {{- end -}}
 
-{{- /* Exactly what the operator calls; tests/packaging/test_chart.py compares this with the code. */}}
+{{- /*
+Exactly what the operator calls, kopf's own requests included; nothing more. The test
+tests/packaging/test_helm_install.py records every request of the installed operator pod and
+compares the set with these rules (kopf: list/watch of sgdjobs and pods, patch of sgdjobs for its
+annotations; the operator: get sgdjobs, patch status, create/delete pods and the job's Service,
+Secret and ConfigMap, get them for the clean-up, patch the ConfigMap, delete finished jobs, Events).
+*/}}
 {{- define "sgdjob-operator.rules" -}}
 - apiGroups: ["sgdjob.dev"]
   resources: ["sgdjobs"]
   verbs: ["get", "list", "watch", "patch", "delete"]
 - apiGroups: ["sgdjob.dev"]
   resources: ["sgdjobs/status"]
-  verbs: ["get", "patch"]
+  verbs: ["patch"]
 - apiGroups: [""]
   resources: ["pods"]
-  verbs: ["get", "list", "watch", "create", "delete"]
+  verbs: ["list", "watch", "create", "delete"]
 - apiGroups: [""]
   resources: ["services", "secrets"]
-  verbs: ["get", "list", "create", "delete"]
+  verbs: ["get", "create", "delete"]
 - apiGroups: [""]
   resources: ["configmaps"]
-  verbs: ["get", "list", "create", "patch", "delete"]
+  verbs: ["get", "create", "patch", "delete"]
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]

@@ -152,6 +152,10 @@ def worker_env(job: JobRef, spec: SGDJobSpec, index: int) -> list[dict[str, Any]
         {"name": "PET_RDZV_CONF", "value": "is_host=0"},
         {"name": "PET_MAX_RESTARTS", "value": str(max_restarts)},
         {"name": "PET_LOCAL_ADDR", "value": "$(POD_IP)"},
+        # torch 2.13 shares the rendezvous round's TCP store with the workers and caches its address
+        # on non-zero ranks: after a membership change that moves rank 0 to another pod, survivors
+        # dial the old rank 0's dead store and hang at init. Unshared, every round publishes afresh.
+        {"name": "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "value": "1"},
         {"name": "SGDJOB_METRICS_HOST", "value": "$(POD_IP)"},
         {"name": "SGDJOB_CONTROL_TOKEN_FILE", "value": f"{TOKEN_DIR}/{TOKEN_KEY}"},
         {"name": "SGDJOB_JOB_NAME", "value": job.name},
@@ -226,6 +230,7 @@ def build_worker_pod(job: JobRef, spec: SGDJobSpec, index: int, *, default_image
     pod_spec["restartPolicy"] = "Never"
     # Trainers never call the Kubernetes API; a template that needs it can say so.
     pod_spec.setdefault("automountServiceAccountToken", False)
+    harden(pod_spec, main, non_root=main["image"] == default_image)
     pod_spec["hostname"] = name
     pod_spec["subdomain"] = job.service
     affinity = _exclusion_affinity(pod_spec.get("affinity") or {}, excluded_nodes)
@@ -240,7 +245,7 @@ def build_rdzv_pod(job: JobRef, spec: SGDJobSpec, *, default_image: str) -> dict
     pod_spec: dict[str, Any] = copy.deepcopy(spec.template.get("spec") or {})
     containers = pod_spec.get("containers") or [{}]
     image = containers[_trainer_container(containers)].get("image") or default_image
-    keep = {k: pod_spec[k] for k in ("nodeSelector", "tolerations", "imagePullSecrets", "priorityClassName", "serviceAccountName", "securityContext") if k in pod_spec}
+    keep: dict[str, Any] = {k: pod_spec[k] for k in ("nodeSelector", "tolerations", "imagePullSecrets", "priorityClassName", "serviceAccountName", "securityContext") if k in pod_spec}
     container = {
         "name": "rendezvous",
         "image": image,
@@ -250,9 +255,24 @@ def build_rdzv_pod(job: JobRef, spec: SGDJobSpec, *, default_image: str) -> dict
         "resources": {"requests": {"cpu": "50m", "memory": "64Mi"}, "limits": {"memory": "256Mi"}},
         "readinessProbe": {"tcpSocket": {"port": RDZV_PORT}, "periodSeconds": 5},
     }
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": _meta(job, job.rdzv_pod, ROLE_RDZV),
-        "spec": {**keep, "containers": [container], "restartPolicy": "Always", "hostname": job.rdzv_pod, "subdomain": job.service, "automountServiceAccountToken": False},
-    }
+    rdzv_spec = dict(keep)
+    rdzv_spec.update(containers=[container], restartPolicy="Always", hostname=job.rdzv_pod, subdomain=job.service, automountServiceAccountToken=False)
+    harden(rdzv_spec, container, non_root=image == default_image)
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": _meta(job, job.rdzv_pod, ROLE_RDZV), "spec": rdzv_spec}
+
+
+def harden(pod_spec: dict[str, Any], container: dict[str, Any], *, non_root: bool) -> None:
+    """Restricted-profile defaults wherever the template leaves them open: seccomp RuntimeDefault, no
+    privilege escalation, all capabilities dropped (a template's `capabilities.add`, e.g. IPC_LOCK for
+    RDMA, still applies), and runAsNonRoot only for the project's own trainer image (USER 10001): a
+    user's image may need root, so that stays the template's choice. What the template sets wins."""
+    pod_sc = pod_spec.setdefault("securityContext", {})
+    sc = container.setdefault("securityContext", {})
+    if "seccompProfile" not in pod_sc and "seccompProfile" not in sc:
+        pod_sc["seccompProfile"] = {"type": "RuntimeDefault"}
+    if non_root and "runAsNonRoot" not in pod_sc and "runAsNonRoot" not in sc and pod_sc.get("runAsUser") != 0 and sc.get("runAsUser") != 0:
+        pod_sc["runAsNonRoot"] = True
+    if not sc.get("privileged"):  # the API refuses privileged with allowPrivilegeEscalation false
+        sc.setdefault("allowPrivilegeEscalation", False)
+        caps = sc.setdefault("capabilities", {})
+        caps.setdefault("drop", ["ALL"])

@@ -32,6 +32,9 @@ class Observation:
     errors: Mapping[str, str]  # endpoint URL -> why
     control: Endpoint | None = None  # rank 0's server
     control_epoch: int | None = None  # applied epoch rank 0 reports
+    # The job's step as rank 0's /status reports it. `sgdjob_steps_total` counts one process's
+    # steps since it started, so after a restart that resumed from a checkpoint it is far behind.
+    job_step: int | None = None
 
     @property
     def mode(self) -> str | None:
@@ -71,11 +74,14 @@ async def observe(eps: Sequence[Endpoint], *, now: float, timeout: float, sessio
     errors = {r.endpoint.url: r.error for r in results if r.error}
     control = next((r.endpoint for r in results if r.sample is not None and r.sample.rank == 0), None)
     epoch: int | None = None
+    job_step: int | None = None
     if control is not None:
         (status,) = await scrape([control], metrics=False, status=True, timeout=timeout, session=session, clock=lambda: now)
         if status.status is not None and isinstance(status.status.get("controlEpoch"), int):
             epoch = int(status.status["controlEpoch"])
-    return Observation(now, samples, errors, control, epoch)
+        if status.status is not None and isinstance(status.status.get("step"), int):
+            job_step = int(status.status["step"])
+    return Observation(now, samples, errors, control, epoch, job_step)
 
 
 def record_observation(st: SGDJobStatus, obs: Observation, health: Any | None) -> list[Event]:
@@ -87,7 +93,10 @@ def record_observation(st: SGDJobStatus, obs: Observation, health: Any | None) -
             events.append(Event("Normal", "ModeSwitched", f"workers now run {mode} (was {st.mode})"))
         st.mode = mode
     if obs.samples:
-        st.step = max(st.step if mode is None else 0, max(s.steps for s in obs.samples))
+        if obs.job_step is not None:
+            st.step = obs.job_step
+        else:
+            st.step = max(st.step if mode is None else 0, max(s.steps for s in obs.samples))
         losses = [s.loss for s in sorted(obs.samples, key=lambda s: s.rank) if s.loss is not None]
         st.loss = losses[0] if losses else st.loss
     if health is not None:

@@ -21,6 +21,16 @@ from sgdjob_operator.settings import OperatorSettings, set_current
 @click.option("--trainer-image", default=None, help="Image for worker pods whose template names none (env SGDJOB_TRAINER_IMAGE).")
 @click.option("--scrape-host", default=None, help="Scrape workers at this host instead of their pod IPs (tests, port-forwarding).")
 @click.option("--resync", type=float, default=None, help="Seconds between passes over a quiet job (default 30).")
+@click.option("--webhook-port", type=int, default=None, help="Serve the validating admission webhook (path /validate) on this port over TLS.")
+@click.option("--webhook-addr", default=None, help="Address for the webhook server (default 0.0.0.0).")
+@click.option("--webhook-cert", type=click.Path(dir_okay=False), default=None, help="PEM certificate (chain) the webhook serves.")
+@click.option("--webhook-key", type=click.Path(dir_okay=False), default=None, help="PEM private key of --webhook-cert.")
+@click.option(
+    "--service-account-dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="In-cluster credentials from this folder (token, ca.crt) instead of /var/run/secrets/kubernetes.io/serviceaccount.",
+)
 @click.option("--verbose", "-v", is_flag=True, help="Debug logging.")
 def operator(
     namespaces: tuple[str, ...],
@@ -33,6 +43,11 @@ def operator(
     trainer_image: str | None,
     scrape_host: str | None,
     resync: float | None,
+    webhook_port: int | None,
+    webhook_addr: str | None,
+    webhook_cert: str | None,
+    webhook_key: str | None,
+    service_account_dir: str | None,
     verbose: bool,
 ) -> None:
     """Run the SGDJob operator (kopf) until interrupted."""
@@ -48,16 +63,31 @@ def operator(
         ("trainer_image", trainer_image),
         ("scrape_host", scrape_host),
         ("resync_s", resync),
+        ("webhook_port", webhook_port),
+        ("webhook_addr", webhook_addr),
+        ("webhook_cert", webhook_cert),
+        ("webhook_key", webhook_key),
+        ("service_account_dir", service_account_dir),
     ):
         if value is not None:
             changes[name] = value
     settings = base.with_(**changes)
+    from sgdjob_operator.webhook import check
+
+    problem = check(settings)
+    if problem:
+        raise click.UsageError(problem)
     set_current(settings)
+    if settings.service_account_dir:
+        use_service_account_dir(settings.service_account_dir)
     if settings.kubeconfig:
         os.environ["KUBECONFIG"] = settings.kubeconfig  # for anything that reads the default location
     import kopf
 
     import sgdjob_operator.handlers  # noqa: F401 - registers the handlers
+    from sgdjob_operator.webhook import register
+
+    register(settings)
 
     kopf.configure(verbose=verbose, debug=False, log_prefix=True)
     if not verbose:
@@ -69,3 +99,11 @@ def operator(
         namespaces=settings.namespaces,
         liveness_endpoint=settings.liveness,
     )
+
+
+def use_service_account_dir(folder: str) -> None:
+    """Point the official client's in-cluster loader at a service-account folder mounted elsewhere."""
+    from kubernetes.config import incluster_config
+
+    incluster_config.SERVICE_TOKEN_FILENAME = os.path.join(folder, "token")
+    incluster_config.SERVICE_CERT_FILENAME = os.path.join(folder, "ca.crt")

@@ -128,6 +128,9 @@ def plan_reconcile(spec: SGDJobSpec, status: SGDJobStatus, pods: Sequence[PodVie
     if succeeded:
         # torchrun agents exit 0 together when training is done; wait for the others, start nothing new.
         if not any(p.active for p in ws):
+            # Workers exit 0 only after the last step; the last scrape came up to an interval earlier,
+            # so without this `kubectl get` would show a finished job short of its steps.
+            st.step = max(st.step, spec.training.steps)
             plan.events.append(finish(st, Phase.SUCCEEDED, "WorkersSucceeded", f"{len(succeeded)} worker pods completed successfully", now))
             _cleanup(plan, spec, pods)
             return plan

@@ -34,6 +34,13 @@ class OperatorSettings:
     liveness: str | None = None
     # Requests in flight to the API server at once (aiohttp connection limit), across all jobs.
     api_concurrency: int = 32
+    # Validating admission webhook (kopf's server): off unless a port is given; TLS from these files.
+    webhook_port: int = 0
+    webhook_addr: str = "0.0.0.0"
+    webhook_cert: str | None = None
+    webhook_key: str | None = None
+    # Folder of the mounted service account (token, ca.crt) for in-cluster credentials.
+    service_account_dir: str | None = None
     extra: dict[str, str] = field(default_factory=dict)
 
     @classmethod
@@ -51,6 +58,11 @@ class OperatorSettings:
             metrics_host=env.get("SGDJOB_OPERATOR_METRICS_HOST") or "0.0.0.0",
             liveness=env.get("SGDJOB_LIVENESS") or None,
             api_concurrency=int(env.get("SGDJOB_API_CONCURRENCY") or 32),
+            webhook_port=int(env.get("SGDJOB_WEBHOOK_PORT") or 0),
+            webhook_addr=env.get("SGDJOB_WEBHOOK_ADDR") or "0.0.0.0",
+            webhook_cert=env.get("SGDJOB_WEBHOOK_CERT") or None,
+            webhook_key=env.get("SGDJOB_WEBHOOK_KEY") or None,
+            service_account_dir=env.get("SGDJOB_SERVICE_ACCOUNT_DIR") or None,
         )
 
     def with_(self, **changes: object) -> OperatorSettings:

@@ -6,18 +6,23 @@ Meant to run under torchrun, e.g.
 Environment: torchrun's RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR,
 MASTER_PORT, TORCHELASTIC_RESTART_COUNT; NODE_NAME; SGDJOB_METRICS_PORT, SGDJOB_METRICS_HOST,
 SGDJOB_CONTROL_TOKEN or SGDJOB_CONTROL_TOKEN_FILE, SGDJOB_REPORT_DIR.
+Exit status: 0 when the job's steps are done, 143 after a graceful stop (SIGTERM) before that.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
 import sys
+import traceback
 from pathlib import Path
 
 import yaml
 
 from sgdjob_trainer.config import RunConfig
+from sgdjob_trainer.recovery import EXIT_STOPPED
 from sgdjob_trainer.trainer import Trainer
 
 
@@ -34,9 +39,18 @@ def main(argv: list[str] | None = None) -> int:
     trainer = Trainer(load_run_config(args.config))
     try:
         trainer.train()
+    except Exception:
+        # A lost peer (or any error): exit now. A normal interpreter exit destroys the gloo groups
+        # under the parameter-server threads' pending receives and can hang until torchrun's
+        # SIGKILL (30 s), delaying the restart of every worker by as much.
+        traceback.print_exc()
+        logging.shutdown()
+        sys.stderr.flush()
+        os._exit(1)
     finally:
         trainer.close()
-    return 0
+    # Stopped before the last step (SIGTERM): not a success, so torchrun restarts or gives up.
+    return EXIT_STOPPED if trainer.interrupted else 0
 
 
 if __name__ == "__main__":

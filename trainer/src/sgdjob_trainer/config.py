@@ -59,6 +59,23 @@ class StalenessLr(StrEnum):
     SQRT = "sqrt"
 
 
+class Precision(StrEnum):
+    FP32 = "fp32"
+    BF16 = "bf16"
+    FP16 = "fp16"
+
+
+class LrSchedule(StrEnum):
+    CONSTANT = "constant"
+    COSINE = "cosine"
+    STEP = "step"
+
+
+class Compression(StrEnum):
+    NONE = "none"
+    BF16 = "bf16"
+
+
 class GroupBy(StrEnum):
     NODE = "node"
     SPEED = "speed"
@@ -100,12 +117,44 @@ class Emulation(CamelModel):
     slowdowns: Annotated[list[SpeedChange], Field(max_length=1024, description="Slowdowns by rank or node, optionally limited to a step range.")] = []
 
 
+class Fault(CamelModel):
+    """An emulated crash: one rank exits abruptly (no cleanup, no checkpoint) at a step or a time.
+
+    It fires only in the life named by `restart` (TORCHELASTIC_RESTART_COUNT, 0 = first start), so
+    the restarted workers can get past it.
+    """
+
+    rank: Annotated[int, Field(ge=0, le=65535, description="Global rank that exits.")] = 0
+    at_step: Annotated[int | None, Field(ge=1, le=1_000_000_000, description="Exit right after this step (omit when afterSeconds is given).")] = None
+    after_seconds: Annotated[float | None, Field(ge=0.0, le=86_400.0, description="Exit at the first step after this many seconds of training (omit when atStep is given).")] = None
+    exit_code: Annotated[int, Field(ge=1, le=255, description="Exit status of the failing process.")] = 1
+    restart: Annotated[int, Field(ge=0, le=1000, description="The life it fires in: 0 on the first start, n after the n-th restart.")] = 0
+
+    @model_validator(mode="after")
+    def _when(self) -> Self:
+        if (self.at_step is None) == (self.after_seconds is None):
+            raise cross_field_error("atStep", "give exactly one of atStep or afterSeconds for a fault")
+        return self
+
+
 class Checkpoint(CamelModel):
     """Where and how often the trainer saves state it needs to resume."""
 
     dir: Annotated[str | None, Field(max_length=4096, description="Checkpoint directory, shared by all workers (a shared volume in a cluster). Omit to disable checkpoints.")] = None
     interval_steps: Annotated[int, Field(ge=1, le=10_000_000, description="Steps between checkpoints; at most this many steps are lost on a restart.")] = 100
     keep: Annotated[int, Field(ge=1, le=100, description="How many complete checkpoints to retain.")] = 3
+    on_stop: Annotated[bool, Field(description="Write a final checkpoint when the workers are asked to stop (SIGTERM) and when training ends.")] = True
+    complete_timeout_seconds: Annotated[float, Field(ge=1.0, le=86_400.0, description="How long rank 0 waits for every rank's part of a checkpoint before abandoning it.")] = 300.0
+
+
+class LrPolicy(CamelModel):
+    """Learning-rate warmup and decay over the job's steps, on top of the world-size rule."""
+
+    warmup_steps: Annotated[int, Field(ge=0, le=1_000_000_000, description="Steps of linear warmup from 0 to the learning rate.")] = 0
+    schedule: Annotated[LrSchedule, Field(description="Decay after warmup: constant, cosine (to minFactor at the last step) or step (x gamma every stepSize steps).")] = LrSchedule.CONSTANT
+    step_size: Annotated[int, Field(ge=1, le=1_000_000_000, description="Steps between decays of the step schedule.")] = 1000
+    gamma: Annotated[float, Field(ge=0.0, le=1.0, description="Factor of each decay of the step schedule.")] = 0.1
+    min_factor: Annotated[float, Field(ge=0.0, le=1.0, description="Fraction of the learning rate the cosine schedule ends at.")] = 0.0
 
 
 class HierarchicalConfig(CamelModel):
@@ -152,9 +201,14 @@ class TrainingConfig(CamelModel):
     seed: Annotated[int, Field(ge=0, le=2**31 - 1, description="Seed for model initialisation and data order.")] = 0
     metrics_port: Annotated[int, Field(ge=1024, le=65_535, description="Port of each worker's /metrics, /status and /control server (plus the local rank).")] = 9400
     checkpoint: Annotated[Checkpoint, Field(description="Checkpoint location and interval.")] = Checkpoint()
+    lr_policy: Annotated[LrPolicy, Field(description="Learning-rate warmup and schedule.")] = LrPolicy()
+    gradient_accumulation_steps: Annotated[int, Field(ge=1, le=1024, description="Micro-batches of batchSize accumulated per optimizer step (samples per step = batchSize x this).")] = 1
+    precision: Annotated[Precision, Field(description="Autocast precision of forward/backward: fp32, bf16, or fp16 (with dynamic loss scaling).")] = Precision.FP32
+    compression: Annotated[Compression, Field(description="Gradient compression of the synchronous allreduce (sync mode and inside hierarchical groups): none or bf16.")] = Compression.NONE
     hierarchical: Annotated[HierarchicalConfig, Field(description="Settings used while the job runs hierarchical SGD.")] = HierarchicalConfig()
     async_: Annotated[AsyncConfig, Field(alias="async", description="Settings used while the job runs asynchronous SGD.")] = AsyncConfig()
     emulation: Annotated[Emulation | None, Field(description="Emulated compute speed per rank, for CPU-only tests and benchmarks. Off when omitted.")] = None
+    faults: Annotated[list[Fault], Field(max_length=64, description="Emulated crashes (a rank exits abruptly), for tests and benchmarks of recovery. None unless given.")] = []
 
     @model_validator(mode="after")
     def _names(self) -> Self:
@@ -172,6 +226,9 @@ class TrainingConfig(CamelModel):
                         f"emulation.slowdowns[{i}].rank",
                         f"rank {change.rank} does not exist in a world of at most {world_size} processes",
                     )
+        for i, fault in enumerate(self.faults):
+            if fault.rank >= world_size:
+                raise cross_field_error(f"faults[{i}].rank", f"rank {fault.rank} does not exist in a world of at most {world_size} processes")
         if self.hierarchical.groups is not None:
             for i, group in enumerate(self.hierarchical.groups):
                 for rank in group:

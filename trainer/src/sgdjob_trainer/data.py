@@ -2,10 +2,14 @@
 
 Sharding works like torch's DistributedSampler without padding: each epoch draws one permutation of
 the whole dataset from (seed, epoch), identical on every rank, and rank r of a world of N reads
-positions r, r+N, r+2N, ... of it. A rank's place in the stream is a `DataPosition` (epoch, offset
-into its shard), which is all a checkpoint needs; on a world-size change the offset is rescaled so
-the same fraction of the epoch counts as consumed. A shard's tail shorter than a batch is dropped
-(drop_last), so ranks with the same batch size take the same number of steps per epoch.
+positions base+r, base+r+N, ... of it. A rank's place in the stream is a `DataPosition` (epoch,
+base, offset into its shard), which is all a checkpoint needs. `base` is the prefix of the epoch's
+permutation consumed before the current world started: ranks of a world of N that each read `off`
+samples have together read exactly positions [base, base + N*off), so a new world of any size
+continues at base' = base + N*min(offsets) with offset 0 (`rebase`) and every sample is seen once
+per epoch; only when the ranks' offsets differ (async, rebalanced batches) the samples between the
+smallest and the largest offset are seen again (never skipped). A shard's tail shorter than a batch
+is dropped (drop_last), so ranks with the same batch size take the same number of steps per epoch.
 """
 
 from __future__ import annotations
@@ -80,6 +84,19 @@ class DataPosition:
 
     epoch: int = 0
     offset: int = 0
+    base: int = 0  # positions of the epoch's permutation read before this world started
+
+    def as_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "base": self.base, "offset": self.offset}
+
+
+def rebase(positions: list[DataPosition]) -> DataPosition:
+    """Where every rank of a NEW world starts, given the positions of all ranks of the old one:
+    the earliest epoch any old rank is in, past the prefix every old rank has read (module doc)."""
+    epoch = min(p.epoch for p in positions)
+    current = [p for p in positions if p.epoch == epoch]
+    # Ranks already in a later epoch finished this one; the prefix is bounded by the others.
+    return DataPosition(epoch=epoch, base=current[0].base + len(positions) * min(p.offset for p in current), offset=0)
 
 
 class ShardedStream:
@@ -92,33 +109,29 @@ class ShardedStream:
         self.world_size = world_size
         self.seed = seed
         self.position = position or DataPosition()
-        self._shard_epoch = -1
+        self._shard_key = (-1, -1)
         self._shard = torch.empty(0, dtype=torch.long)
+        # Tests set a list here to record every sample index this rank reads.
+        self.trace: list[int] | None = None
 
-    def _shard_for(self, epoch: int) -> torch.Tensor:
-        if epoch != self._shard_epoch:
+    def _shard_for(self, epoch: int, base: int = 0) -> torch.Tensor:
+        if (epoch, base) != self._shard_key:
             gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            self._shard = torch.randperm(self.size, generator=gen)[self.rank :: self.world_size]
-            self._shard_epoch = epoch
+            self._shard = torch.randperm(self.size, generator=gen)[base + self.rank :: self.world_size]
+            self._shard_key = (epoch, base)
         return self._shard
 
     def next_batch(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        shard = self._shard_for(self.position.epoch)
+        pos = self.position
+        shard = self._shard_for(pos.epoch, pos.base)
+        if pos.offset + batch_size > len(shard):
+            # Mutated in place: TrainState holds this same object for checkpoints.
+            pos.epoch, pos.base, pos.offset = pos.epoch + 1, 0, 0
+            shard = self._shard_for(pos.epoch, pos.base)
         if batch_size > len(shard):
             raise ValueError(f"batch size {batch_size} exceeds this rank's shard of {len(shard)} samples")
-        if self.position.offset + batch_size > len(shard):
-            # Mutated in place: TrainState holds this same object for checkpoints.
-            self.position.epoch += 1
-            self.position.offset = 0
-            shard = self._shard_for(self.position.epoch)
-        indices = shard[self.position.offset : self.position.offset + batch_size]
-        self.position.offset += batch_size
+        indices = shard[pos.offset : pos.offset + batch_size]
+        pos.offset += batch_size
+        if self.trace is not None:
+            self.trace.extend(indices.tolist())
         return fetch(self.dataset, indices)
-
-    def reshard(self, rank: int, world_size: int) -> None:
-        """Follow a new world: keep the epoch and the fraction of it already consumed."""
-        if (rank, world_size) == (self.rank, self.world_size):
-            return
-        self.position.offset = self.position.offset * self.world_size // world_size
-        self.rank, self.world_size = rank, world_size
-        self._shard_epoch = -1

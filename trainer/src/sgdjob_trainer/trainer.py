@@ -11,6 +11,14 @@ Switch protocol (every rank runs the same sequence of collectives, so nothing ca
 3. Rank 0 broadcasts the command it holds (the newest, merged), every rank applies it and the
    next strategy's `enter()` runs. The pause, from leaving the old mode to entering the new one,
    is measured per rank and reported (sgdjob_switch_pause_seconds_total, /status switches).
+The same barrier carries (MAX) whether a graceful stop reached the ranks and the newest checkpoint
+step, so a rank that has not yet written its part of it (async) writes it there.
+
+Restarts (recovery.py): at start every rank loads the newest good checkpoint (resume.py) and the
+loop continues from its step in its mode; checkpoints are taken every `intervalSteps` (checkpoint.py)
+and, when `onStop`, at the end and on SIGTERM. SIGTERM: the stop travels with the active mode's
+exchange so every rank stops at the same step; the process then exits 143 (not 0), so torchrun
+counts a stopped member as a failure and restarts the others from the checkpoint, never as success.
 """
 
 from __future__ import annotations
@@ -25,11 +33,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from sgdjob_trainer.config import LrScaling, RunConfig, TrainingConfig
+from sgdjob_trainer.config import LrScaling, Precision, RunConfig, TrainingConfig
 from sgdjob_trainer.control import ControlCommand
 from sgdjob_trainer.data import ShardedStream, build_dataset, eval_batch
 from sgdjob_trainer.emulation import ComputeEmulator
+from sgdjob_trainer.levers import LossScaler, lr_factor
 from sgdjob_trainer.models import build_loss, build_model
+from sgdjob_trainer.recovery import Recovery
 from sgdjob_trainer.runtime import WorldInfo, choose_device, init_distributed, setup_logging, shutdown_distributed
 from sgdjob_trainer.server import ControlInbox, TrainerServer
 from sgdjob_trainer.state import TrainState
@@ -85,7 +95,8 @@ class Trainer:
         self.lr = scaled_lr(t, self.info.world_size, config.reference_world_size)
         optimizer = torch.optim.SGD(model.parameters(), lr=self.lr, momentum=t.momentum)
         self.emulator = ComputeEmulator(t.emulation, self.info.rank, self.info.node, t.batch_size, t.seed)
-        self.state = TrainState(model=model, optimizer=optimizer, mode=config.mode, groups=t.hierarchical.groups, jitter_rng=self.emulator.rng)
+        scaler = LossScaler(t.precision == Precision.FP16)
+        self.state = TrainState(model=model, optimizer=optimizer, mode=config.mode, groups=t.hierarchical.groups, jitter_rng=self.emulator.rng, scaler=scaler)
         self.stream = ShardedStream(dataset, self.info.rank, self.info.world_size, t.seed, self.state.data)
         self.eval_x, self.eval_y = (v.to(self.device) for v in eval_batch(dataset))
         loss_fn = build_loss(t.loss, t.dataset, self.eval_y)
@@ -99,17 +110,24 @@ class Trainer:
             t.steps,
             self.inbox.pending_epoch if self.inbox else (lambda: 0),
             self.ctl if self.ctl is not None else dist.group.WORLD,
+            lambda step: lr_factor(t.lr_policy, step, t.steps),
         )
         # Called on every rank right after each switch (all ranks are at the same point, so an
         # observer may run collectives): lets tests and tools check the model's consistency.
         self.switch_observers: list[Callable[[Trainer], None]] = []
         self.ctx = Context(self.info, self.device, t, self.state, self.stream, self.emulator, loss_fn, self.lr, self.telemetry, ps)
+        self.interrupted = False  # the run ended by a graceful stop before its last step
+        self.stop_seen = False
+        # Checkpoints, resume, emulated faults and SIGTERM; resumes here (collective) when a
+        # checkpoint directory holds a good checkpoint.
+        self.recovery = Recovery(self)
         log.info(
-            "job %s: world %d (restart %d), mode %s, model %s on %s, lr %.4g, %d steps, device %s",
+            "job %s: world %d (restart %d), mode %s at step %d, model %s on %s, lr %.4g, %d steps, device %s",
             config.job_name,
             self.info.world_size,
             self.info.restart_count,
-            config.mode.value,
+            self.state.mode.value,
+            self.state.step,
             t.model,
             t.dataset,
             self.lr,
@@ -143,17 +161,23 @@ class Trainer:
                 if not math.isfinite(result.loss):
                     # Fail loudly (torchrun then stops every worker) rather than train on NaNs.
                     raise FloatingPointError(f"loss is {result.loss} at step {state.step} in {state.mode.value} mode")
-                done = result.stop or state.step >= t.steps
+                self.recovery.after_step(strategy, result)
+                self.stop_seen = self.stop_seen or result.interrupted
+                done = result.stop or result.interrupted or state.step >= t.steps
                 seen = result.seen_epoch
             if not done and seen <= state.control_epoch:
                 continue
             paused = time.perf_counter()
             strategy.leave()
-            agreed = torch.tensor([int(done), state.step], dtype=torch.int64)
+            last = self.recovery.last_checkpoint()
+            agreed = torch.tensor([int(done), state.step, int(self.stop_seen), last], dtype=torch.int64)
             dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.ctl)
             state.step = int(agreed[1])
             telemetry.set_step(state.step)
+            self.recovery.at_barrier(int(agreed[3]))
             if int(agreed[0]):
+                self.interrupted = bool(agreed[2]) and state.step < t.steps
+                self.recovery.at_end(self.interrupted)
                 break
             old_mode = state.mode
             command = self._receive_command()
@@ -204,6 +228,7 @@ class Trainer:
 
     def _finish(self) -> None:
         final = self.evaluate()
+        self.recovery.report()
         self.telemetry.finish(final)
         log.info("done at step %d: loss %.5f -> %.5f", self.state.step, self.telemetry.initial_loss, final)
         report_dir = os.environ.get("SGDJOB_REPORT_DIR")

@@ -92,6 +92,7 @@ def torchrun_argv(
     is_host: bool,
     config_path: Path,
     module: str = TRAINER_MODULE,
+    max_restarts: int = 0,
 ) -> tuple[str, ...]:
     """`python -m torch.distributed.run ... -m sgdjob_trainer --config FILE` for one agent."""
     return (
@@ -105,7 +106,9 @@ def torchrun_argv(
         f"--rdzv-id={rdzv_id}",
         f"--rdzv-conf=is_host={1 if is_host else 0}",
         f"--local-addr={LOOPBACK}",
-        "--max-restarts=0",
+        # torchrun restarts every worker after a failure (they resume from the newest checkpoint),
+        # at most runPolicy.backoffLimit times; membership changes do not count.
+        f"--max-restarts={max_restarts}",
         "-m",
         module,
         "--config",
@@ -129,6 +132,9 @@ def agent_env(base: Mapping[str, str], *, node: str, token: str, report_dir: Pat
     env.pop("SGDJOB_CONTROL_TOKEN_FILE", None)
     env.pop("SGDJOB_METRICS_PORT", None)  # ports come from each agent's config: metricsPort + LOCAL_RANK
     env.setdefault("OMP_NUM_THREADS", "1")
+    # torch 2.13 shares the rendezvous TCP store across rounds, and a restarted worker group then
+    # reads the dead group's gloo addresses from it; one store per round avoids that.
+    env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     if sys.platform.startswith("linux"):
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # all workers are on this machine
     return env
@@ -173,6 +179,7 @@ def plan_launch(
                     is_host=i == 0,
                     config_path=config_path,
                     module=trainer_module,
+                    max_restarts=spec.run_policy.backoff_limit,
                 ),
                 env=agent_env(base_env, node=node, token=token, report_dir=report_dir),
                 config_path=config_path,

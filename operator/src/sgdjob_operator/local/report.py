@@ -5,6 +5,10 @@ Definitions (the design's performance yardstick):
   `wallSeconds`, which starts after rendezvous, so process start-up is not charged to a mode);
 - a rank's speed = its samples / its compute seconds (emulated compute included): what it would do
   if it never waited; bound = sum of the speeds; efficiency = throughput / bound.
+- restarts = how many times the workers were restarted and resumed (the control rank's restart
+  history, which survives restarts in the checkpoint directory); lost_steps = steps redone after
+  them (reached before the failure minus the checkpoint step resumed from). The figures cover the
+  last life only: counters restart with each process.
 """
 
 from __future__ import annotations
@@ -61,7 +65,7 @@ def per_rank_entry(doc: Mapping[str, Any]) -> dict[str, Any]:
 def diverged(doc: Mapping[str, Any]) -> bool:
     """True when a rank's loss went non-finite (the trainer reports NaN/inf losses as null)."""
     history = doc.get("lossHistory")
-    bad_history = isinstance(history, list) and any(isinstance(p, list) and len(p) == 2 and _loss(p[1]) is None for p in history)
+    bad_history = isinstance(history, list) and any(isinstance(p, list) and len(p) >= 2 and _loss(p[1]) is None for p in history)
     return bad_history or (_loss(doc.get("initialLoss")) is not None and _loss(doc.get("finalLoss")) is None)
 
 
@@ -81,6 +85,19 @@ def mode_timeline(entries: Sequence[Mapping[str, Any]] | None, start_mode: str) 
     if not out or (out[0]["step"] > 0 and out[0]["mode"] != start_mode):
         out.insert(0, {"time_s": 0.0, "step": 0, "mode": start_mode, "reason": "start"})
     return out
+
+
+def restart_summary(control: Mapping[str, Any]) -> dict[str, Any]:
+    """`restarts`, `lost_steps` and the history behind them, from the control rank's report."""
+    raw = control.get("resumes")
+    resumes = [r for r in raw if isinstance(r, Mapping)] if isinstance(raw, list) else []
+    checkpoint = control.get("checkpoint")
+    return {
+        "restarts": len(resumes),
+        "lost_steps": int(sum(_num(r, "lostSteps") for r in resumes)),
+        "resumes": [dict(r) for r in resumes],
+        "checkpoint": dict(checkpoint) if isinstance(checkpoint, Mapping) else None,
+    }
 
 
 def build_report(
@@ -127,6 +144,7 @@ def build_report(
         "per_rank": per_rank,
         "loss_history": control.get("lossHistory") or [],
         "emulation": dict(emulation) if emulation is not None else None,
+        **restart_summary(control),
     }
     if extra:
         report.update(extra)
@@ -186,6 +204,8 @@ def summary_lines(report: Mapping[str, Any]) -> list[str]:
         lines.append(
             f"  rank {r['rank']} ({r['node']}): {r['speed_samples_per_s']:.1f} samples/s when busy, compute {r['compute_s']:.1f}s wait {r['wait_s']:.1f}s, {r['samples']} samples in {r['steps']} steps"
         )
+    if report.get("restarts"):
+        lines.append(f"restarts {report['restarts']} (resumed from checkpoints), steps redone {report.get('lost_steps')}")
     if report.get("missing_ranks"):
         lines.append(f"missing rank reports: {report['missing_ranks']}")
     return lines

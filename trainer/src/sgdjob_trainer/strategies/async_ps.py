@@ -30,6 +30,10 @@ class AsyncStrategy(Strategy):
 
     def enter(self) -> None:
         self.server.load(self.flat_params(), self.ctx.lr, self.ctx.total_batch())
+        if self.ctx.state.ps_shards:  # a resumed job: the shards' momentum and versions, once
+            restored = self.server.restore(self.ctx.state.ps_shards)
+            log.info("async: restored %d parameter-server shard(s) from the checkpoint", restored)
+            self.ctx.state.ps_shards = {}
         self.fresh = torch.zeros(self.numel)
         cfg = self.ctx.training.async_
         bound = "unbounded (ASP)" if cfg.staleness is None else f"at most {cfg.staleness} steps"
@@ -39,8 +43,12 @@ class AsyncStrategy(Strategy):
     def step(self, offered_epoch: int) -> StepResult:
         loss, compute, batch_size = self.compute_gradients()
         grad = self.flat_grads().to("cpu", torch.float32)
+        if not self.ctx.state.scaler.unscale(grad):
+            # fp16 overflow: skip this push (the scale has halved); the model stays as it is.
+            return StepResult(loss=loss, samples=0, compute_s=compute, wait_s=0.0, seen_epoch=offered_epoch)
+        stopping = self.ctx.stopping.is_set()
         start = time.perf_counter()
-        reply = self.server.exchange(grad, self.ctx.state.step, batch_size, self.fresh)
+        reply = self.server.exchange(grad, self.ctx.state.step, batch_size, self.fresh, stopping)
         self.set_params(self.fresh.to(self.params[0].device))
         wait = time.perf_counter() - start
         return StepResult(
@@ -51,9 +59,12 @@ class AsyncStrategy(Strategy):
             staleness=reply.staleness,
             seen_epoch=max(reply.epoch, offered_epoch),
             stop=reply.stop,
+            # This worker's own stop has reached shard 0 with this push: it stops now, the
+            # others at their next exchange, so no rank waits long in the switch barrier.
+            interrupted=reply.interrupted or stopping,
+            checkpoint=reply.checkpoint,
         )
 
     def leave(self) -> None:
         self.set_params(self.server.gather(self.numel).to(self.params[0].device))
-        self.ctx.state.ps_shards = self.server.snapshot()
         self.reset_optimizer()

@@ -14,6 +14,7 @@ Life cycle, driven by the Trainer:
 
 from __future__ import annotations
 
+import threading
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -22,9 +23,10 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 import torch.distributed as dist
 
-from sgdjob_trainer.config import SyncMode, TrainingConfig
+from sgdjob_trainer.config import Compression, SyncMode, TrainingConfig
 from sgdjob_trainer.data import ShardedStream
 from sgdjob_trainer.emulation import ComputeEmulator
+from sgdjob_trainer.levers import autocast, lr_factor
 from sgdjob_trainer.models import LossFn
 from sgdjob_trainer.runtime import WorldInfo
 from sgdjob_trainer.state import TrainState
@@ -43,6 +45,8 @@ class StepResult:
     staleness: float = 0.0
     seen_epoch: int = 0
     stop: bool = False  # async: the job's step budget was reached by some worker
+    interrupted: bool = False  # a graceful stop (SIGTERM) reached every rank at this step
+    checkpoint: int = 0  # async: the newest checkpoint step rank 0 asked for (shard 0's reply)
 
 
 @dataclass(slots=True)
@@ -59,6 +63,8 @@ class Context:
     lr: float
     telemetry: Telemetry
     ps: ParameterServer | None = None
+    # Set (from the SIGTERM handler) when this process is asked to stop gracefully.
+    stopping: threading.Event = field(default_factory=threading.Event)
     # Process groups are made collectively and never freed mid-run; reuse them across switches.
     group_cache: dict[tuple[int, ...], dist.ProcessGroup | None] = field(default_factory=dict)
 
@@ -87,23 +93,36 @@ class Strategy(ABC):
     def leave(self) -> None:  # noqa: B027
         """Collective; returns with the same model on every rank."""
 
+    def checkpoint_weight(self) -> int:
+        """How many ranks the model on this rank stands for in a checkpoint (0: not an owner)."""
+        return self.ctx.info.world_size if self.ctx.info.rank == 0 else 0
+
     # -- shared pieces ---------------------------------------------------------------------------
     def compute_gradients(self) -> tuple[float, float, int]:
-        """Forward and backward on this rank's next batch, plus the emulated compute; returns
-        (loss, compute seconds, batch size)."""
+        """Forward and backward on this rank's next `gradientAccumulationSteps` micro-batches (under
+        autocast; the loss scaled for fp16), plus the emulated compute; returns (mean loss,
+        compute seconds, samples)."""
         ctx = self.ctx
         start = time.perf_counter()
         batch_size = ctx.batch_size()
-        x, y = ctx.stream.next_batch(batch_size)
-        x, y = x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True)
+        accumulate = ctx.training.gradient_accumulation_steps
         model = ctx.state.model
         for p in self.params:
             p.grad = None
-        loss = ctx.loss_fn(model(x), y)
-        loss.backward()  # type: ignore[no-untyped-call]
-        value = float(loss.detach())
-        ctx.emulator.run(ctx.state.step, batch_size)
-        return value, time.perf_counter() - start, batch_size
+        # Gradients add up over micro-batches; dividing each loss by their number makes the sum
+        # the mean over all samples, as one big batch would give.
+        factor = ctx.state.scaler.scale / accumulate
+        total = 0.0
+        for _ in range(accumulate):
+            x, y = ctx.stream.next_batch(batch_size)
+            x, y = x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True)
+            with autocast(ctx.training.precision, ctx.device):
+                loss = ctx.loss_fn(model(x), y)
+            (loss.float() * factor).backward()  # type: ignore[no-untyped-call]
+            total += float(loss.detach()) / accumulate
+        samples = batch_size * accumulate
+        ctx.emulator.run(ctx.state.step, samples)
+        return total, time.perf_counter() - start, samples
 
     def flat_grads(self) -> torch.Tensor:
         return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self.params])
@@ -130,20 +149,39 @@ class Strategy(ABC):
         """Momentum from another mode's update rule does not carry over a switch."""
         self.ctx.state.optimizer.state.clear()
 
-    def weighted_allreduce(self, group: dist.ProcessGroup | None, batch_size: int, offered_epoch: int) -> tuple[float, int]:
-        """Sample-weighted gradient average over `group` in ONE allreduce: each rank sends
-        grad x its batch size, its batch size, and its offered control epoch (rank 0's is the only
-        non-zero one, so the sum is that epoch). Returns (wait seconds, seen epoch)."""
+    def weighted_allreduce(self, group: dist.ProcessGroup | None, samples: int, offered_epoch: int) -> tuple[float, int, bool, bool]:
+        """Sample-weighted gradient average over `group`: each rank sends grad x its samples, its
+        samples, its offered control epoch (rank 0's is the only non-zero one, so the sum is that
+        epoch) and whether it is stopping. Uncompressed this is ONE allreduce; with bf16
+        compression the gradient travels as bf16 (half the bytes) and the exact tail as a second,
+        tiny allreduce. Unscales the average (fp16) and sets it as the gradient. Returns (wait
+        seconds, seen epoch, a rank is stopping, gradient finite)."""
         flat = self.flat_grads()
-        tail = torch.tensor([float(batch_size), float(offered_epoch)], device=flat.device, dtype=flat.dtype)
-        buf = torch.cat([flat * batch_size, tail])
+        stop = 1.0 if self.ctx.stopping.is_set() else 0.0
+        tail = torch.tensor([float(samples), float(offered_epoch), stop], device=flat.device, dtype=torch.float64)
         start = time.perf_counter()
-        dist.all_reduce(buf, group=group)
+        if self.ctx.training.compression == Compression.BF16:
+            packed = (flat * samples).to(torch.bfloat16)
+            dist.all_reduce(packed, group=group)
+            dist.all_reduce(tail, group=group)
+            summed = packed.to(flat.dtype)
+        else:
+            buf = torch.cat([flat * samples, tail.to(flat.dtype)])
+            dist.all_reduce(buf, group=group)
+            summed, tail = buf[: self.numel], buf[self.numel :].double()
         wait = time.perf_counter() - start
-        self.set_grads(buf[: self.numel] / buf[self.numel])
-        return wait, round(float(buf[self.numel + 1]))
+        average = summed / float(tail[0])
+        finite = self.ctx.state.scaler.unscale(average)
+        self.set_grads(average)
+        return wait, round(float(tail[1])), float(tail[2]) > 0, finite
 
-    def optimizer_step(self) -> float:
+    def optimizer_step(self, finite: bool = True) -> float:
+        """One update at the scheduled learning rate; skipped for a non-finite (fp16) gradient."""
         start = time.perf_counter()
-        self.ctx.state.optimizer.step()
+        ctx = self.ctx
+        lr = ctx.lr * lr_factor(ctx.training.lr_policy, ctx.state.step, ctx.training.steps)
+        for group in ctx.state.optimizer.param_groups:
+            group["lr"] = lr
+        if finite:
+            ctx.state.optimizer.step()
         return time.perf_counter() - start

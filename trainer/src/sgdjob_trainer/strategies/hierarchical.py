@@ -104,34 +104,44 @@ class HierarchicalStrategy(Strategy):
 
     def step(self, offered_epoch: int) -> StepResult:
         ctx = self.ctx
-        loss, compute, batch_size = self.compute_gradients()
-        wait = 0.0
+        loss, compute, samples = self.compute_gradients()
+        wait, finite = 0.0, True
         if len(self.my_group) > 1:
-            wait, _ = self.weighted_allreduce(self.group_pg, batch_size, 0)
-        compute += self.optimizer_step()
+            wait, _, _, finite = self.weighted_allreduce(self.group_pg, samples, 0)
+        else:
+            grad = self.flat_grads()
+            finite = ctx.state.scaler.unscale(grad)
+            self.set_grads(grad)
+        compute += self.optimizer_step(finite)
         self.local_steps += 1
-        seen = 0
+        seen, stopping = 0, False
         if self.local_steps % self.every == 0:
             snapshot = self.flat_params()
-            tail = torch.tensor([float(offered_epoch)], device=snapshot.device, dtype=snapshot.dtype)
+            # A stop travels with the round like the epoch: consumed at the same step everywhere.
+            tail = torch.tensor([float(offered_epoch), 1.0 if ctx.stopping.is_set() else 0.0], device=snapshot.device, dtype=snapshot.dtype)
             buf = torch.cat([snapshot / ctx.info.world_size, tail])
             work = dist.all_reduce(buf, async_op=True)
             assert work is not None
             self.outstanding.append((work, buf, snapshot))
             while len(self.outstanding) > self.staleness:
-                waited, epoch = self._consume()
+                waited, epoch, stop = self._consume()
                 wait += waited
                 seen = max(seen, epoch)
+                stopping = stopping or stop
         age = len(self.outstanding) * self.every + self.local_steps % self.every
-        return StepResult(loss=loss, samples=batch_size, compute_s=compute, wait_s=wait, staleness=float(age), seen_epoch=seen)
+        return StepResult(loss=loss, samples=samples if finite else 0, compute_s=compute, wait_s=wait, staleness=float(age), seen_epoch=seen, interrupted=stopping)
 
-    def _consume(self) -> tuple[float, int]:
+    def checkpoint_weight(self) -> int:
+        """Each group's lowest rank saves the group's model, weighted by the group's size."""
+        return len(self.my_group) if self.ctx.info.rank == min(self.my_group) else 0
+
+    def _consume(self) -> tuple[float, int, bool]:
         work, buf, snapshot = self.outstanding.popleft()
         start = time.perf_counter()
         work.wait()
         waited = time.perf_counter() - start
         self.set_params(self.flat_params() + (buf[: self.numel] - snapshot) / (1 + self.staleness))
-        return waited, round(float(buf[self.numel]))
+        return waited, round(float(buf[self.numel])), float(buf[self.numel + 1]) > 0
 
     def leave(self) -> None:
         # Every rank is at the same step, so every launched round has all its participants.

@@ -20,7 +20,11 @@ gradient may be) without that. `staleness: null` applies everything (ASP).
 
 End of an async phase: shard 0 raises `stop` when any worker's push completes step `steps`
 (the job's steps are the fastest worker's, per TrainingConfig.steps); every worker stops at its
-next reply. Control epochs travel the same way (rank 0's pending epoch in every shard-0 reply).
+next reply. Control epochs travel the same way (rank 0's pending epoch in every shard-0 reply), and
+so do a graceful stop (`interrupt`, raised by any worker's push flagged `stopping`) and checkpoint requests (`checkpoint_request`: the step
+of the checkpoint every worker must write its part of). The learning rate follows the schedule by
+the pushing worker's step (`lr_factor`). Checkpoints: `snapshot()` gives a host's shards and
+`restore()` puts them back after `load()` when a resumed job re-enters async mode.
 
 Limits: each shard is one Python thread serialising its pushes (measured on the quickstart MLP,
 4 processes on a loaded 2-core machine: about 3 ms per exchange for a remote worker, 0.4 ms for
@@ -50,7 +54,8 @@ from sgdjob_trainer.runtime import COLLECTIVE_TIMEOUT
 log = logging.getLogger("sgdjob_trainer.ps")
 
 PUSH, STOP = 1, 2
-HEADER, REPLY = 4, 5  # int64 words: [kind, step, batch, 0] / [version, epoch, stop, staleness_milli, applied]
+# int64 words: [kind, step, batch, stopping] / [version, epoch, stop, staleness_milli, applied, interrupted, checkpoint]
+HEADER, REPLY = 4, 7
 TAG_PUSH, TAG_GRAD, TAG_REPLY, TAG_PARAMS = 11, 12, 13, 14
 # A shard thread sits in an any-source receive for as long as the job runs in another mode.
 IDLE_TIMEOUT = timedelta(days=30)
@@ -71,6 +76,8 @@ class Reply:
     stop: bool
     staleness: float
     applied: bool
+    interrupted: bool = False
+    checkpoint: int = 0
 
 
 class Shard:
@@ -95,13 +102,13 @@ class Shard:
             self.base = [self.version] * self.world_size
             self.lr, self.total_batch = lr, total_batch
 
-    def apply(self, worker: int, grad: torch.Tensor, batch_size: int, out: torch.Tensor) -> Reply:
+    def apply(self, worker: int, grad: torch.Tensor, batch_size: int, out: torch.Tensor, lr_factor: float = 1.0) -> Reply:
         """Apply (or discard) one worker's gradient and copy the fresh slice into `out`."""
         with self.lock:
             staleness = (self.version - self.base[worker]) / max(1, self.world_size - 1)
             applied = self.cfg.staleness is None or staleness <= self.cfg.staleness
             if applied:
-                scale = self.lr * batch_size / self.total_batch * damping(self.cfg.staleness_lr, staleness)
+                scale = self.lr * lr_factor * batch_size / self.total_batch * damping(self.cfg.staleness_lr, staleness)
                 if self.momentum > 0:
                     self.momentum_buf.mul_(self.momentum).add_(grad, alpha=scale)
                     self.params.sub_(self.momentum_buf)
@@ -115,6 +122,17 @@ class Shard:
     def snapshot(self) -> dict[str, Any]:
         with self.lock:
             return {"params": self.params.clone(), "momentum": self.momentum_buf.clone(), "version": self.version}
+
+    def restore(self, doc: dict[str, Any]) -> bool:
+        """Momentum and version from a checkpoint of the same shard layout (the parameters came
+        with the model). False when the layout differs."""
+        with self.lock:
+            if doc["momentum"].shape != self.momentum_buf.shape:
+                return False
+            self.momentum_buf.copy_(doc["momentum"])
+            self.version = int(doc["version"])
+            self.base = [self.version] * self.world_size
+            return True
 
 
 class ParameterServer:
@@ -131,9 +149,13 @@ class ParameterServer:
         steps: int,
         control_epoch: Callable[[], int],
         ctl: dist.ProcessGroup | None,
+        lr_factor: Callable[[int], float] = lambda step: 1.0,
     ) -> None:
         self.rank, self.world_size, self.steps = rank, world_size, steps
         self.control_epoch = control_epoch
+        self.lr_factor = lr_factor
+        self.interrupt = False  # rank 0: a graceful stop, told to every worker by shard 0
+        self.checkpoint_request = 0  # rank 0: newest checkpoint step, told by shard 0
         count = max(1, min(cfg.shards, numel))
         cuts = [numel * j // count for j in range(count + 1)]
         self.bounds = [(cuts[j], cuts[j + 1]) for j in range(count)]
@@ -161,7 +183,7 @@ class ParameterServer:
                 if int(header[0]) == STOP:
                     return
                 dist.recv(grad, src=src, group=group, tag=TAG_GRAD)
-                reply = self._apply(j, shard, src, grad, int(header[1]), int(header[2]), out)
+                reply = self._apply(j, shard, src, grad, int(header[1]), int(header[2]), out, bool(header[3]))
                 dist.send(_encode(reply), dst=src, group=group, tag=TAG_REPLY)
                 dist.send(out, dst=src, group=group, tag=TAG_PARAMS)
         except Exception:
@@ -171,16 +193,19 @@ class ParameterServer:
             logging.shutdown()
             os._exit(1)
 
-    def _apply(self, j: int, shard: Shard, worker: int, grad: torch.Tensor, step: int, batch: int, out: torch.Tensor) -> Reply:
-        reply = shard.apply(worker, grad, batch, out)
+    def _apply(self, j: int, shard: Shard, worker: int, grad: torch.Tensor, step: int, batch: int, out: torch.Tensor, stopping: bool = False) -> Reply:
+        reply = shard.apply(worker, grad, batch, out, self.lr_factor(step))
         if j == 0:
+            if stopping:  # a worker got SIGTERM: shard 0 tells every worker at its next exchange
+                self.interrupt = True
             if step + 1 >= self.steps:
                 self.stop_flag = True
             reply.epoch, reply.stop = self.control_epoch(), self.stop_flag
+            reply.interrupted, reply.checkpoint = self.interrupt, self.checkpoint_request
         return reply
 
     # -- worker side -------------------------------------------------------------------------------
-    def exchange(self, grad: torch.Tensor, step: int, batch: int, out: torch.Tensor) -> Reply:
+    def exchange(self, grad: torch.Tensor, step: int, batch: int, out: torch.Tensor, stopping: bool = False) -> Reply:
         """Push this worker's flat gradient (CPU) to every shard; fill `out` with the fresh model."""
         works: list[dist.Work] = []
         keep: list[torch.Tensor] = []
@@ -195,12 +220,12 @@ class ParameterServer:
             # Receives first: a shard's reply send then always finds its receive posted.
             for tensor, tag in ((reply, TAG_REPLY), (out[lo:hi], TAG_PARAMS)):
                 works.append(_req(dist.irecv(tensor, src=host, group=group, tag=tag)))
-            header = torch.tensor([PUSH, step, batch, 0], dtype=torch.int64)
+            header = torch.tensor([PUSH, step, batch, int(stopping)], dtype=torch.int64)
             payload = grad[lo:hi].contiguous()
             keep += [header, payload]
             for tensor, tag in ((header, TAG_PUSH), (payload, TAG_GRAD)):
                 works.append(_req(dist.isend(tensor, dst=host, group=group, tag=tag)))
-        local = [self._apply(j, shard, self.rank, grad[self.bounds[j][0] : self.bounds[j][1]], step, batch, out[self.bounds[j][0] : self.bounds[j][1]]) for j, shard in self.shards.items()]
+        local = [self._apply(j, shard, self.rank, grad[lo:hi], step, batch, out[lo:hi], stopping) for j, shard in self.shards.items() for lo, hi in [self.bounds[j]]]
         for work in works:
             work.wait(COLLECTIVE_TIMEOUT)  # a lost shard host surfaces as an error, not a hang
         merged = local + [_decode(r) for r in replies]
@@ -210,6 +235,8 @@ class ParameterServer:
             stop=any(r.stop for r in merged),
             staleness=max(r.staleness for r in merged),
             applied=all(r.applied for r in merged),
+            interrupted=any(r.interrupted for r in merged),
+            checkpoint=max(r.checkpoint for r in merged),
         )
 
     # -- collective phases -------------------------------------------------------------------------
@@ -235,8 +262,12 @@ class ParameterServer:
         return flat
 
     def snapshot(self) -> dict[int, dict[str, Any]]:
-        """This rank's hosted shards, for TrainState.ps_shards (checkpoints)."""
+        """This rank's hosted shards, for its checkpoint part."""
         return {j: shard.snapshot() for j, shard in self.shards.items()}
+
+    def restore(self, docs: dict[int, dict[str, Any]]) -> int:
+        """After `load()`: momentum and versions of the hosted shards from a checkpoint; how many."""
+        return sum(1 for j, shard in self.shards.items() if j in docs and shard.restore(docs[j]))
 
     def close(self) -> None:
         """Collective: the rank after each host sends that shard's thread a STOP (a thread cannot
@@ -255,9 +286,10 @@ def _req(work: dist.Work | None) -> dist.Work:
 
 
 def _encode(reply: Reply) -> torch.Tensor:
-    return torch.tensor([reply.version, reply.epoch, int(reply.stop), round(reply.staleness * 1000), int(reply.applied)], dtype=torch.int64)
+    words = [reply.version, reply.epoch, int(reply.stop), round(reply.staleness * 1000), int(reply.applied), int(reply.interrupted), reply.checkpoint]
+    return torch.tensor(words, dtype=torch.int64)
 
 
 def _decode(t: torch.Tensor) -> Reply:
     v = [int(x) for x in t.tolist()]
-    return Reply(version=v[0], epoch=v[1], stop=bool(v[2]), staleness=v[3] / 1000, applied=bool(v[4]))
+    return Reply(version=v[0], epoch=v[1], stop=bool(v[2]), staleness=v[3] / 1000, applied=bool(v[4]), interrupted=bool(v[5]), checkpoint=v[6])

@@ -16,7 +16,7 @@ class SyncStrategy(Strategy):
     mode = SyncMode.SYNC
 
     def step(self, offered_epoch: int) -> StepResult:
-        loss, compute, batch_size = self.compute_gradients()
-        wait, seen = self.weighted_allreduce(None, batch_size, offered_epoch)
-        compute += self.optimizer_step()
-        return StepResult(loss=loss, samples=batch_size, compute_s=compute, wait_s=wait, seen_epoch=seen)
+        loss, compute, samples = self.compute_gradients()
+        wait, seen, stopping, finite = self.weighted_allreduce(None, samples, offered_epoch)
+        compute += self.optimizer_step(finite)
+        return StepResult(loss=loss, samples=samples if finite else 0, compute_s=compute, wait_s=wait, seen_epoch=seen, interrupted=stopping)

@@ -1,0 +1,152 @@
+"""The heterogeneity benchmark's scenarios and the job files every system runs them from (pure).
+
+Every scenario is EMULATED compute (the trainer's `training.emulation`: a per-rank sleep per step
+standing for accelerator time, with per-rank slowdown factors); gradients are still computed and
+exchanged for real over gloo. The same emulation dict goes into the DDP baseline's run-config and
+into the SGDJob that `sgdjob run` starts, so every system of a scenario sees the same workers.
+
+Bound of a scenario (the design's yardstick, one definition for every system of the scenario):
+rank i's speed when never waiting is v_i = steps x batch / sum over steps of its emulated seconds
+(computeSeconds x factor_i(step); the jitter averages out), computed from the emulation config,
+not measured; bound = sum of v_i. Real forward/backward CPU time is not in it, so the bound is
+slightly above what any system can reach (efficiencies are, if anything, understated).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+SCENARIO_NAMES = ("homogeneous", "one-straggler", "bimodal", "transient")
+STRAGGLER_FACTOR = 3.0
+BIMODAL_FACTOR = 2.0
+HICCUP_FACTOR = 4.0
+HICCUPS = 4  # transient: this many hiccups, one rank each, spread over the run
+
+# The policy settings of examples/quickstart.yaml: evaluate every 2 s, act after 2 intervals.
+POLICY: dict[str, Any] = {
+    "intervalSeconds": 2,
+    "persistenceIntervals": 2,
+    "cooldownSeconds": 10,
+    "allowedActions": ["switchMode", "rebalance"],
+}
+
+
+@dataclass(frozen=True, slots=True)
+class BenchConfig:
+    """One size for every run of a benchmark invocation."""
+
+    workers: int = 4
+    steps: int = 1200
+    batch_size: int = 32
+    learning_rate: float = 0.1
+    compute_seconds: float = 0.05
+    jitter: float = 0.05
+    seed: int = 0
+    policy: dict[str, Any] = field(default_factory=lambda: dict(POLICY))
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    name: str
+    description: str
+    slowdowns: tuple[dict[str, Any], ...]  # camelCase SpeedChange documents (rank-based)
+    # Groups for the static hierarchical run: the steady speed classes (what a user who knows the
+    # fleet writes, one group per accelerator type); None = the trainer's default (by node).
+    groups: tuple[tuple[int, ...], ...] | None = None
+
+
+def build_scenario(name: str, cfg: BenchConfig) -> Scenario:
+    n, steps = cfg.workers, cfg.steps
+    if n < 2:
+        raise ValueError("the benchmark needs at least 2 workers")
+    if name == "homogeneous":
+        return Scenario(name, "all workers equally fast", ())
+    if name == "one-straggler":
+        last = n - 1
+        fast = tuple(range(last))
+        return Scenario(name, f"rank {last} is {STRAGGLER_FACTOR:g}x slower for the whole run", ({"rank": last, "factor": STRAGGLER_FACTOR},), (fast, (last,)))
+    if name == "bimodal":
+        half = n // 2
+        slow = tuple(range(n - half, n))
+        return Scenario(
+            name,
+            f"ranks {slow[0]}..{slow[-1]} (half the workers) are {BIMODAL_FACTOR:g}x slower for the whole run",
+            tuple({"rank": r, "factor": BIMODAL_FACTOR} for r in slow),
+            (tuple(range(n - half)), slow),
+        )
+    if name == "transient":
+        length = max(3, steps // 20)
+        hiccups = []
+        for k in range(HICCUPS):
+            start = int(steps * (0.15 + 0.2 * k))
+            hiccups.append({"rank": k % n, "factor": HICCUP_FACTOR, "startStep": start, "endStep": start + length})
+        return Scenario(name, f"{HICCUPS} hiccups of {length} steps, {HICCUP_FACTOR:g}x slower, each on one rank (round robin), at 15/35/55/75% of the run", tuple(hiccups))
+    raise ValueError(f"unknown scenario {name!r}; known: {', '.join(SCENARIO_NAMES)}")
+
+
+def emulation(cfg: BenchConfig, scenario: Scenario) -> dict[str, Any]:
+    """The `training.emulation` document of every run of the scenario."""
+    return {"computeSeconds": cfg.compute_seconds, "jitter": cfg.jitter, "slowdowns": [dict(s) for s in scenario.slowdowns]}
+
+
+def training(cfg: BenchConfig, scenario: Scenario, *, hierarchical_groups: bool) -> dict[str, Any]:
+    doc: dict[str, Any] = {
+        "model": "mlp",
+        "dataset": "synthetic",
+        "batchSize": cfg.batch_size,
+        "learningRate": cfg.learning_rate,
+        "steps": cfg.steps,
+        "seed": cfg.seed,
+        "emulation": emulation(cfg, scenario),
+    }
+    if hierarchical_groups and scenario.groups is not None:
+        doc["hierarchical"] = {"groups": [list(g) for g in scenario.groups]}
+    return doc
+
+
+def job_doc(cfg: BenchConfig, scenario: Scenario, mode: str) -> dict[str, Any]:
+    """The SGDJob `sgdjob run` starts: one worker process per emulated node, minReplicas equal to
+    replicas so the learning rate is used unscaled, exactly as the DDP baseline uses it."""
+    return {
+        "apiVersion": "sgdjob.dev/v1alpha1",
+        "kind": "SGDJob",
+        "metadata": {"name": f"bench-{scenario.name}-{mode}"},
+        "spec": {
+            "replicas": cfg.workers,
+            "minReplicas": cfg.workers,
+            "maxReplicas": cfg.workers,
+            "nprocPerNode": 1,
+            "mode": mode,
+            "training": training(cfg, scenario, hierarchical_groups=mode == "hierarchical"),
+            "policy": dict(cfg.policy),
+        },
+    }
+
+
+def ddp_run_config(cfg: BenchConfig, scenario: Scenario) -> dict[str, Any]:
+    """The run-config file bench.ddp_baseline reads (`--config`)."""
+    return {"jobName": f"bench-{scenario.name}-ddp", "mode": "sync", "referenceWorldSize": cfg.workers, "training": training(cfg, scenario, hierarchical_groups=False)}
+
+
+def rank_factor(slowdowns: tuple[dict[str, Any], ...], rank: int, step: int) -> float:
+    """The emulator's rule: the product of every slowdown of `rank` active at `step`."""
+    result = 1.0
+    for s in slowdowns:
+        end = s.get("endStep")
+        if s.get("rank") == rank and int(s.get("startStep", 0)) <= step and (end is None or step < int(end)):
+            result *= float(s["factor"])
+    return result
+
+
+def rank_speeds(cfg: BenchConfig, scenario: Scenario) -> list[float]:
+    """Each rank's samples/s when never waiting, from the emulation config over the run's steps."""
+    speeds = []
+    for rank in range(cfg.workers):
+        seconds = sum(cfg.compute_seconds * rank_factor(scenario.slowdowns, rank, step) for step in range(cfg.steps))
+        speeds.append(cfg.steps * cfg.batch_size / seconds if seconds > 0 else 0.0)
+    return speeds
+
+
+def bound(cfg: BenchConfig, scenario: Scenario) -> float:
+    return sum(rank_speeds(cfg, scenario))

@@ -1,0 +1,85 @@
+"""Starting one system on one scenario: the DDP baseline under torchrun, or our trainer through the
+local runner (`sgdjob run`'s engine, `run_local`), each in its own output directory.
+
+Runs are strictly one after the other: the machine's cores are the shared resource being measured.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from bench.scenarios import BenchConfig, Scenario, ddp_run_config, job_doc
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(slots=True)
+class RunRecord:
+    """What one run left: the rank files (DDP) or the report (ours), and the harness's own clock
+    (process start-up and shutdown included, unlike the throughput)."""
+
+    system: str
+    out_dir: Path
+    harness_s: float
+    report: dict[str, Any] | None = None
+    rank_docs: list[dict[str, Any]] | None = None
+    error: str | None = None
+
+
+def run_ddp(cfg: BenchConfig, scenario: Scenario, out_dir: Path, timeout_s: float) -> RunRecord:
+    """`torchrun --standalone --nproc-per-node=N -m bench.ddp_baseline --config run-config.json`."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for stale in out_dir.glob("rank-*.json"):
+        stale.unlink()
+    config = out_dir / "run-config.json"
+    config.write_text(json.dumps(ddp_run_config(cfg, scenario), indent=2) + "\n")
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cfg.workers}", "-m", "bench.ddp_baseline", "--config", str(config)]
+    env = {**os.environ, "SGDJOB_REPORT_DIR": str(out_dir), "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+    start = time.monotonic()
+    with (out_dir / "torchrun.log").open("w") as log:
+        try:
+            proc = subprocess.run(argv, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s, check=False)
+            code: int | None = proc.returncode
+        except subprocess.TimeoutExpired:
+            code = None
+    harness = time.monotonic() - start
+    docs = [json.loads(p.read_text()) for p in sorted(out_dir.glob("rank-*.json"))]
+    error = None
+    if code is None:
+        error = f"timed out after {timeout_s:.0f}s (log: {out_dir / 'torchrun.log'})"
+    elif code != 0:
+        error = f"torchrun exited with {code} (log: {out_dir / 'torchrun.log'})"
+    return RunRecord("ddp", out_dir, harness, rank_docs=docs, error=error)
+
+
+def write_job(cfg: BenchConfig, scenario: Scenario, mode: str, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"# EMULATED compute: {scenario.name} ({scenario.description}); written by bench.heterogeneity\n" + yaml.safe_dump(job_doc(cfg, scenario, mode), sort_keys=False))
+    return path
+
+
+def run_sgdjob(cfg: BenchConfig, scenario: Scenario, mode: str, out_dir: Path, timeout_s: float) -> RunRecord:
+    """Our trainer in `mode` (sync, hierarchical, async, or auto: the policy drives it), exactly as
+    `sgdjob run JOB --mode MODE --out DIR` runs it, minus the CLI's plots."""
+    from sgdjob_operator.api.validation import load_jobs
+    from sgdjob_operator.local.progress import PlainDisplay
+    from sgdjob_operator.local.runner import RunOptions, run_local
+
+    job_path = write_job(cfg, scenario, mode, out_dir / "job.yaml")
+    job = load_jobs(job_path)[0]
+    start = time.monotonic()
+    with (out_dir / "progress.log").open("w") as log:
+        outcome = asyncio.run(run_local(job, RunOptions(out_dir=out_dir, mode=mode, timeout_s=timeout_s), PlainDisplay(stream=log, every_s=5.0)))
+    harness = time.monotonic() - start
+    error = None if outcome.exit_code == 0 else outcome.message.splitlines()[0]
+    return RunRecord(mode, out_dir, harness, report=outcome.report, error=error)

@@ -1,0 +1,207 @@
+"""The user's scenarios on the local cluster, with the operator running as `sgdjob operator`.
+
+One small SGDJob ("quick": 3 workers, emulated compute) carries scenarios 1, 7, 4, 6, 5 and 8 in that
+order, as a user would meet them on one job: it starts and shows in `kubectl get`, bad jobs applied
+beside it are refused without touching it, it survives the loss of worker 0, is scaled down, outlives
+an operator crash, finishes, and is deleted. Tests run in file order and share the job (module
+fixture); a failure early on makes the later ones fail too, each with its own message.
+The job's policy may not act (allowedActions: []), so adaptation cannot interleave with the faults;
+test_scenarios_adapt.py covers adaptation.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from e2e.cluster import LocalCluster
+from e2e.helpers import (
+    Obj,
+    OperatorProcess,
+    apply,
+    assert_children_gone,
+    get_job,
+    http_json,
+    job_events,
+    job_status,
+    kubectl_table,
+    operator_namespace,
+    sgdjob_manifest,
+    wait_for,
+    worker_pods,
+)
+from e2e.kube import Kube
+
+pytestmark = [pytest.mark.k8s, pytest.mark.multiproc]
+
+JOB = "quick"
+STEPS = 1200
+CHECKPOINT_INTERVAL = 50  # sgdjob_manifest's intervalSteps
+START_TIMEOUT = 240.0  # pods start torch (slow on a loaded 2-core machine) and rendezvous
+RECOVER_TIMEOUT = 240.0  # a membership change: torchrun's re-rendezvous (incl. its 30 s last call) + restart
+
+
+@dataclass
+class Env:
+    cluster: LocalCluster
+    kube: Kube
+    ns: str
+    operator: OperatorProcess
+    tmp: Path
+
+
+@pytest.fixture(scope="module")
+def env(cluster_crd: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
+    tmp = tmp_path_factory.mktemp("scenarios")
+    with operator_namespace(cluster_crd, "scenarios", tmp) as (ns, op):
+        yield Env(cluster_crd, cluster_crd.kube(), ns, op, tmp)
+
+
+def step(e: Env) -> int:
+    return int(job_status(e.kube, e.ns, JOB).get("step") or 0)
+
+
+def uids(pods: list[Obj]) -> dict[str, str]:
+    return {str(p["metadata"]["name"]): str(p["metadata"]["uid"]) for p in pods}
+
+
+def running_workers(e: Env, n: int, *, world: bool = False, not_uid: str = "") -> list[Obj] | None:
+    """Exactly `n` live worker pods, all Running (with `world`: every trainer reports a world of `n`;
+    with `not_uid`: none has that uid, i.e. a replaced pod's successor is there)."""
+    pods = [p for p in worker_pods(e.kube, e.ns, JOB) if not p["metadata"].get("deletionTimestamp")]
+    if len(pods) != n or not all(p["status"].get("phase") == "Running" for p in pods):
+        return None
+    if not_uid and not_uid in uids(pods).values():
+        return None
+    return pods if not world or world_sizes(pods) == [n] * n else None
+
+
+def world_sizes(pods: list[Obj]) -> list[int]:
+    """Each worker's world size from its trainer's /status (what `curl <pod>:9400/status` shows)."""
+    out = []
+    for pod in pods:
+        doc = http_json(f"http://{pod['status']['podIP']}:9400/status")
+        out.append(int(doc.get("worldSize", 0)) if doc else 0)
+    return out
+
+
+def advances(e: Env, past: int, timeout: float, what: str) -> int:
+    return wait_for(lambda: (s := step(e)) > past and s, timeout, f"{what}: step past {past} (now {step(e)})")
+
+
+@pytest.fixture(scope="module")
+def quick(env: Env) -> str:
+    apply(env.cluster, env.ns, sgdjob_manifest(JOB, steps=STEPS, checkpoint_dir=str(env.tmp / "checkpoints")))
+    wait_for(lambda: job_status(env.kube, env.ns, JOB).get("phase") == "Running" and step(env) > 0, START_TIMEOUT, "quick Running with steps")
+    return JOB
+
+
+def test_1_apply_runs_and_kubectl_shows_progress(env: Env, quick: str) -> None:
+    pods = wait_for(lambda: running_workers(env, 3), 30, "3 running workers")
+    assert len({p["spec"]["nodeName"] for p in pods}) == 3, "one GPU per worker: three nodes"
+    rdzv = env.kube.get(f"/api/v1/namespaces/{env.ns}/pods/{quick}-rdzv")
+    assert rdzv["status"]["phase"] == "Running"
+    first = step(env)
+    advances(env, first, 60, "training advances")
+    (row,) = kubectl_table(env.cluster, "sgdjobs", "-n", env.ns)
+    assert row["NAME"] == quick and row["PHASE"] == "Running" and row["MODE"] == "sync" and row["READY"] == "3/3", row
+    assert int(row["STEP"]) > 0, row
+    assert sorted(world_sizes(pods)) == [3, 3, 3]
+
+
+def test_7_bad_sgdjobs_are_refused_naming_the_field(env: Env, quick: str) -> None:
+    before = uids(worker_pods(env.kube, env.ns, quick))
+    ckpt = str(env.tmp / "bad")
+    for field, manifest in (
+        ("spec.mode", sgdjob_manifest("bad-mode", steps=10, checkpoint_dir=ckpt, mode="turbo")),
+        ("spec.replicas", sgdjob_manifest("bad-replicas", steps=10, checkpoint_dir=ckpt, replicas=0, min_replicas=1)),
+        ("spec.training.batchSize", sgdjob_manifest("bad-batch", steps=10, checkpoint_dir=ckpt, training={"batchSize": 0})),
+    ):
+        result = env.cluster.plane.kubectl("apply", "-n", env.ns, "-f", "-", input_text=manifest, check=False)
+        assert result.returncode != 0 and field in result.stderr, (field, result.stderr)
+    assert [j["metadata"]["name"] for j in env.kube.get(f"/apis/sgdjob.dev/v1alpha1/namespaces/{env.ns}/sgdjobs")["items"]] == [quick]
+
+    # The schema cannot compare fields; the operator does, and fails the job naming the field.
+    apply(env.cluster, env.ns, sgdjob_manifest("bad-bounds", steps=10, checkpoint_dir=ckpt, replicas=2, min_replicas=3, max_replicas=3))
+    st = wait_for(lambda: (s := job_status(env.kube, env.ns, "bad-bounds")).get("phase") == "Failed" and s, 60, "bad-bounds Failed")
+    failed = next(c for c in st["conditions"] if c["type"] == "Failed")
+    assert failed["status"] == "True" and failed["reason"] == "InvalidSpec" and "minReplicas" in failed["message"], failed
+    assert any(ev["reason"] == "InvalidSpec" and "minReplicas" in ev["message"] for ev in job_events(env.kube, env.ns, "bad-bounds"))
+    (row,) = [r for r in kubectl_table(env.cluster, "sgdjobs", "-n", env.ns) if r["NAME"] == "bad-bounds"]
+    assert row["PHASE"] == "Failed"
+    assert not worker_pods(env.kube, env.ns, "bad-bounds")
+    env.cluster.plane.kubectl("delete", "sgdjob", "bad-bounds", "-n", env.ns)
+
+    # Nothing already running was disturbed: the same pods, still training.
+    assert uids(worker_pods(env.kube, env.ns, quick)) == before
+    advances(env, step(env), 60, "quick still trains")
+    assert job_status(env.kube, env.ns, quick)["phase"] == "Running"
+
+
+def lost_steps(e: Env, pods: list[Obj]) -> list[int]:
+    """What the resumed rank 0 logs: `restart: N steps lost (reached R, resumed at C)`."""
+    found = []
+    for pod in pods:
+        found += [int(n) for n in re.findall(r"restart: (\d+) steps lost", e.cluster.agent.logs(e.ns, str(pod["metadata"]["name"])))]
+    return found
+
+
+def test_4_losing_worker_0_recovers_from_the_checkpoint(env: Env, quick: str) -> None:
+    advances(env, CHECKPOINT_INTERVAL + 10, 120, "a checkpoint exists")
+    old = uids(worker_pods(env.kube, env.ns, quick))
+    at_loss = step(env)
+    env.cluster.plane.kubectl("delete", "pod", f"{quick}-worker-0", "-n", env.ns, "--wait=false")
+    pods = wait_for(lambda: running_workers(env, 3, world=True, not_uid=old[f"{quick}-worker-0"]), RECOVER_TIMEOUT, "worker-0 replaced and a world of 3 again")
+    assert {n: u for n, u in uids(pods).items() if n != f"{quick}-worker-0"} == {n: u for n, u in old.items() if n != f"{quick}-worker-0"}, "only worker-0 replaced"
+    advances(env, at_loss + 10, RECOVER_TIMEOUT, "training goes on after the loss")
+    lost = wait_for(lambda: lost_steps(env, pods), 30, "the resumed rank 0's restart report")
+    # Checkpoints are written in the background: a loss right after a checkpoint step, while that
+    # checkpoint is still being written, falls back to the previous one. So the bound is one
+    # interval plus the steps of one in-flight write, which is well under another interval here.
+    assert all(n <= 2 * CHECKPOINT_INTERVAL for n in lost), f"lost steps {lost} > interval {CHECKPOINT_INTERVAL} + one in-flight write"
+    wait_for(lambda: job_status(env.kube, env.ns, quick).get("phase") == "Running", 60, "phase Running again")
+
+
+def test_6_kubectl_scale_changes_the_world_size(env: Env, quick: str) -> None:
+    env.cluster.plane.kubectl("scale", f"sgdjob/{quick}", "--replicas=2", "-n", env.ns)
+    at_scale = step(env)
+    pods = wait_for(lambda: running_workers(env, 2, world=True), RECOVER_TIMEOUT, "a world of 2 workers")
+    assert sorted(uids(pods)) == [f"{quick}-worker-0", f"{quick}-worker-1"]
+    advances(env, at_scale + 10, RECOVER_TIMEOUT, "training goes on at 2 workers")
+    st = wait_for(lambda: (s := job_status(env.kube, env.ns, quick)).get("ready") == "2/2" and s, 60, "status ready 2/2")
+    assert st["replicas"] == 2 and (get_job(env.kube, env.ns, quick) or {})["spec"]["replicas"] == 2
+
+
+def test_5_operator_crash_and_restart_creates_no_duplicates(env: Env, quick: str) -> None:
+    st = job_status(env.kube, env.ns, quick)
+    assert st["phase"] == "Running" and int(st["step"]) < STEPS, "the job must still be running to test a mid-job operator crash"
+    every = f"/api/v1/namespaces/{env.ns}/pods"
+    before = uids(env.kube.get(every)["items"])
+    decisions = st.get("decisions") or []
+    env.operator.kill()
+    time.sleep(3)  # the job trains on without its operator
+    env.operator.start()
+    # The restarted operator adopts the job: it scrapes and writes progress again.
+    advances(env, step(env), 60, "status progress from the restarted operator")
+    assert uids(env.kube.get(every)["items"]) == before, "same pods, none added or replaced"
+    assert (job_status(env.kube, env.ns, quick).get("decisions") or []) == decisions
+
+
+def test_1_5_job_finishes_succeeded(env: Env, quick: str) -> None:
+    st = wait_for(lambda: (s := job_status(env.kube, env.ns, quick)).get("phase") == "Succeeded" and s, 600, f"{quick} Succeeded")
+    assert any(c["type"] == "Succeeded" and c["status"] == "True" for c in st["conditions"])
+    pods = worker_pods(env.kube, env.ns, quick)
+    assert [p["metadata"]["name"] for p in pods] == [f"{quick}-worker-0", f"{quick}-worker-1"]
+    assert all(p["status"]["phase"] == "Succeeded" for p in pods)
+    (row,) = kubectl_table(env.cluster, "sgdjobs", "-n", env.ns)
+    assert row["PHASE"] == "Succeeded" and int(row["STEP"]) == STEPS, row
+
+
+def test_8_delete_removes_pods_service_and_secret(env: Env, quick: str) -> None:
+    env.cluster.plane.kubectl("delete", "sgdjob", quick, "-n", env.ns, "--wait=false")
+    assert_children_gone(env.kube, env.ns, quick)

@@ -1,0 +1,75 @@
+"""The validating admission webhook: the model's cross-field rules (minReplicas <= replicas <= maxReplicas
+and the like) checked by the API server before an SGDJob is stored, so `kubectl apply` refuses a bad
+job with the field named instead of the job turning Failed afterwards.
+
+kopf serves it (`settings.admission.server`); the ValidatingWebhookConfiguration is not managed by
+kopf but shipped by the Helm chart (or written by whoever runs the operator), pointing at path
+`/validate` (kopf routes `POST /<handler id>`). Registered only when a port is configured: kopf
+refuses to start with admission handlers but no server.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import kopf
+
+from sgdjob_operator.api.models import GROUP, PLURAL, VERSION
+from sgdjob_operator.api.validation import SpecError, validate_spec
+from sgdjob_operator.settings import OperatorSettings
+
+log = logging.getLogger("sgdjob_operator")
+HANDLER_ID = "validate"
+PATH = f"/{HANDLER_ID}"
+
+
+def review(spec: dict[str, Any] | None, old_spec: dict[str, Any] | None) -> None:
+    """Raise kopf.AdmissionError naming the fields when the spec breaks the model's rules. An update
+    that leaves the spec as it was (metadata, finalizers, annotations) always passes, so a job stored
+    before the webhook existed can still be patched, labelled and deleted."""
+    if old_spec is not None and old_spec == spec:
+        return
+    try:
+        validate_spec(dict(spec or {}))
+    except SpecError as err:
+        raise kopf.AdmissionError("invalid SGDJob: " + "; ".join(err.problems), code=422) from err
+
+
+def _validate(spec: kopf.Spec, **kwargs: Any) -> None:
+    old = kwargs.get("old")  # the stored object on UPDATE (kopf passes it; not in WebhookFn's signature)
+    review(dict(spec), dict(old.get("spec") or {}) if old else None)
+
+
+async def _serve(settings: kopf.OperatorSettings, **_: Any) -> None:
+    """Startup: give kopf the webhook server (read when its admission task starts, after startup)."""
+    cfg = _Config.value
+    if cfg is None:
+        return
+    settings.admission.server = kopf.WebhookServer(addr=cfg.webhook_addr, port=cfg.webhook_port, certfile=cfg.webhook_cert, pkeyfile=cfg.webhook_key)
+    settings.admission.managed = None  # the chart owns the ValidatingWebhookConfiguration
+    log.info("admission webhook on https://%s:%d%s", cfg.webhook_addr, cfg.webhook_port, PATH)
+
+
+class _Config:
+    value: OperatorSettings | None = None
+
+
+def check(cfg: OperatorSettings) -> str | None:
+    """What is wrong with the webhook settings, or None."""
+    if not cfg.webhook_port:
+        return "--webhook-cert/--webhook-key need --webhook-port" if cfg.webhook_cert or cfg.webhook_key else None
+    if not (cfg.webhook_cert and cfg.webhook_key):
+        return "--webhook-port needs --webhook-cert and --webhook-key (the API server only calls webhooks over TLS)"
+    return None
+
+
+def register(cfg: OperatorSettings, registry: kopf.OperatorRegistry | None = None) -> bool:
+    """Register the validating handler and the server's startup hook when the webhook is on."""
+    if not cfg.webhook_port:
+        return False
+    _Config.value = cfg
+    reg = registry or kopf.get_default_registry()
+    kopf.on.validate(GROUP, VERSION, PLURAL, id=HANDLER_ID, operations=["CREATE", "UPDATE"], registry=reg)(_validate)
+    kopf.on.startup(id="webhook-server", registry=reg)(_serve)
+    return True

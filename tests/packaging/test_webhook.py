@@ -1,0 +1,151 @@
+"""The validating admission webhook: the rules alone, the CLI's flags, and the real API server calling
+`sgdjob operator --webhook-port` over TLS with a certificate made here by openssl."""
+
+from __future__ import annotations
+
+import base64
+import os
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import kopf
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from e2e.controlplane import ControlPlane, free_port
+from sgdjob_operator.cli import main
+from sgdjob_operator.settings import OperatorSettings
+from sgdjob_operator.webhook import PATH, check, review
+
+
+def _job(name: str, **spec: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "sgdjob.dev/v1alpha1",
+        "kind": "SGDJob",
+        "metadata": {"name": name},
+        "spec": {"replicas": 2, "minReplicas": 1, "maxReplicas": 3, "training": {"steps": 10}, "runPolicy": {"suspend": True}, **spec},
+    }
+
+
+def test_review_names_the_field_and_lets_unchanged_specs_pass() -> None:
+    bad = _job("x", minReplicas=3)["spec"]
+    with pytest.raises(kopf.AdmissionError, match=r"spec\.minReplicas") as err:
+        review(bad, None)
+    assert err.value.code == 422
+    review(_job("x")["spec"], None)
+    review(bad, dict(bad))  # metadata-only update of a job stored before the webhook existed
+    with pytest.raises(kopf.AdmissionError):
+        review(bad, _job("x")["spec"])
+
+
+def test_webhook_flags_are_checked() -> None:
+    assert check(OperatorSettings()) is None
+    assert "needs --webhook-cert" in str(check(OperatorSettings(webhook_port=9443)))
+    assert "need --webhook-port" in str(check(OperatorSettings(webhook_cert="c")))
+    assert check(OperatorSettings(webhook_port=9443, webhook_cert="c", webhook_key="k")) is None
+    result = CliRunner().invoke(main, ["operator", "--webhook-port", "9443"])
+    assert result.exit_code != 0 and "--webhook-cert" in result.output
+    assert "--webhook-port" in CliRunner().invoke(main, ["operator", "--help"]).output
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
+
+
+def make_certs(folder: Path, ip: str = "127.0.0.1") -> tuple[Path, Path, Path]:
+    """A CA and a serving certificate for `ip` signed by it: (ca.crt, tls.crt, tls.key)."""
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt", "-days", "1", "-subj", "/CN=sgdjob-test-ca", cwd=folder)
+    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "tls.key", "-out", "tls.csr", "-subj", f"/CN={ip}", cwd=folder)
+    (folder / "san.ext").write_text(f"subjectAltName=IP:{ip}\nextendedKeyUsage=serverAuth\n")
+    _openssl("x509", "-req", "-in", "tls.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial", "-out", "tls.crt", "-days", "1", "-extfile", "san.ext", cwd=folder)
+    return folder / "ca.crt", folder / "tls.crt", folder / "tls.key"
+
+
+def _serving(port: int, ca: Path) -> bool:
+    ctx = ssl.create_default_context(cafile=str(ca))
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1) as sock, ctx.wrap_socket(sock, server_hostname="127.0.0.1"):
+            return True
+    except OSError:
+        return False
+
+
+@pytest.fixture
+def webhook_operator(k8s_crd: ControlPlane, tmp_path: Path) -> Iterator[tuple[str, str]]:
+    """The operator with its webhook on a free port, watching one fresh namespace, and a
+    ValidatingWebhookConfiguration (limited to that namespace) pointing at it by URL."""
+    ca, cert, key = make_certs(tmp_path)
+    port, ns, name = free_port(), f"wh-{uuid.uuid4().hex[:6]}", f"sgdjob-test-{uuid.uuid4().hex[:6]}"
+    k8s_crd.kubectl("create", "namespace", ns)
+    k8s_crd.kubectl("label", "namespace", ns, f"sgdjob-webhook-test={name}")
+    argv = [str(Path(sys.executable).parent / "sgdjob"), "operator", "--kubeconfig", str(k8s_crd.kubeconfig), "-n", ns]
+    argv += ["--webhook-port", str(port), "--webhook-addr", "127.0.0.1", "--webhook-cert", str(cert), "--webhook-key", str(key)]
+    log = tmp_path / "operator.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+    config = {
+        "apiVersion": "admissionregistration.k8s.io/v1",
+        "kind": "ValidatingWebhookConfiguration",
+        "metadata": {"name": name},
+        "webhooks": [
+            {
+                "name": "validate.sgdjob.dev",
+                "admissionReviewVersions": ["v1"],
+                "sideEffects": "None",
+                "failurePolicy": "Fail",
+                "timeoutSeconds": 10,
+                "namespaceSelector": {"matchLabels": {"sgdjob-webhook-test": name}},
+                "clientConfig": {"url": f"https://127.0.0.1:{port}{PATH}", "caBundle": base64.b64encode(ca.read_bytes()).decode()},
+                "rules": [{"apiGroups": ["sgdjob.dev"], "apiVersions": ["v1alpha1"], "operations": ["CREATE", "UPDATE"], "resources": ["sgdjobs"]}],
+            }
+        ],
+    }
+    try:
+        deadline = time.monotonic() + 90
+        while not _serving(port, ca):
+            assert proc.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, "webhook not serving after 90 s:\n" + log.read_text()[-3000:]
+            time.sleep(0.3)
+        k8s_crd.kubectl("apply", "-f", "-", input_text=yaml.safe_dump(config))
+        yield ns, log.read_text
+    finally:
+        k8s_crd.kubectl("delete", "validatingwebhookconfiguration", name, "--ignore-not-found", check=False)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=10)
+        k8s_crd.kubectl("-n", ns, "delete", "sgdjobs", "--all", "--wait=false", check=False)
+
+
+def test_api_server_rejects_a_cross_field_invalid_job_through_the_webhook(k8s_crd: ControlPlane, webhook_operator: tuple[str, Any]) -> None:
+    ns, _ = webhook_operator
+
+    def apply(doc: dict[str, Any]) -> subprocess.CompletedProcess[str]:
+        return k8s_crd.kubectl("-n", ns, "apply", "-f", "-", check=False, input_text=yaml.safe_dump(doc))
+
+    # The CRD's schema accepts it (each field alone is fine); only the cross-field rule refuses it.
+    bad = apply(_job("too-few", replicas=2, minReplicas=3))
+    assert bad.returncode != 0, bad.stdout
+    assert "validate.sgdjob.dev" in bad.stderr and "spec.minReplicas" in bad.stderr, bad.stderr
+    assert k8s_crd.kubectl("-n", ns, "get", "sgdjob", "too-few", check=False).returncode != 0
+
+    good = apply(_job("fine"))
+    assert good.returncode == 0, good.stderr
+    assert k8s_crd.kubectl("-n", ns, "get", "sgdjob", "fine", "-o", "name").stdout.strip() == "sgdjob.sgdjob.dev/fine"
+
+    # An update that breaks the rule is refused as well; the stored spec stays.
+    worse = k8s_crd.kubectl("-n", ns, "patch", "sgdjob", "fine", "--type=merge", "-p", '{"spec":{"maxReplicas":1}}', check=False)
+    assert worse.returncode != 0 and ("spec.maxReplicas" in worse.stderr or "spec.replicas" in worse.stderr), worse.stderr
+    assert k8s_crd.kubectl("-n", ns, "get", "sgdjob", "fine", "-o", "jsonpath={.spec.maxReplicas}").stdout == "3"

@@ -1,0 +1,296 @@
+"""Checkpoints: asynchronous, atomic, multi-writer, verified on load.
+
+Layout of `training.checkpoint.dir` (a shared volume in a cluster):
+    step-0000000120/          one complete checkpoint, named by the job step it holds
+        model-00000.pt        model + optimizer of a model owner, with its weight (ranks it stands for)
+        rank-00000.pt         per rank: RNG streams, loss-scaler state, hosted parameter-server shards
+        rank-00000.json       per rank sidecar: its files' sizes and sha256, its data position
+        ...
+        meta.json             rank 0: step, mode, control epoch, batch sizes, groups, world size,
+                              every file's size and sha256, every rank's data position
+        COMPLETE              written last: the sha256 of meta.json
+    .tmp-step-0000000130-<life>/   a checkpoint being written (life: random id of this start)
+    progress.json             rank 0's newest step and time, and the job's restart history
+
+Who writes what (the model owners depend on the mode, because the model lives in different places):
+- sync: every rank holds the same model; rank 0 writes it (weight = world size) with the optimizer.
+- hierarchical: each group's lowest rank writes its group's model (weight = group size); a resume
+  averages the group models by weight, which is what a switch out of hierarchical does.
+- async: rank 0's model is the parameter server's (it pulls the fresh model every step) and rank 0
+  writes it; each shard host adds its shards (parameters, momentum, version) to its rank file.
+  Rank 0 asks for the checkpoint through shard 0's reply, so every worker writes its part at its
+  next exchange (its own step may differ; the checkpoint is named by rank 0's step).
+- every rank writes its own rank file and sidecar; rank 0's writer thread finalises.
+
+Writing: at a checkpoint step a rank copies what it must save to CPU memory (the only stall of
+training, measured as `stallSeconds`) and hands it to a background thread, which serialises it,
+writes each file as `name.part`, fsyncs it and renames it, and then the sidecar the same way. Rank 0
+waits (up to completeTimeoutSeconds) until all ranks' sidecars exist, writes meta.json, fsyncs
+the directory, renames `.tmp-...` to `step-...`, and only then writes COMPLETE. Retention keeps
+the newest `keep` complete checkpoints and removes older and abandoned directories.
+
+Loading: rank 0 walks the complete checkpoints newest first, checks COMPLETE against meta.json and
+every file's size and sha256, and offers the first good one; every rank loads its files
+(torch.load weights_only) and the ranks agree (allreduce) that all succeeded, else rank 0 skips to
+an older one. A corrupt or partial checkpoint is skipped with a warning, never loaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import os
+import queue
+import shutil
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sgdjob_trainer.config import Checkpoint
+
+log = logging.getLogger("sgdjob_trainer.checkpoint")
+FORMAT = 1
+STEP_PREFIX = "step-"
+TMP_PREFIX = ".tmp-step-"
+COMPLETE = "COMPLETE"
+META = "meta.json"
+PROGRESS = "progress.json"
+# Rank 0 notes its step this often at most: a restart counts lost steps from the newest note.
+PROGRESS_EVERY_S = 0.05
+
+
+class CheckpointError(Exception):
+    """A checkpoint that must not be loaded (missing marker or file, wrong size or checksum)."""
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"{STEP_PREFIX}{step:010d}"
+
+
+def cpu_copy(obj: Any) -> Any:
+    """A deep copy with every tensor copied to CPU memory: what the writer thread may own."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: cpu_copy(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(cpu_copy(v) for v in obj)
+    return obj
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: Path, data: bytes, *, sync: bool = True) -> None:
+    """Write to `path.part`, fsync, rename: a reader sees the whole file or none."""
+    tmp = path.with_name(path.name + ".part")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        if sync:
+            f.flush()
+            os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _entry(data: bytes) -> dict[str, Any]:
+    return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+@dataclass(slots=True)
+class Snapshot:
+    """One rank's share of checkpoint `step`, already copied to CPU memory."""
+
+    step: int
+    world_size: int
+    part: dict[str, Any]
+    data: dict[str, int]
+    model: dict[str, Any] | None = None
+    meta: dict[str, Any] | None = None  # rank 0 only: the job-wide fields of meta.json
+
+
+@dataclass(slots=True)
+class Checkpointer:
+    """One per process; `take` is called by the training loop, the rest runs on a writer thread."""
+
+    cfg: Checkpoint
+    rank: int
+    life: str
+    root: Path = field(init=False)
+    last: int = 0  # newest checkpoint step this rank has taken (or resumed from)
+    stalls: list[float] = field(default_factory=list)
+    writes: list[float] = field(default_factory=list)
+    completed: list[int] = field(default_factory=list)
+    _queue: queue.Queue[Snapshot] = field(default_factory=lambda: queue.Queue(maxsize=1))
+    _progress_at: float = 0.0
+
+    def __post_init__(self) -> None:
+        assert self.cfg.dir is not None
+        self.root = Path(self.cfg.dir)
+        self.root.mkdir(parents=True, exist_ok=True)
+        threading.Thread(target=self._run, name="sgdjob-checkpoint", daemon=True).start()
+
+    def due(self, step: int) -> bool:
+        return step - self.last >= self.cfg.interval_steps
+
+    def take(self, snapshot_fn: Any, step: int) -> float:
+        """Copy this rank's state (`snapshot_fn()` -> Snapshot, tensors still live) and queue it.
+        Blocks only while an earlier checkpoint of this rank is still queued. Returns the stall."""
+        start = time.perf_counter()
+        snap: Snapshot = cpu_copy_snapshot(snapshot_fn())
+        self._queue.put(snap)
+        self.last = step
+        stall = time.perf_counter() - start
+        self.stalls.append(stall)
+        return stall
+
+    def flush(self) -> None:
+        """Wait until every queued checkpoint of this rank is written (rank 0: and finalised)."""
+        self._queue.join()
+
+    # -- writer thread ------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            snap = self._queue.get()
+            start = time.perf_counter()
+            try:
+                self._write(snap)
+                self.writes.append(time.perf_counter() - start)
+            except Exception:
+                log.exception("checkpoint of step %d failed on rank %d; training goes on", snap.step, self.rank)
+            finally:
+                self._queue.task_done()
+
+    def _write(self, snap: Snapshot) -> None:
+        tmp = self.root / f"{TMP_PREFIX}{snap.step:010d}-{self.life}"
+        tmp.mkdir(parents=True, exist_ok=True)
+        files: dict[str, Any] = {}
+        blobs = {f"rank-{self.rank:05d}.pt": snap.part}
+        if snap.model is not None:
+            blobs[f"model-{self.rank:05d}.pt"] = snap.model
+        for name, obj in blobs.items():
+            buf = io.BytesIO()
+            torch.save(obj, buf)
+            data = buf.getvalue()
+            write_atomic(tmp / name, data)
+            files[name] = _entry(data)
+        sidecar = {"rank": self.rank, "step": snap.step, "files": files, "data": snap.data}
+        write_atomic(tmp / f"rank-{self.rank:05d}.json", json.dumps(sidecar).encode())
+        if snap.meta is not None:
+            self._finalize(tmp, snap)
+
+    def _finalize(self, tmp: Path, snap: Snapshot) -> None:
+        deadline = time.monotonic() + self.cfg.complete_timeout_seconds
+        names = [f"rank-{r:05d}.json" for r in range(snap.world_size)]
+        while not all((tmp / n).exists() for n in names):
+            if time.monotonic() > deadline:
+                missing = [n for n in names if not (tmp / n).exists()]
+                log.warning("checkpoint of step %d abandoned: no part from %s within %.0f s", snap.step, missing, self.cfg.complete_timeout_seconds)
+                shutil.rmtree(tmp, ignore_errors=True)
+                return
+            time.sleep(0.02)
+        sidecars = [json.loads((tmp / n).read_text()) for n in names]
+        files: dict[str, Any] = {}
+        for doc in sidecars:
+            files.update(doc["files"])
+        meta = dict(snap.meta or {})
+        meta.update(format=FORMAT, step=snap.step, world_size=snap.world_size, life=self.life, files=files, positions=[d["data"] for d in sidecars])
+        meta_bytes = json.dumps(meta, indent=1).encode()
+        write_atomic(tmp / META, meta_bytes)
+        _fsync_dir(tmp)
+        target = step_dir(self.root, snap.step)
+        if target.exists():  # left by an earlier life that got this far but was never loaded
+            shutil.rmtree(target)
+        os.rename(tmp, target)
+        _fsync_dir(self.root)
+        write_atomic(target / COMPLETE, hashlib.sha256(meta_bytes).hexdigest().encode())
+        _fsync_dir(target)
+        self.completed.append(snap.step)
+        log.info("checkpoint of step %d complete (%d files)", snap.step, len(files))
+        self.retain()
+
+    def retain(self) -> None:
+        """Keep the newest `keep` complete checkpoints; remove older ones and the incomplete
+        directories older than the newest complete one (they can never complete)."""
+        complete = complete_checkpoints(self.root)
+        newest = _step_of(complete[0]) if complete else -1
+        for path in complete[self.cfg.keep :]:
+            shutil.rmtree(path, ignore_errors=True)
+        for path in self.root.glob(f"{STEP_PREFIX}*"):
+            if not (path / COMPLETE).exists() and _step_of(path) < newest:
+                shutil.rmtree(path, ignore_errors=True)
+
+    def remove_stale(self) -> None:
+        """Rank 0 at start: temp directories of earlier lives can never complete."""
+        for path in self.root.glob(f"{TMP_PREFIX}*"):
+            if not path.name.endswith(f"-{self.life}"):
+                shutil.rmtree(path, ignore_errors=True)
+
+    # -- progress (rank 0) ----------------------------------------------------------------------
+    def note_progress(self, step: int, history: list[dict[str, Any]], *, force: bool = False) -> None:
+        """Rank 0's high-water mark, a few times a second: what a restart counts as lost steps."""
+        now = time.time()
+        if force or now - self._progress_at >= PROGRESS_EVERY_S:
+            self._progress_at = now
+            doc = {"life": self.life, "step": step, "time": now, "resumes": history}
+            write_atomic(self.root / PROGRESS, json.dumps(doc).encode(), sync=False)
+
+
+def cpu_copy_snapshot(snap: Snapshot) -> Snapshot:
+    snap.part = cpu_copy(snap.part)
+    snap.model = cpu_copy(snap.model) if snap.model is not None else None
+    return snap
+
+
+def _step_of(path: Path) -> int:
+    try:
+        return int(path.name[len(STEP_PREFIX) :])
+    except ValueError:
+        return -1
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """Directories with a COMPLETE marker, newest step first (not yet verified)."""
+    found = [p for p in root.glob(f"{STEP_PREFIX}*") if p.is_dir() and _step_of(p) >= 0 and (p / COMPLETE).exists()]
+    return sorted(found, key=_step_of, reverse=True)
+
+
+def verify(path: Path) -> dict[str, Any]:
+    """meta.json of a checkpoint whose marker, files, sizes and checksums all check out."""
+    try:
+        meta_bytes = (path / META).read_bytes()
+        marker = (path / COMPLETE).read_text().strip()
+        if marker != hashlib.sha256(meta_bytes).hexdigest():
+            raise CheckpointError("COMPLETE does not match meta.json")
+        meta: dict[str, Any] = json.loads(meta_bytes)
+        if meta.get("format") != FORMAT:
+            raise CheckpointError(f"format {meta.get('format')} is not {FORMAT}")
+        for name, entry in meta["files"].items():
+            data = (path / name).read_bytes()
+            if _entry(data) != entry:
+                raise CheckpointError(f"{name}: size or sha256 differs from meta.json")
+        return meta
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise CheckpointError(str(err)) from err
+
+
+def load_file(path: Path) -> Any:
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def read_progress(root: Path) -> dict[str, Any] | None:
+    try:
+        doc = json.loads((root / PROGRESS).read_text())
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
