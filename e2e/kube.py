@@ -18,6 +18,8 @@ from urllib.parse import urlencode, urlparse
 import urllib3
 from kubernetes import client, config
 
+from sgdjob_operator.kube import ApiError
+
 Obj = dict[str, Any]
 PATCH_TYPES = {
     "strategic": "application/strategic-merge-patch+json",
@@ -26,16 +28,9 @@ PATCH_TYPES = {
 }
 
 
-class KubeError(RuntimeError):
-    """A non-2xx answer; `status` is the HTTP code (0 when the server could not be reached)."""
-
-    def __init__(self, status: int, method: str, path: str, body: str) -> None:
-        self.status = status
-        try:
-            detail = json.loads(body).get("message", body)
-        except ValueError:
-            detail = body
-        super().__init__(f"{method} {path}: HTTP {status}: {str(detail)[:400]}")
+# The operator's own error type for a non-2xx answer, so the harness and the operator read API
+# failures the same way (`status` is the HTTP code; 0 when the server could not be reached).
+KubeError = ApiError
 
 
 class Kube:
