@@ -45,6 +45,17 @@ def test_schema_is_structural_documented_and_bounded() -> None:
             assert "additionalProperties" not in node, path
 
 
+def test_every_numeric_bound_fits_an_int64() -> None:
+    # The API server checks an integral value (a loss of exactly 0) against a number's bounds as int64;
+    # a bound beyond that range overflows into a rule that rejects every status write.
+    limit = 2**63 - 1
+    for part in ("spec", "status"):
+        for path, node in _walk(_schema()["properties"][part], part):
+            for key in ("minimum", "maximum"):
+                if key in node:
+                    assert -limit <= node[key] <= limit, f"{path}.{key} = {node[key]} overflows int64"
+
+
 def test_enums_defaults_and_subresources() -> None:
     spec = _schema()["properties"]["spec"]["properties"]
     assert spec["mode"]["enum"] == ["auto", "sync", "hierarchical", "async"] and spec["mode"]["default"] == "auto"

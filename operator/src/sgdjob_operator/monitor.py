@@ -14,7 +14,7 @@ from typing import Any
 
 import aiohttp
 
-from sgdjob_operator.api.models import JobMode, SGDJobSpec, SGDJobStatus, Straggler
+from sgdjob_operator.api.models import LOSS_BOUND, JobMode, SGDJobSpec, SGDJobStatus, Straggler
 from sgdjob_operator.policy.samples import WorkerSample
 from sgdjob_operator.scrape import Endpoint, scrape
 from sgdjob_operator.status import Event, PodView, controller, new_command, record_decision, workers
@@ -98,7 +98,7 @@ def record_observation(st: SGDJobStatus, obs: Observation, health: Any | None) -
         else:
             st.step = max(st.step if mode is None else 0, max(s.steps for s in obs.samples))
         losses = [s.loss for s in sorted(obs.samples, key=lambda s: s.rank) if s.loss is not None]
-        st.loss = losses[0] if losses else st.loss
+        st.loss = max(-LOSS_BOUND, min(LOSS_BOUND, losses[0])) if losses else st.loss
     if health is not None:
         st.throughput = round(float(health.throughput), 3) if health.throughput else st.throughput
         st.stragglers = [Straggler.model_validate(r) for r in health.straggler_records()]

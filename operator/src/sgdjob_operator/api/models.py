@@ -24,6 +24,7 @@ SHORT_NAMES = ["sgdj"]
 API_VERSION = f"{GROUP}/{VERSION}"
 MAX_WORKERS = 1024
 MAX_DECISIONS = 20
+LOSS_BOUND = 1e15
 
 
 class JobMode(StrEnum):
@@ -206,7 +207,9 @@ class SGDJobStatus(CamelModel):
     stragglers: Annotated[list[Straggler], Field(max_length=MAX_WORKERS, description="Ranks found slow now.")] = []
     straggler_count: Annotated[int, Field(ge=0, le=65_535, description="How many ranks are stragglers now.")] = 0
     step: Annotated[int, Field(ge=0, le=10**12, description="Latest optimizer step reported by the workers.")] = 0
-    loss: Annotated[float | None, Field(ge=-1e30, le=1e30, description="Latest training loss.")] = None
+    # Bounds stay inside int64: the API server compares an integral value (a loss of exactly 0) against
+    # the bound as an int64, and a larger bound overflows into a rule no value can meet.
+    loss: Annotated[float | None, Field(ge=-LOSS_BOUND, le=LOSS_BOUND, description="Latest training loss (clamped to +-1e15).")] = None
     throughput: Annotated[float | None, Field(ge=0.0, le=1e12, description="Samples per second over the last interval.")] = None
     restarts: Annotated[int, Field(ge=0, le=10**6, description="Worker restarts so far.")] = 0
     conditions: Annotated[list[Condition], Field(max_length=16, description="Kubernetes-style conditions.")] = []
