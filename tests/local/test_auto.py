@@ -2,21 +2,13 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
-import yaml
 
 from sgdjob_operator.local.auto import active_mode, applied_epoch, command_for
 from sgdjob_operator.local.progress import Snapshot, WorkerView
 from sgdjob_operator.policy import Rebalance, SwitchMode
 from sgdjob_operator.scrape import Endpoint, ScrapeResult
-
-REPO = Path(__file__).resolve().parents[2]
-SGDJOB = str(Path(sys.executable).parent / "sgdjob")
+from tests.local.example_runs import RunExample, processes_mentioning
 
 
 def _worker(rank: int, mode: str, *, fresh: bool = True, done: bool = False) -> WorkerView:
@@ -41,16 +33,11 @@ def test_applied_epoch_and_active_mode_read_the_workers() -> None:
 
 
 @pytest.mark.multiproc
-def test_quickstart_switches_mode_with_a_reason_and_writes_plots(tmp_path: Path) -> None:
-    job = yaml.safe_load((REPO / "examples" / "quickstart.yaml").read_text())
-    job["spec"]["training"]["steps"] = 300  # enough for the policy to act; keeps the tier short
-    path = tmp_path / "quickstart.yaml"
-    path.write_text(yaml.safe_dump(job))
-    out = tmp_path / "out"
-    proc = subprocess.run([SGDJOB, "run", str(path), "--out", str(out), "--timeout", "400"], capture_output=True, text=True, timeout=460, cwd=tmp_path)
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, output
-    report = json.loads((out / "report.json").read_text())
+def test_quickstart_switches_mode_with_a_reason_and_writes_plots(run_example: RunExample) -> None:
+    # 300 steps: enough for the policy to act; keeps the tier short.
+    code, output, report, out = run_example("quickstart.yaml", {"training": {"steps": 300}})
+    assert code == 0 and report is not None, output
+    assert processes_mentioning(str(out)) == [], "processes of the run are left behind"
     assert report["ok"] and report["mode"] == "auto" and report["missing_ranks"] == []
     switches = [d for d in report["decisions"] if d["action"] == "switchMode"]
     assert switches and switches[0]["reason"] and "rank 3" in switches[0]["reason"], report["decisions"]

@@ -124,9 +124,13 @@ def test_plan_launch_builds_one_torchrun_agent_per_node(tmp_path: Path) -> None:
     a0, a1, _ = plan.agents
     assert a0.argv[:3] == ("/py", "-m", "torch.distributed.run")
     assert a0.argv[-4:] == ("-m", "sgdjob_trainer", "--config", str(tmp_path / "run-config-local-0.json"))
-    for flag in ("--nnodes=2:4", "--nproc-per-node=2", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:29555", "--rdzv-id=tiny", "--max-restarts=3"):
+    for flag in ("--nnodes=2:4", "--nproc-per-node=2", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:29555", "--rdzv-id=tiny"):
         assert flag in a0.argv and flag in a1.argv
-    assert "--rdzv-conf=is_host=1" in a0.argv and "--rdzv-conf=is_host=0" in a1.argv
+    # A fixed mode: torchrun retries backoffLimit (3) failures.
+    assert "--max-restarts=3" in a0.argv
+    # No agent hosts the rendezvous: the store is a process of its own, so any agent can leave.
+    assert "--rdzv-conf=is_host=0,last_call_timeout=5" in a0.argv and "--rdzv-conf=is_host=0,last_call_timeout=5" in a1.argv
+    assert plan.store.argv == ("/py", "-m", "sgdjob_operator.rendezvous", "--host", "127.0.0.1", "--port", "29555")
     assert a1.metrics_ports == (30010, 30011)
     assert a1.env["NODE_NAME"] == "local-1" and a1.env["SGDJOB_CONTROL_TOKEN"] == "tok" and a1.env["PATH"] == "/bin"
     assert a1.env["SGDJOB_REPORT_DIR"] == str(tmp_path / "ranks") and a1.env["OMP_NUM_THREADS"] == "2"
@@ -138,6 +142,19 @@ def test_plan_launch_builds_one_torchrun_agent_per_node(tmp_path: Path) -> None:
     assert any("checkpoints go to" in n for n in plan.notes)
     with pytest.raises(ValueError, match="need 3"):
         plan_launch(job(), SyncMode.SYNC, tmp_path, rdzv_port=1, metrics_bases=[1], token="t", python="p", base_env={})
+
+
+def test_an_auto_run_that_may_replace_workers_budgets_a_restart_per_leaving_member(tmp_path: Path) -> None:
+    def restarts(mode: SyncMode, actions: list[str], auto: bool) -> str:
+        j = job(policy={"allowedActions": actions})
+        plan = plan_launch(j, mode, tmp_path, rdzv_port=1, metrics_bases=[1, 3, 5], token="t", python="p", base_env={}, auto=auto)
+        return next(a for a in plan.agents[0].argv if a.startswith("--max-restarts="))
+
+    # backoffLimit (3) plus maxReplicas (4): each departure ends the survivors' round once.
+    assert restarts(SyncMode.SYNC, ["switchMode", "replaceWorker"], auto=True) == "--max-restarts=7"
+    assert restarts(SyncMode.SYNC, ["switchMode", "rescale"], auto=True) == "--max-restarts=7"
+    assert restarts(SyncMode.SYNC, ["switchMode", "rebalance"], auto=True) == "--max-restarts=3"
+    assert restarts(SyncMode.SYNC, ["replaceWorker"], auto=False) == "--max-restarts=3"
 
 
 def test_free_port_blocks_are_distinct_and_bindable() -> None:

@@ -3,12 +3,15 @@
 A poll hook for `run_local`. Every `policy.intervalSeconds` it feeds the latest scrape to
 `policy.evaluate` and applies the decision the way the operator does: the wanted control command
 is level-triggered (re-pushed on every poll until rank 0 reports its epoch), and no new decision is
-taken while one is still in flight. Membership changes (replace, rescale) need the runner to start
-and stop agents, which this hook asks for through `LocalRun`'s membership methods.
+taken while one is still in flight. Membership changes (replace a worker, rescale within min/max)
+go through `LocalRun.replace`/`rescale`, which stop and start agents; until every rank of the new
+world reports, nothing else is decided, and then the policy starts over (ranks were handed out
+anew) with its cooldown running from the change.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -42,6 +45,27 @@ def applied_epoch(results: Sequence[ScrapeResult]) -> int | None:
     return None
 
 
+# What a membership change costs on one machine, for the policy's payback test: stopping the
+# leaving agent at an agreed step, a new rendezvous round and every worker resuming from the
+# checkpoint, about 10-15 s on 2 cores (the operator's default of 60 s is for pods on new nodes).
+LOCAL_RESTART_SECONDS = 15.0
+# A membership change that has not settled by then is left to the supervisor's failure handling.
+SETTLE_TIMEOUT_S = 180.0
+
+
+def settled(results: Sequence[ScrapeResult], world: int) -> bool:
+    """Every rank of a world of `world` reports, each seeing that world size (pure)."""
+    ranks = {r.sample.rank for r in results if r.sample is not None and r.sample.world_size == world}
+    return ranks == set(range(world))
+
+
+def node_of(results: Sequence[ScrapeResult], rank: int) -> str | None:
+    for result in results:
+        if result.sample is not None and result.sample.rank == rank:
+            return result.sample.node or result.endpoint.node
+    return None
+
+
 def active_mode(snap: Snapshot, fallback: str) -> str:
     modes = {w.mode for w in snap.workers if w.fresh and not w.done}
     return modes.pop() if len(modes) == 1 else fallback
@@ -63,6 +87,7 @@ class AutoController:
     decisions: list[dict[str, Any]] = field(default_factory=list)
     last_eval: float | None = None
     start: float = field(default_factory=time.time)
+    settling_since: float | None = None  # a membership change waits for the new world to report
 
     def _record(self, decision: Any, snap: Snapshot, applied: bool, note: str = "") -> None:
         entry = {"time_s": round(snap.elapsed_s, 3), "step": snap.step, **decision.to_dict(), "applied": applied}
@@ -77,6 +102,11 @@ class AutoController:
         run.report_extra["mode"] = "auto"
         run.report_extra["decisions"] = self.decisions
         epoch = applied_epoch(results)
+        if self.settling_since is not None:
+            if not settled(results, run.fleet.world_size()) and self.clock() - self.settling_since < SETTLE_TIMEOUT_S:
+                return
+            await self._settle(run, epoch)
+            return
         if self.wanted is not None:
             if epoch is not None and epoch >= self.wanted.epoch:
                 self.wanted = None  # the workers run it: the change is no longer in flight
@@ -90,7 +120,14 @@ class AutoController:
         samples = [r.sample for r in results if r.sample is not None]
         if not samples or any(w.done for w in snap.workers):
             return
-        view = job_view(self.job.spec, mode=self.mode, batch_sizes=self.batch_sizes, groups=self.groups)
+        view = job_view(
+            self.job.spec,
+            mode=self.mode,
+            replicas=len(run.fleet.nodes()),
+            batch_sizes=self.batch_sizes,
+            groups=self.groups,
+            restart_seconds=LOCAL_RESTART_SECONDS,
+        )
         evaluation = evaluate(self.state, samples, view, now)
         self.state = evaluation.state
         decision = evaluation.decision
@@ -105,5 +142,37 @@ class AutoController:
                 self.groups = self.wanted.groups
             self._record(decision, snap, applied=True)
             await run.push(self.wanted)
-        elif isinstance(decision, ReplaceWorker | Rescale):
-            self._record(decision, snap, applied=False, note="membership changes are not applied by the local runner yet")
+        elif isinstance(decision, ReplaceWorker):
+            node = decision.exclude_node or node_of(results, decision.rank)
+            if node is None or node not in run.fleet.nodes():
+                self._record(decision, snap, applied=False, note=f"rank {decision.rank}'s node is not known")
+                return
+            self._record(decision, snap, applied=True, note=f"node {node} leaves, local-{run.fleet.next_index} joins")
+            await run.replace(node, SyncMode(self.mode), decision.reason)
+            self.settling_since = self.clock()
+        elif isinstance(decision, Rescale):
+            spec = self.job.spec
+            target = max(spec.min_workers, min(spec.max_workers, decision.replicas))
+            if target == len(run.fleet.nodes()):
+                return
+            remove = tuple(n for n in (node_of(results, r) for r in decision.remove_ranks) if n is not None)
+            self._record(decision, snap, applied=True, note=f"{len(run.fleet.nodes())} -> {target} nodes")
+            await run.rescale(target, SyncMode(self.mode), decision.reason, remove)
+            self.settling_since = self.clock()
+
+    async def _settle(self, run: LocalRun, epoch: int | None) -> None:
+        """The new world reports (or waited long enough): start the policy over, keep the cooldown
+        running from the change, and drop per-rank batch sizes and groups, which named old ranks."""
+        now = self.clock()
+        self.settling_since = None
+        self.state = dataclasses.replace(PolicyState(), last_change=now, jitter=self.state.jitter)
+        self.last_eval = now
+        self.groups = None
+        self.epoch = max(self.epoch, epoch or 0)
+        if self.batch_sizes:
+            self.batch_sizes = {}
+            base = self.job.spec.training.batch_size
+            self.epoch += 1
+            plain = {r: base for r in range(run.fleet.world_size())}
+            self.wanted = ControlCommand(epoch=self.epoch, batch_sizes=plain, reason="membership changed: per-rank batch sizes reset")
+            await run.push(self.wanted)

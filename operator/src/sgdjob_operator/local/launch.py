@@ -3,8 +3,10 @@ environment and run-config. Ports and the token are chosen by the caller, so thi
 without starting anything.
 
 One torchrun agent per emulated node (NODE_NAME=local-0, local-1, ...), each with
-`nprocPerNode` trainer processes, all joining one c10d rendezvous on 127.0.0.1. Agent 0 hosts the
-rendezvous store (`is_host`), so which agent starts first does not matter.
+`nprocPerNode` trainer processes, all joining one c10d rendezvous on 127.0.0.1. The rendezvous store
+is a process of its own (`python -m sgdjob_operator.rendezvous`, as the operator's store pod), so any
+agent, the first included, can be stopped and replaced while the others go on; a replacement gets
+the next unused node name (local-N).
 """
 
 from __future__ import annotations
@@ -14,11 +16,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from sgdjob_operator.api.models import JobMode, SGDJob
+from sgdjob_operator.api.models import Action, JobMode, SGDJob
 from sgdjob_trainer.config import RunConfig, SyncMode
 
 LOOPBACK = "127.0.0.1"
 TRAINER_MODULE = "sgdjob_trainer"
+STORE_MODULE = "sgdjob_operator.rendezvous"
+# Agents on one machine start within a few seconds of each other, even on 2 loaded cores.
+LAST_CALL_S = 5
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,15 +41,27 @@ class AgentPlan:
 
 
 @dataclass(frozen=True, slots=True)
+class StorePlan:
+    """The rendezvous store process every agent joins through."""
+
+    node: str
+    argv: tuple[str, ...]
+    env: Mapping[str, str]
+    log_path: Path
+
+
+@dataclass(frozen=True, slots=True)
 class LaunchPlan:
     job: str
     mode: SyncMode
     agents: tuple[AgentPlan, ...]
+    store: StorePlan
     rdzv_port: int
     out_dir: Path
     report_dir: Path
     checkpoint_dir: Path | None
     world_size: int
+    context: LaunchContext  # plans the agents that join later (replacements, scale-up)
     notes: tuple[str, ...] = ()
 
 
@@ -89,10 +106,10 @@ def torchrun_argv(
     nproc_per_node: int,
     rdzv_port: int,
     rdzv_id: str,
-    is_host: bool,
     config_path: Path,
     module: str = TRAINER_MODULE,
     max_restarts: int = 0,
+    last_call_s: int = LAST_CALL_S,
 ) -> tuple[str, ...]:
     """`python -m torch.distributed.run ... -m sgdjob_trainer --config FILE` for one agent."""
     return (
@@ -104,7 +121,9 @@ def torchrun_argv(
         "--rdzv-backend=c10d",
         f"--rdzv-endpoint={LOOPBACK}:{rdzv_port}",
         f"--rdzv-id={rdzv_id}",
-        f"--rdzv-conf=is_host={1 if is_host else 0}",
+        # The store is its own process (is_host=0). last_call: how long a round waits, once min nodes
+        # are in, for more to join; torch's 30 s would stall every local scale-down for 30 s.
+        f"--rdzv-conf=is_host=0,last_call_timeout={last_call_s}",
         f"--local-addr={LOOPBACK}",
         # torchrun restarts every worker after a failure (they resume from the newest checkpoint),
         # at most runPolicy.backoffLimit times; membership changes do not count.
@@ -140,6 +159,75 @@ def agent_env(base: Mapping[str, str], *, node: str, token: str, report_dir: Pat
     return env
 
 
+@dataclass(frozen=True, slots=True)
+class LaunchContext:
+    """What every agent of one run shares; `plan_agent` adds the per-agent part (pure)."""
+
+    job: SGDJob
+    out_dir: Path
+    rdzv_port: int
+    token: str
+    python: str
+    base_env: Mapping[str, str]
+    trainer_module: str = TRAINER_MODULE
+    membership_changes: bool = False  # whether the run's policy may replace or remove workers
+
+    @property
+    def report_dir(self) -> Path:
+        return self.out_dir / "ranks"
+
+    @property
+    def checkpoint_dir(self) -> Path | None:
+        return self.out_dir / "checkpoints" if self.job.spec.training.checkpoint.dir is not None else None
+
+
+def max_restarts(job: SGDJob, membership_changes: bool) -> int:
+    """torchrun's restart budget per agent: runPolicy.backoffLimit failures, plus, when the policy
+    may replace or remove workers, one per member that may leave (a leaving worker ends its peers'
+    round, and torchrun counts that against this budget), as the operator sets it for its pods."""
+    return job.spec.run_policy.backoff_limit + (job.spec.max_workers if membership_changes else 0)
+
+
+def may_change_membership(job: SGDJob, auto: bool) -> bool:
+    allowed = job.spec.policy.allowed_actions
+    return auto and (Action.REPLACE_WORKER in allowed or Action.RESCALE in allowed)
+
+
+def plan_agent(ctx: LaunchContext, index: int, mode: SyncMode, metrics_base: int) -> AgentPlan:
+    """Agent `index` (node local-<index>): its torchrun command, environment and run-config.
+    `metrics_base` is the first of its `nprocPerNode` consecutive free ports."""
+    spec = ctx.job.spec
+    node = node_name(index)
+    config_path = ctx.out_dir / f"run-config-{node}.json"
+    return AgentPlan(
+        index=index,
+        node=node,
+        argv=torchrun_argv(
+            ctx.python,
+            min_nodes=spec.min_workers,
+            max_nodes=spec.max_workers,
+            nproc_per_node=spec.nproc_per_node,
+            rdzv_port=ctx.rdzv_port,
+            rdzv_id=job_name(ctx.job),
+            config_path=config_path,
+            module=ctx.trainer_module,
+            max_restarts=max_restarts(ctx.job, ctx.membership_changes),
+        ),
+        env=agent_env(ctx.base_env, node=node, token=ctx.token, report_dir=ctx.report_dir),
+        config_path=config_path,
+        run_config=run_config(ctx.job, mode, metrics_port=metrics_base, checkpoint_dir=ctx.checkpoint_dir),
+        metrics_ports=tuple(range(metrics_base, metrics_base + spec.nproc_per_node)),
+        log_path=ctx.out_dir / "logs" / f"{node}.log",
+    )
+
+
+def plan_store(ctx: LaunchContext) -> StorePlan:
+    env = dict(ctx.base_env)
+    env["PYTHONUNBUFFERED"] = "1"
+    argv = (ctx.python, "-m", STORE_MODULE, "--host", LOOPBACK, "--port", str(ctx.rdzv_port))
+    return StorePlan(node="rendezvous", argv=argv, env=env, log_path=ctx.out_dir / "logs" / "rendezvous.log")
+
+
 def plan_launch(
     job: SGDJob,
     mode: SyncMode,
@@ -152,53 +240,28 @@ def plan_launch(
     base_env: Mapping[str, str],
     notes: Sequence[str] = (),
     trainer_module: str = TRAINER_MODULE,
+    auto: bool = False,
 ) -> LaunchPlan:
-    """Everything needed to start the job's `replicas` agents. `metrics_bases[i]` is the first of
-    agent i's `nprocPerNode` consecutive free ports."""
+    """Everything needed to start the rendezvous store and the job's `replicas` agents.
+    `metrics_bases[i]` is the first of agent i's `nprocPerNode` consecutive free ports."""
     spec = job.spec
     if len(metrics_bases) != spec.replicas:
         raise ValueError(f"need {spec.replicas} metrics port bases, got {len(metrics_bases)}")
-    name = job_name(job)
-    report_dir = out_dir / "ranks"
-    checkpoint_dir = out_dir / "checkpoints" if spec.training.checkpoint.dir is not None else None
-    agents = []
-    for i, base in enumerate(metrics_bases):
-        node = node_name(i)
-        config_path = out_dir / f"run-config-{node}.json"
-        agents.append(
-            AgentPlan(
-                index=i,
-                node=node,
-                argv=torchrun_argv(
-                    python,
-                    min_nodes=spec.min_workers,
-                    max_nodes=spec.max_workers,
-                    nproc_per_node=spec.nproc_per_node,
-                    rdzv_port=rdzv_port,
-                    rdzv_id=name,
-                    is_host=i == 0,
-                    config_path=config_path,
-                    module=trainer_module,
-                    max_restarts=spec.run_policy.backoff_limit,
-                ),
-                env=agent_env(base_env, node=node, token=token, report_dir=report_dir),
-                config_path=config_path,
-                run_config=run_config(job, mode, metrics_port=base, checkpoint_dir=checkpoint_dir),
-                metrics_ports=tuple(range(base, base + spec.nproc_per_node)),
-                log_path=out_dir / "logs" / f"{node}.log",
-            )
-        )
+    ctx = LaunchContext(job, out_dir, rdzv_port, token, python, base_env, trainer_module, may_change_membership(job, auto))
+    agents = tuple(plan_agent(ctx, i, mode, base) for i, base in enumerate(metrics_bases))
     extra_notes = list(notes)
-    if checkpoint_dir is not None:
-        extra_notes.append(f"checkpoints go to {checkpoint_dir} (this run's own directory, not spec.training.checkpoint.dir)")
+    if ctx.checkpoint_dir is not None:
+        extra_notes.append(f"checkpoints go to {ctx.checkpoint_dir} (this run's own directory, not spec.training.checkpoint.dir)")
     return LaunchPlan(
-        job=name,
+        job=job_name(job),
         mode=mode,
-        agents=tuple(agents),
+        agents=agents,
+        store=plan_store(ctx),
         rdzv_port=rdzv_port,
         out_dir=out_dir,
-        report_dir=report_dir,
-        checkpoint_dir=checkpoint_dir,
+        report_dir=ctx.report_dir,
+        checkpoint_dir=ctx.checkpoint_dir,
         world_size=spec.replicas * spec.nproc_per_node,
         notes=tuple(extra_notes),
+        context=ctx,
     )

@@ -18,12 +18,12 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Any, Generic, Protocol, TypeVar
 
-from sgdjob_operator.local.launch import LOOPBACK, AgentPlan
+from sgdjob_operator.local.launch import LOOPBACK
 
 _PR_SET_PDEATHSIG = 1
 _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
@@ -125,11 +125,29 @@ def processes_in_group(pgid: int) -> list[int]:
     return out
 
 
-class Agent:
-    """One started torchrun agent, leader of its own process group, logging to its log file."""
+class Launchable(Protocol):
+    """What starting a process needs (an AgentPlan, a StorePlan)."""
 
-    def __init__(self, plan: AgentPlan) -> None:
+    @property
+    def node(self) -> str: ...
+    @property
+    def argv(self) -> tuple[str, ...]: ...
+    @property
+    def env(self) -> Mapping[str, str]: ...
+    @property
+    def log_path(self) -> Path: ...
+
+
+P = TypeVar("P", bound=Launchable)
+
+
+class Agent(Generic[P]):
+    """One started process (a torchrun agent, the rendezvous store), leader of its own process
+    group, logging to its log file. `retired` marks an agent the runner stopped on purpose."""
+
+    def __init__(self, plan: P) -> None:
         self.plan = plan
+        self.retired = False
         plan.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log: IO[bytes] = plan.log_path.open("wb")
         self.popen = subprocess.Popen(
@@ -158,53 +176,84 @@ class Agent:
         return "\n".join(text.splitlines()[-lines:])
 
 
-class ProcessSet:
-    """All agents of a run and every descendant seen; `stop` ends them all."""
+class ProcessSet(Generic[P]):
+    """All agents of a run, its services (the rendezvous store) and every descendant seen; `stop`
+    ends them all, `retire` one agent with its own descendants."""
 
     def __init__(self) -> None:
-        self.agents: list[Agent] = []
+        self.agents: list[Agent[P]] = []
+        self.services: list[Agent[Launchable]] = []
         self.known: set[ProcId] = set()
         self.hurry = threading.Event()  # set (from any thread) to cut a running `stop`'s grace short
 
-    def start(self, plans: Sequence[AgentPlan]) -> None:
-        for plan in plans:
-            self.agents.append(Agent(plan))
+    def start(self, plans: Sequence[P]) -> list[Agent[P]]:
+        started = [Agent(plan) for plan in plans]
+        self.agents.extend(started)
+        return started
+
+    def start_service(self, plan: Launchable) -> Agent[Launchable]:
+        service: Agent[Launchable] = Agent(plan)
+        self.services.append(service)
+        return service
+
+    def _all(self) -> list[Agent[Any]]:
+        return [*self.services, *self.agents]
 
     def track(self) -> None:
         """Remember the current descendants, so they can be ended even after their agent is gone."""
-        self.known |= descendants(a.popen.pid for a in self.agents if a.returncode is None)
+        self.known |= descendants(a.popen.pid for a in self._all() if a.returncode is None)
         self.known = {p for p in self.known if is_alive(p)}
 
-    def running(self) -> list[Agent]:
-        return [a for a in self.agents if a.returncode is None]
+    def running(self) -> list[Agent[P]]:
+        """Agents still running that the runner has not retired."""
+        return [a for a in self.agents if a.returncode is None and not a.retired]
 
     def alive(self) -> list[ProcId]:
-        """Every started process (agents and tracked descendants) still running."""
-        return [a.id for a in self.running()] + [p for p in self.known if is_alive(p)]
+        """Every started process (agents, services and tracked descendants) still running."""
+        return [a.id for a in self._all() if a.returncode is None] + [p for p in self.known if is_alive(p)]
 
-    def _signal(self, sig: signal.Signals) -> None:
-        for agent in self.running():
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(agent.popen.pid, sig)
-        for proc in self.known:
+    def _signal(self, sig: signal.Signals, agents: Sequence[Agent[Any]], procs: Iterable[ProcId]) -> None:
+        for agent in agents:
+            if agent.returncode is None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(agent.popen.pid, sig)
+        for proc in procs:
             if is_alive(proc):
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(proc.pid, sig)
 
-    def stop(self, grace_s: float = 10.0) -> None:
-        """SIGTERM everything, wait up to `grace_s`, then SIGKILL what is left; reap the agents."""
-        self.track()
-        self._signal(signal.SIGTERM)
+    def _end(self, agents: Sequence[Agent[Any]], procs: set[ProcId], grace_s: float) -> None:
+        """SIGTERM, wait up to `grace_s`, SIGKILL what is left, reap."""
+
+        def left() -> bool:
+            return any(a.returncode is None for a in agents) or any(is_alive(p) for p in procs)
+
+        self._signal(signal.SIGTERM, agents, procs)
         deadline = time.monotonic() + grace_s
-        while self.alive() and time.monotonic() < deadline and not self.hurry.is_set():
+        while left() and time.monotonic() < deadline and not self.hurry.is_set():
             time.sleep(0.05)
-        if self.alive():
-            self.track()
-            self._signal(signal.SIGKILL)
+        if left():
+            procs |= descendants(a.popen.pid for a in agents if a.returncode is None)
+            self._signal(signal.SIGKILL, agents, procs)
             deadline = time.monotonic() + 5.0
-            while self.alive() and time.monotonic() < deadline:
+            while left() and time.monotonic() < deadline:
                 time.sleep(0.05)
-        for agent in self.agents:
+        for agent in agents:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 agent.popen.wait(timeout=1.0)
             agent.close_log()
+
+    def retire(self, agent: Agent[P], grace_s: float = 10.0) -> None:
+        """Stop one agent and its trainer processes (blocking): a worker leaving the job on purpose.
+        Its trainers get SIGTERM first, so they stop at an agreed step with a final checkpoint."""
+        agent.retired = True
+        mine = descendants([agent.popen.pid])
+        self._end([agent], mine, grace_s)
+        self.known -= mine
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM everything, wait up to `grace_s`, then SIGKILL what is left; reap everything.
+        Agents go first and the store last, so no agent loses its rendezvous while it stops."""
+        self.track()
+        self._end(self.agents, set(self.known), grace_s)
+        self._end(self.services, set(), grace_s)

@@ -25,12 +25,14 @@ from typing import Any
 import aiohttp
 
 from sgdjob_operator.api.models import SGDJob
-from sgdjob_operator.local.launch import LOOPBACK, TRAINER_MODULE, LaunchPlan, job_name, plan_launch, resolve_mode
+from sgdjob_operator.local.fleet import Fleet, plan_replace, plan_rescale
+from sgdjob_operator.local.launch import TRAINER_MODULE, AgentPlan, LaunchPlan, job_name, plan_launch, resolve_mode
 from sgdjob_operator.local.procs import ProcessSet, free_port_blocks
 from sgdjob_operator.local.progress import Display, RunInfo, Snapshot, summarize
 from sgdjob_operator.local.report import RANK_FILE_GLOB, build_report, load_rank_docs, with_status_fallback
 from sgdjob_operator.local.timeline import Timeline
 from sgdjob_operator.scrape import ControlResult, Endpoint, ScrapeResult, post_control, scrape
+from sgdjob_trainer.config import SyncMode
 from sgdjob_trainer.control import ControlCommand
 
 EXIT_FAILED = 1
@@ -66,11 +68,35 @@ class LocalRun:
     plan: LaunchPlan
     token: str
     session: aiohttp.ClientSession
-    endpoints: tuple[Endpoint, ...]
+    fleet: Fleet
+    started: float = field(default_factory=time.monotonic)
     last_results: list[ScrapeResult] = field(default_factory=list)
     timeline: Timeline = field(default_factory=Timeline)
     last_status: dict[int, dict[str, Any]] = field(default_factory=dict)  # by rank, for a report after a stop
+    membership_changes: int = 0
     report_extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def endpoints(self) -> tuple[Endpoint, ...]:
+        return self.fleet.endpoints()
+
+    async def replace(self, node: str, mode: SyncMode, reason: str) -> None:
+        """Stop the agent of `node` and start a new one (a new node name) in its place."""
+        change = plan_replace(self.fleet.nodes(), node, self.fleet.next_index)
+        await self._change(change, mode, "replaceWorker", reason)
+
+    async def rescale(self, nodes: int, mode: SyncMode, reason: str, remove: tuple[str, ...] = ()) -> None:
+        """Run `nodes` agents: the nodes in `remove` leave first, then the newest; or new ones join."""
+        change = plan_rescale(self.fleet.nodes(), nodes, remove, self.fleet.next_index)
+        await self._change(change, mode, "rescale", reason)
+
+    async def _change(self, change: Any, mode: SyncMode, action: str, reason: str) -> None:
+        await self.fleet.apply(change, mode, action=action, reason=reason, elapsed_s=time.monotonic() - self.started)
+        world = self.fleet.world_size()
+        # Ranks are handed out anew by the next rendezvous round: what was seen per rank is stale.
+        self.last_results = []
+        self.last_status = {r: s for r, s in self.last_status.items() if r < world}
+        self.membership_changes += 1
 
     def control_endpoint(self) -> Endpoint | None:
         """The endpoint of rank 0 (which owns /control), once a scrape has seen it."""
@@ -98,7 +124,7 @@ def default_out_dir(job: SGDJob, now: float | None = None) -> Path:
 
 def prepare(job: SGDJob, options: RunOptions) -> tuple[LaunchPlan, str]:
     """Choose ports and token, create the output directory and write each agent's run-config."""
-    mode, _auto = resolve_mode(job.spec.mode, options.mode)
+    mode, auto = resolve_mode(job.spec.mode, options.mode)
     notes: tuple[str, ...] = ()
     ports = free_port_blocks(job.spec.replicas + 1, job.spec.nproc_per_node)
     token = secrets.token_urlsafe(32)
@@ -114,6 +140,7 @@ def prepare(job: SGDJob, options: RunOptions) -> tuple[LaunchPlan, str]:
         base_env=os.environ,
         notes=notes,
         trainer_module=options.trainer_module,
+        auto=auto,
     )
     plan.report_dir.mkdir(parents=True, exist_ok=True)
     for stale in [*plan.report_dir.glob(RANK_FILE_GLOB), plan.out_dir / "report.json"]:
@@ -123,10 +150,12 @@ def prepare(job: SGDJob, options: RunOptions) -> tuple[LaunchPlan, str]:
     return plan, token
 
 
-def _failure_message(procs: ProcessSet, plan: LaunchPlan, stopped: set[str]) -> str:
+def _failure_message(procs: ProcessSet[AgentPlan], plan: LaunchPlan, stopped: set[str]) -> str:
     """Which agents failed (with their log's tail) first, then those the runner had to stop."""
     failed, ended = [], []
     for agent in procs.agents:
+        if agent.retired:
+            continue
         rc = agent.returncode
         if agent.plan.node in stopped:
             ended.append(f"agent {agent.plan.node} was still running and was stopped by the runner (exit code {rc})")
@@ -140,7 +169,7 @@ def _failure_message(procs: ProcessSet, plan: LaunchPlan, stopped: set[str]) -> 
 
 async def _supervise(
     run: LocalRun,
-    procs: ProcessSet,
+    procs: ProcessSet[AgentPlan],
     options: RunOptions,
     display: Display,
     on_poll: PollHook | None,
@@ -152,6 +181,7 @@ async def _supervise(
     stopped early (None when the agents all exited by themselves)."""
     snapshot: Snapshot | None = None
     failed_at: float | None = None
+    changes = run.membership_changes
     while True:
         procs.track()
         now = time.monotonic()
@@ -159,7 +189,7 @@ async def _supervise(
             return None
         if stop.is_set():
             return "stop"
-        if failed_at is None and any(a.returncode not in (0, None) for a in procs.agents):
+        if failed_at is None and any(a.returncode not in (0, None) for a in procs.agents if not a.retired):
             failed_at = now
             display.note(f"an agent failed; stopping the others if they do not exit within {options.failure_grace_s:.0f}s")
         if failed_at is not None and now - failed_at > options.failure_grace_s:
@@ -177,19 +207,21 @@ async def _supervise(
             run.timeline.add(snapshot)
         if on_poll is not None:
             await on_poll(run, results, snapshot)
+        if run.membership_changes != changes:  # ranks are handed out anew: forget the old world's view
+            changes, snapshot = run.membership_changes, None
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), timeout=options.poll_interval_s)
 
 
-def _write_report(plan: LaunchPlan, job: SGDJob, extra: Mapping[str, Any], statuses: Mapping[int, Mapping[str, Any]], fallback_wall: float) -> tuple[dict[str, Any], Path]:
+def _write_report(plan: LaunchPlan, job: SGDJob, extra: Mapping[str, Any], statuses: Mapping[int, Mapping[str, Any]], fallback_wall: float, world_size: int) -> tuple[dict[str, Any], Path]:
     rank_docs, problems = load_rank_docs(plan.report_dir)
-    docs = with_status_fallback(rank_docs, statuses)
+    docs = [d for d in with_status_fallback(rank_docs, statuses) if int(d.get("rank", -1)) < world_size]
     emulation = job.spec.training.emulation
     report = build_report(
         docs,
         job=plan.job,
         mode=plan.mode.value,
-        expected_workers=plan.world_size,
+        expected_workers=world_size,
         emulation=emulation.model_dump(mode="json", by_alias=True) if emulation is not None else None,
         fallback_wall_s=fallback_wall,
         extra={**extra, "rank_file_problems": problems} if problems else extra,
@@ -219,7 +251,6 @@ async def run_local(job: SGDJob, options: RunOptions, display: Display, on_poll:
             notes=plan.notes,
         )
     )
-    endpoints = tuple(Endpoint(f"http://{LOOPBACK}:{port}", node=a.node) for a in plan.agents for port in a.metrics_ports)
     stop = asyncio.Event()
     received: list[signal.Signals] = []
     loop = asyncio.get_running_loop()
@@ -230,7 +261,8 @@ async def run_local(job: SGDJob, options: RunOptions, display: Display, on_poll:
         received.append(sig)
         stop.set()
 
-    procs = ProcessSet()
+    procs: ProcessSet[AgentPlan] = ProcessSet()
+    fleet = Fleet(plan, procs, retire_grace_s=options.stop_grace_s)
     for sig in SIGNAL_EXIT:
         loop.add_signal_handler(sig, on_signal, sig)
     start, start_wall = time.monotonic(), time.time()
@@ -238,9 +270,10 @@ async def run_local(job: SGDJob, options: RunOptions, display: Display, on_poll:
     extra: dict[str, Any] = {}
     statuses: dict[int, dict[str, Any]] = {}
     try:
+        procs.start_service(plan.store)
         procs.start(plan.agents)
         async with aiohttp.ClientSession() as session:
-            run = LocalRun(plan, token, session, endpoints)
+            run = LocalRun(plan, token, session, fleet, started=start)
             why = await _supervise(run, procs, options, display, on_poll, stop, start, start_wall)
             extra, statuses = {**run.report_extra, "timeline": run.timeline.to_dict()}, run.last_status
     finally:
@@ -250,9 +283,12 @@ async def run_local(job: SGDJob, options: RunOptions, display: Display, on_poll:
         await loop.run_in_executor(None, procs.stop, options.stop_grace_s)
         for sig in SIGNAL_EXIT:
             loop.remove_signal_handler(sig)
-    codes = {a.plan.node: a.returncode for a in procs.agents}
+    codes = {a.plan.node: a.returncode for a in procs.agents if not a.retired}
     run_wall = time.monotonic() - start
     extra.update({"exit_codes": codes, "run_wall_s": run_wall, "out_dir": str(plan.out_dir)})
+    if fleet.history:
+        extra["membership"] = fleet.history
+        extra["retired_exit_codes"] = {a.plan.node: a.returncode for a in procs.agents if a.retired}
     if plan.checkpoint_dir is not None:
         extra["checkpoint_dir"] = str(plan.checkpoint_dir)
     if why == "stop":
@@ -267,7 +303,7 @@ async def run_local(job: SGDJob, options: RunOptions, display: Display, on_poll:
     extra["ok"] = code == 0
     if code != 0:
         extra["error"] = message
-    report, path = _write_report(plan, job, extra, statuses, run_wall)
+    report, path = _write_report(plan, job, extra, statuses, run_wall, fleet.world_size())
     message += f"\nreport: {path}"
     display.finish(report, message)
     return RunOutcome(code, message, report, path)

@@ -1,0 +1,52 @@
+"""`sgdjob run` in auto mode changes who runs: a node-bound straggler is replaced by a worker on a
+new node, or dropped by a rescale within min/max; the survivors resume from the checkpoint the
+leaving worker helped write. Real torchrun agents and trainers on loopback."""
+
+from __future__ import annotations
+
+from statistics import median
+from typing import Any
+
+import pytest
+
+from tests.local.example_runs import RunExample, processes_mentioning
+
+pytestmark = pytest.mark.multiproc
+
+
+def run_with(run_example: RunExample, actions: list[str]) -> tuple[dict[str, Any], str]:
+    code, output, report, out = run_example("node-straggler.yaml", {"training": {"steps": 200}, "policy": {"allowedActions": actions}})
+    assert code == 0 and report is not None, output
+    assert processes_mentioning(str(out)) == [], "processes of the run are left behind"
+    return report, output
+
+
+def test_a_node_bound_straggler_is_replaced_by_a_worker_on_a_new_node(run_example: RunExample) -> None:
+    report, output = run_with(run_example, ["replaceWorker"])
+    assert report["ok"] and report["steps"] == 200 and report["missing_ranks"] == [], report
+    replace = [d for d in report["decisions"] if d["action"] == "replaceWorker"]
+    assert replace and replace[0]["applied"] and "local-3" in replace[0]["reason"], report["decisions"]
+    assert "decision at step" in output and "replaceWorker" in output
+    change = report["membership"][0]
+    assert change["retired"] == ["local-3"] and change["added"] == ["local-4"], report["membership"]
+    assert sorted(r["node"] for r in report["per_rank"]) == ["local-0", "local-1", "local-2", "local-4"]
+    assert report["restarts"] == 1 and report["lost_steps"] <= 1, report["resumes"]
+    # The slow machine is gone: after the change every worker runs at the healthy speed.
+    speeds = [r["speed_samples_per_s"] for r in report["per_rank"]]
+    assert max(speeds) < 1.3 * min(speeds), speeds
+    assert report["final_loss"] < report["initial_loss"]
+    print(f"replace: efficiency {report['efficiency']:.2f} after the change, replaced at {change['time_s']:.1f}s, restart {report['resumes'][0]['restartSeconds']:.1f}s")
+
+
+def test_rescale_drops_the_straggler_and_finishes_with_fewer_workers(run_example: RunExample) -> None:
+    report, _ = run_with(run_example, ["rescale"])
+    assert report["ok"] and report["steps"] == 200, report
+    rescale = [d for d in report["decisions"] if d["action"] == "rescale"]
+    assert rescale and rescale[0]["applied"] and rescale[0]["replicas"] == 3, report["decisions"]
+    change = report["membership"][0]
+    assert change["retired"] == ["local-3"] and change["added"] == [] and change["nodes"] == ["local-0", "local-1", "local-2"]
+    assert report["workers"] == report["expected_workers"] == 3 and report["missing_ranks"] == []
+    assert sorted(r["node"] for r in report["per_rank"]) == ["local-0", "local-1", "local-2"]
+    speeds = [r["speed_samples_per_s"] for r in report["per_rank"]]
+    assert max(speeds) < 1.3 * median(speeds), speeds
+    assert report["final_loss"] < report["initial_loss"]
