@@ -68,13 +68,17 @@ class CountingProxy:
         headers["Authorization"] = f"Bearer {self.token}"
         body = await request.read()
         session: aiohttp.ClientSession = request.app["session"]
-        async with session.request(request.method, self.upstream + request.path_qs, headers=headers, data=body or None, timeout=aiohttp.ClientTimeout(total=None, sock_connect=10)) as upstream:
-            response = web.StreamResponse(status=upstream.status, headers={k: v for k, v in upstream.headers.items() if k.lower() not in HOP_HEADERS})
-            await response.prepare(request)
-            async for chunk in upstream.content.iter_any():
-                await response.write(chunk)
-            await response.write_eof()
-            return response
+        response = web.StreamResponse(status=499)
+        try:
+            async with session.request(request.method, self.upstream + request.path_qs, headers=headers, data=body or None, timeout=aiohttp.ClientTimeout(total=None, sock_connect=10)) as upstream:
+                response = web.StreamResponse(status=upstream.status, headers={k: v for k, v in upstream.headers.items() if k.lower() not in HOP_HEADERS})
+                await response.prepare(request)
+                async for chunk in upstream.content.iter_any():
+                    await response.write(chunk)
+                await response.write_eof()
+        except ConnectionResetError:
+            pass  # the client hung up (a watch it ended, the operator stopping): nobody is left to answer
+        return response
 
     async def _start(self) -> None:
         app = web.Application(client_max_size=64 * 1024 * 1024)
@@ -106,6 +110,11 @@ class CountingProxy:
                 session = self._runner.app["session"]
                 await self._runner.cleanup()
                 await session.close()
+            # Watches still being relayed: end them here rather than leave them to a stopped loop.
+            pending = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
 
         if self._thread.is_alive():
             with contextlib.suppress(Exception):  # a proxy that will not close must not keep a plane alive

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sgdjob_trainer.checkpoint import COMPLETE, Checkpointer, CheckpointError, Snapshot, complete_checkpoints, step_dir, verify
+from sgdjob_trainer.checkpoint import COMPLETE, CheckpointDirInUse, Checkpointer, CheckpointError, Snapshot, claim_dir, complete_checkpoints, step_dir, verify
 from sgdjob_trainer.config import Checkpoint, LrPolicy, LrSchedule, TrainingConfig
 from sgdjob_trainer.data import DataPosition, ShardedStream, rebase, synthetic_dataset
 from sgdjob_trainer.levers import LossScaler, lr_factor
@@ -147,3 +147,14 @@ def test_config_levers_and_faults_validate() -> None:
         TrainingConfig.model_validate({"faults": [{"rank": 1}]})
     with pytest.raises(ValueError, match="rank 5 does not exist"):
         TrainingConfig.model_validate({"faults": [{"rank": 5, "afterSeconds": 1}]}).check_world(4)
+
+
+def test_a_checkpoint_dir_belongs_to_one_job(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    claim_dir(root, "resnet-a", rank=1)
+    assert not (root / "job.json").exists(), "only rank 0 writes the claim"
+    claim_dir(root, "resnet-a", rank=0)
+    claim_dir(root, "resnet-a", rank=3)  # the same job again (a restart, or deleted and applied again)
+    with pytest.raises(CheckpointDirInUse, match=r"training.checkpoint.dir .* holds the checkpoints of job 'resnet-a', not of 'resnet-b': give each job its own"):
+        claim_dir(root, "resnet-b", rank=0)
+    assert json.loads((root / "job.json").read_text()) == {"job": "resnet-a"}

@@ -98,3 +98,21 @@ def test_control_only_on_rank_zero() -> None:
         assert post_control(server.port, {"epoch": 1}, "t")[0] == 404
     finally:
         server.stop()
+
+
+def test_a_scraper_hanging_up_early_leaves_no_traceback(capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture) -> None:
+    server = TrainerServer(Telemetry(WorldInfo(1, 1, 4, 4, 0, 0, "n"), SyncMode.SYNC, 32), None, "127.0.0.1", 0)
+    try:
+        for error in (BrokenPipeError(32, "Broken pipe"), ConnectionResetError(104, "Connection reset by peer")):
+            try:
+                raise error
+            except ConnectionError:
+                server.httpd.handle_error(None, ("127.0.0.1", 40000))
+        assert capsys.readouterr().err == "" and not [r for r in caplog.records if r.levelname == "ERROR"]
+        try:
+            raise ValueError("a real fault")
+        except ValueError:
+            server.httpd.handle_error(None, ("127.0.0.1", 40000))
+        assert "error serving" in caplog.text and "a real fault" in caplog.text
+    finally:
+        server.httpd.server_close()

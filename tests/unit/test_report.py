@@ -103,6 +103,17 @@ def test_plain_display_throttles_progress_lines() -> None:
     assert lines[-1] == "done"
 
 
+def test_plain_display_counts_the_workers_of_the_current_world() -> None:
+    out = io.StringIO()
+    display = PlainDisplay(out, every_s=0.0)
+    display.start(RunInfo(job="q", mode="auto", nodes=4, workers=4, steps=100, out_dir="/tmp/x"))
+    display.update(summarize([status_result(0, 320, 1.0)], now=100.0, start=90.0))
+    display.resize(3, 3)  # a rescale dropped a node
+    display.update(summarize([status_result(0, 640, 1.0)], now=101.0, start=90.0))
+    progress = [line for line in out.getvalue().splitlines() if "samples/s" in line]
+    assert progress[0].endswith("workers 1/4") and progress[1].endswith("workers 1/3"), progress
+
+
 def job(mode: str = "auto", **spec: Any) -> Any:
     training = {"steps": 50, "emulation": {"computeSeconds": 0.01}, "checkpoint": {"dir": "/tmp/ignored"}}
     base = {"replicas": 3, "minReplicas": 2, "maxReplicas": 4, "nprocPerNode": 2, "mode": mode, "training": training}

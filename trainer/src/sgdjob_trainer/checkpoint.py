@@ -11,6 +11,7 @@ Layout of `training.checkpoint.dir` (a shared volume in a cluster):
         COMPLETE              written last: the sha256 of meta.json
     .tmp-step-0000000130-<life>/   a checkpoint being written (life: random id of this start)
     progress.json             rank 0's newest step and time, and the job's restart history
+    job.json                  the job the directory belongs to: another job refuses to start in it
 
 Who writes what (the model owners depend on the mode, because the model lives in different places):
 - sync: every rank holds the same model; rank 0 writes it (weight = world size) with the optimizer.
@@ -61,12 +62,38 @@ TMP_PREFIX = ".tmp-step-"
 COMPLETE = "COMPLETE"
 META = "meta.json"
 PROGRESS = "progress.json"
+OWNER = "job.json"
 # Rank 0 notes its step this often at most: a restart counts lost steps from the newest note.
 PROGRESS_EVERY_S = 0.05
 
 
 class CheckpointError(Exception):
     """A checkpoint that must not be loaded (missing marker or file, wrong size or checksum)."""
+
+
+class CheckpointDirInUse(CheckpointError):
+    """The checkpoint directory holds another job's checkpoints."""
+
+
+def claim_dir(root: Path, job: str, rank: int) -> None:
+    """Make `root` this job's checkpoint directory, or refuse: resuming another job's checkpoints
+    would silently continue that job's model and data position under this job's name. The same
+    name is the same job (a job deleted and applied again resumes). Rank 0 writes the claim."""
+    owner_file = root / OWNER
+    try:
+        owner = json.loads(owner_file.read_text()).get("job")
+    except FileNotFoundError:
+        owner = None
+    except (OSError, ValueError, AttributeError) as err:
+        raise CheckpointDirInUse(f"training.checkpoint.dir {root}: unreadable {OWNER} ({err}); remove it if this directory is this job's") from err
+    if owner is not None and owner != job:
+        raise CheckpointDirInUse(
+            f"training.checkpoint.dir {root} holds the checkpoints of job {owner!r}, not of {job!r}: "
+            f"give each job its own spec.training.checkpoint.dir (or remove {root} if job {owner!r} is done with it)"
+        )
+    if owner is None and rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        write_atomic(owner_file, json.dumps({"job": job}).encode())
 
 
 def step_dir(root: Path, step: int) -> Path:

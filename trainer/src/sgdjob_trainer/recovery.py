@@ -29,11 +29,12 @@ import statistics
 import threading
 import time
 import uuid
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from sgdjob_trainer.checkpoint import Checkpointer, Snapshot, read_progress
+from sgdjob_trainer.checkpoint import Checkpointer, Snapshot, claim_dir, read_progress
 from sgdjob_trainer.config import SyncMode
 from sgdjob_trainer.resume import load_latest
 from sgdjob_trainer.strategies import StepResult, Strategy
@@ -65,6 +66,8 @@ class Recovery:
         dist.broadcast_object_list(holder, src=0, group=trainer.ctl)
         self.life = str(holder[0])
         cfg = trainer.training.checkpoint
+        if cfg.dir is not None:
+            claim_dir(Path(cfg.dir), trainer.config.job_name, info.rank)
         self.ckpt = Checkpointer(cfg, info.rank, self.life) if cfg.dir is not None else None
         telemetry.extra["restartCount"] = info.restart_count
         if self.ckpt is not None:

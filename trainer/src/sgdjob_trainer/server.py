@@ -16,6 +16,7 @@ import hmac
 import json
 import logging
 import os
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -91,6 +92,16 @@ def merge(old: ControlCommand | None, new: ControlCommand) -> ControlCommand:
     )
 
 
+class _Server(ThreadingHTTPServer):
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A scraper that hangs up before its answer is written (a timeout, the operator restarting)
+        # is routine; socketserver would print a traceback to the worker's log for each one.
+        if isinstance(sys.exc_info()[1], ConnectionError):
+            log.debug("client %s hung up early", client_address)
+            return
+        log.exception("error serving %s", client_address)
+
+
 class TrainerServer:
     """A ThreadingHTTPServer on a daemon thread; reads only thread-safe state (Telemetry, inbox)."""
 
@@ -99,7 +110,7 @@ class TrainerServer:
         self.inbox = inbox
         handler = _make_handler(self)
         try:
-            self.httpd = ThreadingHTTPServer((host, port), handler)
+            self.httpd = _Server((host, port), handler)
         except OSError as err:
             raise RuntimeError(f"cannot serve /metrics on {host}:{port} ({err}); choose another SGDJOB_METRICS_PORT or training.metricsPort") from err
         self.httpd.daemon_threads = True

@@ -149,7 +149,7 @@ class AutoController:
                 return
             self._record(decision, snap, applied=True, note=f"node {node} leaves, local-{run.fleet.next_index} joins")
             await run.replace(node, SyncMode(self.mode), decision.reason)
-            self.settling_since = self.clock()
+            self._changed(run)
         elif isinstance(decision, Rescale):
             spec = self.job.spec
             target = max(spec.min_workers, min(spec.max_workers, decision.replicas))
@@ -158,7 +158,12 @@ class AutoController:
             remove = tuple(n for n in (node_of(results, r) for r in decision.remove_ranks) if n is not None)
             self._record(decision, snap, applied=True, note=f"{len(run.fleet.nodes())} -> {target} nodes")
             await run.rescale(target, SyncMode(self.mode), decision.reason, remove)
-            self.settling_since = self.clock()
+            self._changed(run)
+
+    def _changed(self, run: LocalRun) -> None:
+        self.settling_since = self.clock()
+        self.display.resize(len(run.fleet.nodes()), run.fleet.world_size())
+        self.display.note(f"nodes now: {', '.join(run.fleet.nodes())}; waiting for the new world to resume from the checkpoint")
 
     async def _settle(self, run: LocalRun, epoch: int | None) -> None:
         """The new world reports (or waited long enough): start the policy over, keep the cooldown

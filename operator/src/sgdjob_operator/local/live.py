@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 from rich.console import Console, Group
@@ -82,6 +83,11 @@ class RichDisplay:
     def note(self, text: str) -> None:
         self._notes.append(text)
         self.console.print(f"[yellow]{text}[/]") if self._live is None else self._live.console.print(f"[yellow]{text}[/]")
+
+    def resize(self, nodes: int, workers: int) -> None:
+        if self._info is not None:
+            self._info = replace(self._info, nodes=nodes, workers=workers)
+        self._first = None  # the ETA restarts from the new world's pace
 
     def finish(self, report: Mapping[str, Any] | None, message: str) -> None:
         if self._live is not None:

@@ -137,6 +137,8 @@ class Display(Protocol):
 
     def note(self, text: str) -> None: ...
 
+    def resize(self, nodes: int, workers: int) -> None: ...
+
     def finish(self, report: Mapping[str, Any] | None, message: str) -> None: ...
 
 
@@ -173,6 +175,10 @@ class PlainDisplay:
 
     def note(self, text: str) -> None:
         self._print(text)
+
+    def resize(self, nodes: int, workers: int) -> None:
+        if self._info is not None:
+            self._info = replace(self._info, nodes=nodes, workers=workers)
 
     def finish(self, report: Mapping[str, Any] | None, message: str) -> None:
         if report is not None:
