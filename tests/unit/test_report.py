@@ -140,7 +140,8 @@ def test_plan_launch_builds_one_torchrun_agent_per_node(tmp_path: Path) -> None:
     # A fixed mode: torchrun retries backoffLimit (3) failures.
     assert "--max-restarts=3" in a0.argv
     # No agent hosts the rendezvous: the store is a process of its own, so any agent can leave.
-    assert "--rdzv-conf=is_host=0,last_call_timeout=5" in a0.argv and "--rdzv-conf=is_host=0,last_call_timeout=5" in a1.argv
+    conf = "--rdzv-conf=is_host=0,last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=3"
+    assert conf in a0.argv and conf in a1.argv
     assert plan.store.argv == ("/py", "-m", "sgdjob_operator.rendezvous", "--host", "127.0.0.1", "--port", "29555")
     assert a1.metrics_ports == (30010, 30011)
     assert a1.env["NODE_NAME"] == "local-1" and a1.env["SGDJOB_CONTROL_TOKEN"] == "tok" and a1.env["PATH"] == "/bin"

@@ -122,8 +122,10 @@ def torchrun_argv(
         f"--rdzv-endpoint={LOOPBACK}:{rdzv_port}",
         f"--rdzv-id={rdzv_id}",
         # The store is its own process (is_host=0). last_call: how long a round waits, once min nodes
-        # are in, for more to join; torch's 30 s would stall every local scale-down for 30 s.
-        f"--rdzv-conf=is_host=0,last_call_timeout={last_call_s}",
+        # are in, for more to join; torch's 30 s would stall every local scale-down for 30 s. A node
+        # that left counts as gone after keep_alive_interval x keep_alive_max_attempt (torch: 5 s x 3),
+        # and the next round waits for that; heartbeats on loopback are cheap, so 1 s x 3.
+        f"--rdzv-conf=is_host=0,last_call_timeout={last_call_s},keep_alive_interval=1,keep_alive_max_attempt=3",
         f"--local-addr={LOOPBACK}",
         # torchrun restarts every worker after a failure (they resume from the newest checkpoint),
         # at most runPolicy.backoffLimit times; membership changes do not count.
