@@ -132,7 +132,7 @@ def run_benchmark(cfg: BenchConfig, scenarios: Sequence[str], systems: Sequence[
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.heterogeneity", description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="output directory")
-    parser.add_argument("--quick", action="store_true", help=f"{QUICK.steps} steps per run instead of {FULL.steps} (about 10 minutes on 2 idle cores)")
+    parser.add_argument("--quick", action="store_true", help=f"{QUICK.steps} steps per run instead of {FULL.steps} (about 14 minutes on 2 idle cores)")
     parser.add_argument("--steps", type=int, help="override the steps per run")
     parser.add_argument("--workers", type=int, help=f"override the worker count (default {FULL.workers})")
     parser.add_argument("--compute-seconds", type=float, help="override the emulated compute seconds per step")
