@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sgdjob_operator.local.launch import LOOPBACK, AgentPlan, LaunchPlan, plan_agent
+from sgdjob_operator.local.launch import LOOPBACK, AgentPlan, LaunchPlan, plan_agent, write_run_config
 from sgdjob_operator.local.procs import Agent, ProcessSet, free_port_blocks
 from sgdjob_operator.scrape import Endpoint
 from sgdjob_trainer.config import SyncMode
@@ -93,7 +93,7 @@ class Fleet:
             bases = free_port_blocks(len(change.add), nproc)
             plans = [plan_agent(self.plan.context, index, mode, base) for index, base in zip(change.add, bases, strict=True)]
             for p in plans:
-                p.config_path.write_text(p.run_config.model_dump_json(by_alias=True, indent=2) + "\n")
+                write_run_config(p)
             self.procs.start(plans)
             added = [p.node for p in plans]
             self.next_index = max(self.next_index, max(change.add) + 1)

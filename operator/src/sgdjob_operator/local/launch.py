@@ -56,13 +56,25 @@ class LaunchPlan:
     mode: SyncMode
     agents: tuple[AgentPlan, ...]
     store: StorePlan
-    rdzv_port: int
-    out_dir: Path
-    report_dir: Path
-    checkpoint_dir: Path | None
     world_size: int
     context: LaunchContext  # plans the agents that join later (replacements, scale-up)
     notes: tuple[str, ...] = ()
+
+    @property
+    def rdzv_port(self) -> int:
+        return self.context.rdzv_port
+
+    @property
+    def out_dir(self) -> Path:
+        return self.context.out_dir
+
+    @property
+    def report_dir(self) -> Path:
+        return self.context.report_dir
+
+    @property
+    def checkpoint_dir(self) -> Path | None:
+        return self.context.checkpoint_dir
 
 
 def resolve_mode(spec_mode: JobMode, override: str | None) -> tuple[SyncMode, bool]:
@@ -223,6 +235,11 @@ def plan_agent(ctx: LaunchContext, index: int, mode: SyncMode, metrics_base: int
     )
 
 
+def write_run_config(agent: AgentPlan) -> None:
+    """Write the agent's run-config where its torchrun command line points (`--config`)."""
+    agent.config_path.write_text(agent.run_config.model_dump_json(by_alias=True, indent=2) + "\n")
+
+
 def plan_store(ctx: LaunchContext) -> StorePlan:
     env = dict(ctx.base_env)
     env["PYTHONUNBUFFERED"] = "1"
@@ -259,10 +276,6 @@ def plan_launch(
         mode=mode,
         agents=agents,
         store=plan_store(ctx),
-        rdzv_port=rdzv_port,
-        out_dir=out_dir,
-        report_dir=ctx.report_dir,
-        checkpoint_dir=ctx.checkpoint_dir,
         world_size=spec.replicas * spec.nproc_per_node,
         notes=tuple(extra_notes),
         context=ctx,

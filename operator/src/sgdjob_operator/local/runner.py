@@ -25,8 +25,8 @@ from typing import Any
 import aiohttp
 
 from sgdjob_operator.api.models import SGDJob
-from sgdjob_operator.local.fleet import Fleet, plan_replace, plan_rescale
-from sgdjob_operator.local.launch import TRAINER_MODULE, AgentPlan, LaunchPlan, job_name, plan_launch, resolve_mode
+from sgdjob_operator.local.fleet import Fleet, MembershipChange, plan_replace, plan_rescale
+from sgdjob_operator.local.launch import TRAINER_MODULE, AgentPlan, LaunchPlan, job_name, plan_launch, resolve_mode, write_run_config
 from sgdjob_operator.local.procs import ProcessSet, free_port_blocks
 from sgdjob_operator.local.progress import Display, RunInfo, Snapshot, summarize
 from sgdjob_operator.local.report import RANK_FILE_GLOB, build_report, load_rank_docs, with_status_fallback
@@ -90,7 +90,7 @@ class LocalRun:
         change = plan_rescale(self.fleet.nodes(), nodes, remove, self.fleet.next_index)
         await self._change(change, mode, "rescale", reason)
 
-    async def _change(self, change: Any, mode: SyncMode, action: str, reason: str) -> None:
+    async def _change(self, change: MembershipChange, mode: SyncMode, action: str, reason: str) -> None:
         await self.fleet.apply(change, mode, action=action, reason=reason, elapsed_s=time.monotonic() - self.started)
         world = self.fleet.world_size()
         # Ranks are handed out anew by the next rendezvous round: what was seen per rank is stale.
@@ -146,7 +146,7 @@ def prepare(job: SGDJob, options: RunOptions) -> tuple[LaunchPlan, str]:
     for stale in [*plan.report_dir.glob(RANK_FILE_GLOB), plan.out_dir / "report.json"]:
         stale.unlink(missing_ok=True)  # an --out reused from an earlier run
     for agent in plan.agents:
-        agent.config_path.write_text(agent.run_config.model_dump_json(by_alias=True, indent=2) + "\n")
+        write_run_config(agent)
     return plan, token
 
 
