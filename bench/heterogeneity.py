@@ -26,7 +26,7 @@ from bench.scenarios import SCENARIO_NAMES, BenchConfig, Scenario, bound, build_
 from bench.systems import RunRecord, run_ddp, run_sgdjob
 
 FULL = BenchConfig(workers=4, steps=1200)
-QUICK = BenchConfig(workers=4, steps=200)
+QUICK = BenchConfig(workers=4, steps=160)
 BOUND_DEFINITION = (
     "sum over workers of steps x batch / emulated compute seconds of that worker over the run's steps, "
     "from the emulation config (not measured; real forward/backward CPU time excluded), the same for every system of a scenario"
@@ -95,7 +95,7 @@ def run_benchmark(cfg: BenchConfig, scenarios: Sequence[str], systems: Sequence[
             "emulation": emulation(cfg, scenario),
             "bound": bounds[name],
             "rank_speeds": rank_speeds(cfg, scenario),
-            "hierarchical_groups": [list(g) for g in scenario.groups] if scenario.groups else "trainer default (by node: one worker per node here)",
+            "hierarchical_groups": [list(g) for g in scenario.groups],
             "systems": {},
         }
         for system in systems:
@@ -132,7 +132,7 @@ def run_benchmark(cfg: BenchConfig, scenarios: Sequence[str], systems: Sequence[
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.heterogeneity", description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="output directory")
-    parser.add_argument("--quick", action="store_true", help=f"{QUICK.steps} steps per run instead of {FULL.steps} (about 14 minutes on 2 idle cores)")
+    parser.add_argument("--quick", action="store_true", help=f"{QUICK.steps} steps per run instead of {FULL.steps} (about 8 minutes on 2 idle cores)")
     parser.add_argument("--steps", type=int, help="override the steps per run")
     parser.add_argument("--workers", type=int, help=f"override the worker count (default {FULL.workers})")
     parser.add_argument("--compute-seconds", type=float, help="override the emulated compute seconds per step")

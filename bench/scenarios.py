@@ -52,16 +52,18 @@ class Scenario:
     description: str
     slowdowns: tuple[dict[str, Any], ...]  # camelCase SpeedChange documents (rank-based)
     # Groups for the static hierarchical run: the steady speed classes (what a user who knows the
-    # fleet writes, one group per accelerator type); None = the trainer's default (by node).
-    groups: tuple[tuple[int, ...], ...] | None = None
+    # fleet writes, one group per accelerator type), or one worker per group (periodic model
+    # averaging) where there are no classes to group by.
+    groups: tuple[tuple[int, ...], ...]
 
 
 def build_scenario(name: str, cfg: BenchConfig) -> Scenario:
     n, steps = cfg.workers, cfg.steps
     if n < 2:
         raise ValueError("the benchmark needs at least 2 workers")
+    singletons = tuple((r,) for r in range(n))
     if name == "homogeneous":
-        return Scenario(name, "all workers equally fast", ())
+        return Scenario(name, "all workers equally fast", (), singletons)
     if name == "one-straggler":
         last = n - 1
         fast = tuple(range(last))
@@ -81,7 +83,7 @@ def build_scenario(name: str, cfg: BenchConfig) -> Scenario:
         for k in range(HICCUPS):
             start = int(steps * (0.15 + 0.2 * k))
             hiccups.append({"rank": k % n, "factor": HICCUP_FACTOR, "startStep": start, "endStep": start + length})
-        return Scenario(name, f"{HICCUPS} hiccups of {length} steps, {HICCUP_FACTOR:g}x slower, each on one rank (round robin), at 15/35/55/75% of the run", tuple(hiccups))
+        return Scenario(name, f"{HICCUPS} hiccups of {length} steps, {HICCUP_FACTOR:g}x slower, each on one rank (round robin), at 15/35/55/75% of the run", tuple(hiccups), singletons)
     raise ValueError(f"unknown scenario {name!r}; known: {', '.join(SCENARIO_NAMES)}")
 
 
@@ -100,23 +102,26 @@ def training(cfg: BenchConfig, scenario: Scenario, *, hierarchical_groups: bool)
         "seed": cfg.seed,
         "emulation": emulation(cfg, scenario),
     }
-    if hierarchical_groups and scenario.groups is not None:
+    if hierarchical_groups:
         doc["hierarchical"] = {"groups": [list(g) for g in scenario.groups]}
     return doc
 
 
 def job_doc(cfg: BenchConfig, scenario: Scenario, mode: str) -> dict[str, Any]:
-    """The SGDJob `sgdjob run` starts: one worker process per emulated node, minReplicas equal to
-    replicas so the learning rate is used unscaled, exactly as the DDP baseline uses it."""
+    """The SGDJob `sgdjob run` starts: one node of `workers` worker processes under one torchrun
+    agent, the DDP baseline's layout (`torchrun --standalone --nproc-per-node=N`), so both pay the
+    same launcher and no system has processes on the two cores that another has not. The workers
+    are fixed (the policy may switch modes and rebalance, not replace or rescale), and
+    minReplicas = replicas, so the learning rate is used unscaled, as the DDP baseline uses it."""
     return {
         "apiVersion": "sgdjob.dev/v1alpha1",
         "kind": "SGDJob",
         "metadata": {"name": f"bench-{scenario.name}-{mode}"},
         "spec": {
-            "replicas": cfg.workers,
-            "minReplicas": cfg.workers,
-            "maxReplicas": cfg.workers,
-            "nprocPerNode": 1,
+            "replicas": 1,
+            "minReplicas": 1,
+            "maxReplicas": 1,
+            "nprocPerNode": cfg.workers,
             "mode": mode,
             "training": training(cfg, scenario, hierarchical_groups=mode == "hierarchical"),
             "policy": dict(cfg.policy),

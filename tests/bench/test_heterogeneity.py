@@ -65,6 +65,7 @@ def test_bound_and_scenarios_follow_the_emulator_rule() -> None:
     assert bound(cfg, build_scenario("homogeneous", cfg)) == pytest.approx(4 * 640.0)
     assert one.groups == ((0, 1, 2), (3,))
     assert build_scenario("bimodal", cfg).groups == ((0, 1), (2, 3))
+    assert build_scenario("homogeneous", cfg).groups == ((0,), (1,), (2,), (3,))  # no classes: periodic averaging
     transient = build_scenario("transient", cfg)
     assert rank_factor(transient.slowdowns, 0, 15) == 4.0 and rank_factor(transient.slowdowns, 0, 14) == 1.0 and rank_factor(transient.slowdowns, 0, 20) == 1.0
     assert 3 * 640.0 < bound(cfg, transient) < 4 * 640.0
@@ -72,7 +73,10 @@ def test_bound_and_scenarios_follow_the_emulator_rule() -> None:
         scenario = build_scenario(name, cfg)
         for mode in ("sync", "hierarchical", "async", "auto"):
             job = validate_job(job_doc(cfg, scenario, mode))  # every job file is a valid SGDJob
-            assert job.spec.min_workers == job.spec.replicas == 4
+            # DDP's layout: one node (one torchrun agent) of 4 workers, none added or removed
+            assert job.spec.replicas == job.spec.min_workers == job.spec.max_workers == 1 and job.spec.nproc_per_node == 4
+            if mode == "hierarchical":
+                assert job.spec.training.hierarchical.groups == [list(g) for g in scenario.groups]
         run = RunConfig.model_validate(ddp_run_config(cfg, scenario))
         assert run.reference_world_size == 4 and run.training.emulation is not None
 

@@ -12,7 +12,7 @@ import pytest
 from sgdjob_operator.api.models import JobMode
 from sgdjob_operator.api.validation import validate_job
 from sgdjob_operator.local.launch import plan_launch, resolve_mode
-from sgdjob_operator.local.procs import free_port_blocks
+from sgdjob_operator.local.procs import PORT_FLOOR, ephemeral_ports, free_port_blocks
 from sgdjob_operator.local.progress import PlainDisplay, RunInfo, summarize
 from sgdjob_operator.local.report import build_report, mode_timeline, summary_lines, with_status_fallback
 from sgdjob_operator.scrape import Endpoint, ScrapeResult
@@ -133,7 +133,7 @@ def test_plan_launch_builds_one_torchrun_agent_per_node(tmp_path: Path) -> None:
                        python="/py", base_env={"PATH": "/bin", "OMP_NUM_THREADS": "2", "SGDJOB_METRICS_PORT": "1"})  # fmt: skip
     assert plan.world_size == 6 and [a.node for a in plan.agents] == ["local-0", "local-1", "local-2"]
     a0, a1, _ = plan.agents
-    assert a0.argv[:3] == ("/py", "-m", "torch.distributed.run")
+    assert a0.argv[:3] == ("/py", "-m", "sgdjob_trainer.agent")
     assert a0.argv[-4:] == ("-m", "sgdjob_trainer", "--config", str(tmp_path / "run-config-local-0.json"))
     for flag in ("--nnodes=2:4", "--nproc-per-node=2", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:29555", "--rdzv-id=tiny"):
         assert flag in a0.argv and flag in a1.argv
@@ -169,10 +169,13 @@ def test_an_auto_run_that_may_replace_workers_budgets_a_restart_per_leaving_memb
     assert restarts(SyncMode.SYNC, ["replaceWorker"], auto=False) == "--max-restarts=3"
 
 
-def test_free_port_blocks_are_distinct_and_bindable() -> None:
+def test_free_port_blocks_are_distinct_bindable_and_never_ephemeral() -> None:
     bases = free_port_blocks(3, size=2)
     ports = [b + i for b in bases for i in range(2)]
     assert len(set(ports)) == 6
+    # the kernel gives connect() and bind(0) ports from this range, so none of ours may be in it
+    low, high = ephemeral_ports()
+    assert all(PORT_FLOOR <= p < low for p in ports), (ports, low, high)
     socks = []
     try:
         for port in ports:

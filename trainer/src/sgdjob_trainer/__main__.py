@@ -12,6 +12,7 @@ Exit status: 0 when the job's steps are done, 143 after a graceful stop (SIGTERM
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
@@ -49,6 +50,10 @@ def main(argv: list[str] | None = None) -> int:
         os._exit(1)
     finally:
         trainer.close()
+    # Interpreter shutdown collects every object torch and its lazily imported compiler stack
+    # (sympy, dynamo) made: ~1.7 s of CPU per process, 4 s with four workers on two cores, which
+    # a replacement or the next run waits for. Frozen objects are skipped; exit is otherwise normal.
+    gc.freeze()
     # Stopped before the last step (SIGTERM): not a success, so torchrun restarts or gives up.
     return EXIT_STOPPED if trainer.interrupted else 0
 

@@ -3,7 +3,9 @@ environment and run-config. Ports and the token are chosen by the caller, so thi
 without starting anything.
 
 One torchrun agent per emulated node (NODE_NAME=local-0, local-1, ...), each with
-`nprocPerNode` trainer processes, all joining one c10d rendezvous on 127.0.0.1. The rendezvous store
+`nprocPerNode` trainer processes, all joining one c10d rendezvous on 127.0.0.1. The agent is
+`sgdjob_trainer.agent`, torchrun with workers forked from it rather than exec'd: on a laptop or a
+CI machine the workers' imports of torch were most of a short run's start-up. The rendezvous store
 is a process of its own (`python -m sgdjob_operator.rendezvous`, as the operator's store pod), so any
 agent, the first included, can be stopped and replaced while the others go on; a replacement gets
 the next unused node name (local-N).
@@ -21,6 +23,7 @@ from sgdjob_trainer.config import RunConfig, SyncMode
 
 LOOPBACK = "127.0.0.1"
 TRAINER_MODULE = "sgdjob_trainer"
+AGENT_MODULE = "sgdjob_trainer.agent"
 STORE_MODULE = "sgdjob_operator.rendezvous"
 # Agents on one machine start within a few seconds of each other, even on 2 loaded cores.
 LAST_CALL_S = 5
@@ -123,11 +126,12 @@ def torchrun_argv(
     max_restarts: int = 0,
     last_call_s: int = LAST_CALL_S,
 ) -> tuple[str, ...]:
-    """`python -m torch.distributed.run ... -m sgdjob_trainer --config FILE` for one agent."""
+    """`python -m sgdjob_trainer.agent ... -m sgdjob_trainer --config FILE` for one agent: torchrun's
+    options and behaviour, with workers forked from the agent (see sgdjob_trainer.agent)."""
     return (
         python,
         "-m",
-        "torch.distributed.run",
+        AGENT_MODULE,
         f"--nnodes={min_nodes}:{max_nodes}",
         f"--nproc-per-node={nproc_per_node}",
         "--rdzv-backend=c10d",

@@ -1,9 +1,10 @@
 """Worker processes on this machine: free ports, starting agents in their own process groups, and
 stopping everything they started, with no orphan left behind.
 
-torchrun starts its trainer processes in sessions of their own, so killing an agent's process group
-does not reach them. The set therefore also tracks every descendant it has seen (pid plus start
-time from /proc, so a reused pid is never signalled) and signals those directly. On Linux each agent
+Workers forked by the agent (sgdjob_trainer.agent) share its process group, but torchrun's own exec'd
+workers run in sessions of their own, which killing the agent's group does not reach. The set
+therefore also tracks every descendant it has seen (pid plus start time from /proc, so a reused pid
+is never signalled) and signals those directly. On Linux each agent
 also gets a parent-death signal, so even a runner killed with SIGKILL takes its agents down.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -34,36 +36,56 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def free_port_blocks(count: int, size: int = 1, host: str = LOOPBACK, attempts: int = 200) -> list[int]:
-    """`count` distinct first ports of blocks of `size` consecutive ports free on `host` now.
-    All sockets are held until every block is found, so the blocks do not overlap."""
+# Below the kernel's ephemeral range (ip_local_port_range), from which connect() and bind(0) take
+# their ports by themselves: a port checked free here stays free until the worker binds it seconds
+# later. Inside that range it did not: with several workers per agent, a gloo or store connection
+# opened meanwhile could get a chosen metrics port as its local port, and the worker failed to serve.
+PORT_FLOOR = 10000
+_EPHEMERAL_DEFAULT = (32768, 60999)
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    try:
+        low, high = (int(v) for v in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        return _EPHEMERAL_DEFAULT
+    return low, high
+
+
+def free_port_blocks(count: int, size: int = 1, host: str = LOOPBACK, attempts: int = 500) -> list[int]:
+    """`count` distinct first ports of blocks of `size` consecutive ports free on `host` now, all
+    below the ephemeral range (see PORT_FLOOR). All sockets are held until every block is found, so
+    the blocks do not overlap."""
+    low = max(PORT_FLOOR, 1024)
+    high = ephemeral_ports()[0] - size
+    if high <= low:
+        raise OSError(f"no room for ports below the ephemeral range {ephemeral_ports()} (net.ipv4.ip_local_port_range)")
+    rng = random.Random()
     held: list[socket.socket] = []
     bases: list[int] = []
     try:
         for _ in range(attempts):
             if len(bases) == count:
                 break
-            first = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            first.bind((host, 0))
-            base = first.getsockname()[1]
-            block = [first]
+            base = rng.randrange(low, high)
+            block: list[socket.socket] = []
             try:
-                for port in range(base + 1, base + size):
-                    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                    block.append(s)
-                    s.bind((host, port))
+                for port in range(base, base + size):
+                    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                    block.append(sock)
+                    sock.bind((host, port))
             except OSError:
-                for s in block:
-                    s.close()
+                for sock in block:
+                    sock.close()
                 continue
             held.extend(block)
             bases.append(base)
         if len(bases) < count:
-            raise OSError(f"could not find {count} blocks of {size} free ports on {host}")
+            raise OSError(f"could not find {count} blocks of {size} free ports on {host} between {low} and {high + size}")
         return bases
     finally:
-        for s in held:
-            s.close()
+        for sock in held:
+            sock.close()
 
 
 @dataclass(frozen=True, slots=True)
