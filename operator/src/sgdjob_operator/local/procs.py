@@ -56,18 +56,17 @@ def free_port_blocks(count: int, size: int = 1, host: str = LOOPBACK, attempts: 
     """`count` distinct first ports of blocks of `size` consecutive ports free on `host` now, all
     below the ephemeral range (see PORT_FLOOR). All sockets are held until every block is found, so
     the blocks do not overlap."""
-    low = max(PORT_FLOOR, 1024)
-    high = ephemeral_ports()[0] - size
+    ephemeral = ephemeral_ports()
+    low, high = PORT_FLOOR, ephemeral[0] - size
     if high <= low:
-        raise OSError(f"no room for ports below the ephemeral range {ephemeral_ports()} (net.ipv4.ip_local_port_range)")
-    rng = random.Random()
+        raise OSError(f"no room for ports below the ephemeral range {ephemeral} (net.ipv4.ip_local_port_range)")
     held: list[socket.socket] = []
     bases: list[int] = []
     try:
         for _ in range(attempts):
             if len(bases) == count:
                 break
-            base = rng.randrange(low, high)
+            base = random.randrange(low, high)
             block: list[socket.socket] = []
             try:
                 for port in range(base, base + size):
