@@ -18,7 +18,7 @@ from urllib.parse import urlencode, urlparse
 import urllib3
 from kubernetes import client, config
 
-from sgdjob_operator.kube import ApiError
+from sgdjob_operator.k8s.client import ApiError
 
 Obj = dict[str, Any]
 PATCH_TYPES = {

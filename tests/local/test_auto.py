@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from sgdjob_operator.local.auto import active_mode, applied_epoch, command_for
-from sgdjob_operator.local.progress import Snapshot, WorkerView
+from sgdjob_operator.local.progress import ProgressFrame, WorkerView
 from sgdjob_operator.policy import Rebalance, SwitchMode
-from sgdjob_operator.scrape import Endpoint, ScrapeResult
+from sgdjob_operator.workers.scrape import Endpoint, ScrapeResult
 from tests.local.example_runs import RunExample, processes_mentioning
 
 
@@ -26,9 +26,9 @@ def test_applied_epoch_and_active_mode_read_the_workers() -> None:
     ep = Endpoint("http://127.0.0.1:1")
     assert applied_epoch([ScrapeResult(ep, 0.0, None, {"rank": 1, "controlEpoch": 5}, None)]) is None
     assert applied_epoch([ScrapeResult(ep, 0.0, None, {"rank": 0, "controlEpoch": 2}, None)]) == 2
-    snap = Snapshot(time=1.0, elapsed_s=1.0, workers=(_worker(0, "async"), _worker(1, "async"), _worker(2, "sync", fresh=False)))
+    snap = ProgressFrame(time=1.0, elapsed_s=1.0, workers=(_worker(0, "async"), _worker(1, "async"), _worker(2, "sync", fresh=False)))
     assert active_mode(snap, "sync") == "async"
-    mixed = Snapshot(time=1.0, elapsed_s=1.0, workers=(_worker(0, "async"), _worker(1, "sync")))
+    mixed = ProgressFrame(time=1.0, elapsed_s=1.0, workers=(_worker(0, "async"), _worker(1, "sync")))
     assert active_mode(mixed, "sync") == "sync"  # mid-switch: keep what we had
 
 

@@ -106,7 +106,7 @@ def test_operator_args_are_what_sgdjob_operator_accepts_and_the_webhook_path_is_
     from click.testing import CliRunner
 
     from sgdjob_operator.cli import main
-    from sgdjob_operator.webhook import PATH
+    from sgdjob_operator.k8s.webhook import PATH
 
     docs = {d["kind"]: d for d in _render(*ALL_ON)}
     container = docs["Deployment"]["spec"]["template"]["spec"]["containers"][0]

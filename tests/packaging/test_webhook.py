@@ -23,8 +23,8 @@ from click.testing import CliRunner
 
 from e2e.controlplane import ControlPlane, free_port
 from sgdjob_operator.cli import main
-from sgdjob_operator.settings import OperatorSettings
-from sgdjob_operator.webhook import PATH, check, review
+from sgdjob_operator.k8s.settings import OperatorSettings
+from sgdjob_operator.k8s.webhook import PATH, check, review
 
 
 def _job(name: str, **spec: Any) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from sgdjob_trainer.bench import read_reports
+from bench.trainer_modes import read_reports
 
 pytestmark = pytest.mark.multiproc
 WORLD = 2

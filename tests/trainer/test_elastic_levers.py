@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from sgdjob_trainer.bench import free_port_base
+from bench.trainer_modes import free_port_base
 from sgdjob_trainer.config import RunConfig
 from sgdjob_trainer.levers import lr_factor
 from sgdjob_trainer.trainer import Trainer

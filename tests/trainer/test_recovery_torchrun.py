@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from sgdjob_trainer.bench import read_reports
+from bench.trainer_modes import read_reports
 from sgdjob_trainer.data import build_dataset, eval_batch
 from sgdjob_trainer.models import build_loss, build_model
 

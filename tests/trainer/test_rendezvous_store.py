@@ -1,4 +1,4 @@
-"""The rendezvous store process: `python -m sgdjob_operator.rendezvous` serves a c10d TCPStore on the
+"""The rendezvous store process: `python -m sgdjob_trainer.rendezvous_store` serves a c10d TCPStore on the
 address it is given (only there, so several jobs' stores can share a machine) and stops on SIGTERM."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def _free_port(host: str) -> int:
 def test_store_serves_clients_on_its_address_and_stops_on_sigterm() -> None:
     host = "127.0.0.77"
     port = _free_port(host)
-    proc = subprocess.Popen([sys.executable, "-m", "sgdjob_operator.rendezvous", "--host", host, "--port", str(port)], stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "sgdjob_trainer.rendezvous_store", "--host", host, "--port", str(port)], stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -66,7 +66,7 @@ def test_torchrun_agents_rendezvous_through_the_store(tmp_path: Path) -> None:
     port = _free_port(host)
     script = tmp_path / "hello.py"
     script.write_text(HELLO)
-    store = subprocess.Popen([sys.executable, "-m", "sgdjob_operator.rendezvous", "--host", host, "--port", str(port)], stderr=subprocess.DEVNULL)
+    store = subprocess.Popen([sys.executable, "-m", "sgdjob_trainer.rendezvous_store", "--host", host, "--port", str(port)], stderr=subprocess.DEVNULL)
     agents: list[subprocess.Popen[str]] = []
     try:
         for i in range(2):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from sgdjob_trainer.bench import get_json, post_control
+from bench.trainer_modes import get_json, post_control
 from sgdjob_trainer.config import SyncMode
 from sgdjob_trainer.runtime import WorldInfo
 from sgdjob_trainer.server import ControlInbox, TrainerServer

@@ -22,12 +22,12 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from sgdjob_trainer.bench import free_port_base
+from bench.trainer_modes import free_port_base
 from sgdjob_trainer.config import RunConfig, SyncMode
-from sgdjob_trainer.control import ControlCommand
 from sgdjob_trainer.data import ShardedStream, build_dataset
 from sgdjob_trainer.models import build_model
 from sgdjob_trainer.trainer import Trainer
+from sgdjob_trainer.wire.control import ControlCommand
 
 pytestmark = pytest.mark.multiproc
 WORLD = 4

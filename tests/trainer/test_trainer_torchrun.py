@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from sgdjob_trainer.bench import SWITCH_SEQUENCE, free_port_base, launch, post_control, read_reports, wait_status
+from bench.trainer_modes import SWITCH_SEQUENCE, free_port_base, launch, post_control, read_reports, wait_status
 
 pytestmark = pytest.mark.multiproc
 TOKEN = "test-token"

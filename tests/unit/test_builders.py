@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from sgdjob_operator.api.validation import validate_spec
-from sgdjob_operator.builders import (
+from sgdjob_operator.k8s.builders import (
     JobRef,
     build_config_map,
     build_rdzv_pod,
@@ -109,7 +109,7 @@ def test_rendezvous_pod_and_fixed_objects() -> None:
     assert rdzv["metadata"]["name"] == "j-rdzv" and rdzv["metadata"]["labels"]["sgdjob.dev/role"] == "rendezvous"
     assert rdzv["spec"]["hostname"] == "j-rdzv" and rdzv["spec"]["subdomain"] == "j" and rdzv["spec"]["nodeSelector"] == {"pool": "p"}
     (container,) = rdzv["spec"]["containers"]
-    assert container["image"] == "mine:3" and container["command"][:3] == ["python", "-m", "sgdjob_operator.rendezvous"]
+    assert container["image"] == "mine:3" and container["command"][:3] == ["python", "-m", "sgdjob_trainer.rendezvous_store"]
     svc = build_service(JOB)
     assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] and svc["spec"]["selector"] == {"sgdjob.dev/job-name": "j"}
     assert build_secret(JOB, "tok")["stringData"] == {"token": "tok"}

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from sgdjob_operator.api.validation import validate_spec
-from sgdjob_operator.builders import JobRef, build_rdzv_pod, build_worker_pod
+from sgdjob_operator.k8s.builders import JobRef, build_rdzv_pod, build_worker_pod
 
 JOB = JobRef(name="j", namespace="ns", uid="u-1")
 OURS = "ghcr.io/sgdjob/trainer:0.1.0"  # the project's trainer image: USER 10001

@@ -7,7 +7,7 @@ import pytest
 from sgdjob_operator.local.auto import node_of, settled
 from sgdjob_operator.local.fleet import MembershipChange, plan_replace, plan_rescale
 from sgdjob_operator.policy.samples import WorkerSample
-from sgdjob_operator.scrape import Endpoint, ScrapeResult
+from sgdjob_operator.workers.scrape import Endpoint, ScrapeResult
 
 NODES = ["local-0", "local-1", "local-2", "local-3"]
 

@@ -15,7 +15,7 @@ from sgdjob_operator.local.launch import plan_launch, resolve_mode
 from sgdjob_operator.local.procs import PORT_FLOOR, ephemeral_ports, free_port_blocks
 from sgdjob_operator.local.progress import PlainDisplay, RunInfo, summarize
 from sgdjob_operator.local.report import build_report, mode_timeline, summary_lines, with_status_fallback
-from sgdjob_operator.scrape import Endpoint, ScrapeResult
+from sgdjob_operator.workers.scrape import Endpoint, ScrapeResult
 from sgdjob_trainer.config import RunConfig, SyncMode
 
 EMULATION = {"computeSeconds": 0.05, "jitter": 0.0, "slowdowns": [{"rank": 1, "factor": 3.0}]}
@@ -142,7 +142,7 @@ def test_plan_launch_builds_one_torchrun_agent_per_node(tmp_path: Path) -> None:
     # No agent hosts the rendezvous: the store is a process of its own, so any agent can leave.
     conf = "--rdzv-conf=is_host=0,last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=3"
     assert conf in a0.argv and conf in a1.argv
-    assert plan.store.argv == ("/py", "-m", "sgdjob_operator.rendezvous", "--host", "127.0.0.1", "--port", "29555")
+    assert plan.store.argv == ("/py", "-m", "sgdjob_trainer.rendezvous_store", "--host", "127.0.0.1", "--port", "29555")
     assert a1.metrics_ports == (30010, 30011)
     assert a1.env["NODE_NAME"] == "local-1" and a1.env["SGDJOB_CONTROL_TOKEN"] == "tok" and a1.env["PATH"] == "/bin"
     assert a1.env["SGDJOB_REPORT_DIR"] == str(tmp_path / "ranks") and a1.env["OMP_NUM_THREADS"] == "2"

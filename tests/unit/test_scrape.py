@@ -13,8 +13,8 @@ import pytest
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from sgdjob_operator.scrape import Endpoint, MetricsError, parse_metrics, post_control, sample_from_status, scrape, scrape_sync
-from sgdjob_trainer.control import ControlCommand
+from sgdjob_operator.workers.scrape import Endpoint, MetricsError, parse_metrics, post_control, sample_from_status, scrape, scrape_sync
+from sgdjob_trainer.wire.control import ControlCommand
 
 
 def trainer_metrics(rank: int = 2, node: str = "node-a", mode: str = "hierarchical", steps: int = 40, loss: float = 0.25, info: bool = True) -> str:

@@ -13,7 +13,7 @@ import yaml
 from click.testing import CliRunner
 
 from sgdjob_operator.cli import main
-from sgdjob_operator.simulator import MODES, Scenario, ScenarioError, load_scenario, run_mode, simulate_scenario
+from sgdjob_operator.sim import SYSTEMS, Scenario, ScenarioError, load_scenario, run_mode, simulate_scenario
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "scenarios"
 QUIET = {"latencySeconds": 0.0, "gradientMb": 0.0, "psApplySeconds": 0.0}
@@ -124,9 +124,9 @@ def test_simulate_command_writes_one_json_per_scenario(tmp_path: Path) -> None:
     assert set(doc) == {"name", "workers", "homogeneous", "bound", "modes"}
     assert (doc["name"], doc["workers"], doc["homogeneous"]) == ("small", 8, True)
     assert doc["bound"] == pytest.approx(8000.0)
-    assert set(doc["modes"]) == set(MODES)
+    assert set(doc["modes"]) == set(SYSTEMS)
     assert set(doc["modes"]["auto"]) == {"efficiency", "switches", "detection_delay_s", "decisions"}
-    assert all(set(doc["modes"][m]) == {"efficiency"} for m in MODES if m != "auto")
+    assert all(set(doc["modes"][m]) == {"efficiency"} for m in SYSTEMS if m != "auto")
     assert "small" in res.output and "auto/best" in res.output
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: bad\nfleet: []\nsteps: 1\n")

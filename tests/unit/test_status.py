@@ -9,12 +9,12 @@ import pytest
 
 from sgdjob_operator.api.models import MAX_DECISIONS, Phase, SGDJobStatus
 from sgdjob_operator.api.validation import validate_spec
-from sgdjob_operator.controller import mark_invalid
-from sgdjob_operator.monitor import Observation, apply_decision, command_to_push, record_observation
+from sgdjob_operator.k8s.observe import Observation, apply_decision, command_to_push, record_observation
+from sgdjob_operator.k8s.plan import plan_reconcile
+from sgdjob_operator.k8s.reconcile import mark_invalid
+from sgdjob_operator.k8s.status import PodView, controller, dump_status, load_status, record_decision, rfc3339
 from sgdjob_operator.policy import Keep, Rebalance, ReplaceWorker, Rescale, SwitchMode, WorkerSample
-from sgdjob_operator.reconcile import plan_reconcile
-from sgdjob_operator.scrape import Endpoint
-from sgdjob_operator.status import PodView, controller, dump_status, load_status, record_decision, rfc3339
+from sgdjob_operator.workers.scrape import Endpoint
 
 T0 = 1_800_000_000.0
 

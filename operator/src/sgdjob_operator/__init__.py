@@ -1,10 +1,6 @@
-"""SGDJob operator: API models, CRD generation, policy core, Kubernetes and local shells."""
+"""SGDJob: API models, policy core, and the shells that run it (Kubernetes, local, simulator).
 
-import sys
+Importing this package or any subpackage but `sgdjob_operator.k8s` registers no kopf handlers.
+"""
 
 __version__ = "0.1.0"
-
-# `kopf run -m sgdjob_operator` imports this package with kopf already loaded: register the handlers
-# then. The `sgdjob` CLI (validate, crd, run) does not load kopf and does not pay for it.
-if "kopf" in sys.modules:
-    import sgdjob_operator.handlers  # noqa: F401

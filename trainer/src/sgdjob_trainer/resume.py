@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from sgdjob_trainer.checkpoint import CheckpointError, complete_checkpoints, verify
 from sgdjob_trainer.data import DataPosition, rebase
-from sgdjob_trainer.state import TrainState
+from sgdjob_trainer.train_state import TrainState
 
 log = logging.getLogger("sgdjob_trainer.resume")
 

@@ -24,8 +24,8 @@ from typing import Any
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 
-from sgdjob_trainer.control import ControlCommand
 from sgdjob_trainer.telemetry import Telemetry
+from sgdjob_trainer.wire.control import ControlCommand, merge
 
 log = logging.getLogger("sgdjob_trainer.server")
 MAX_BODY = 1 << 20
@@ -77,19 +77,6 @@ class ControlInbox:
     def mark_applied(self, epoch: int) -> None:
         with self._lock:
             self.applied_epoch = max(self.applied_epoch, epoch)
-
-
-def merge(old: ControlCommand | None, new: ControlCommand) -> ControlCommand:
-    if old is None:
-        return new
-    batch_sizes = {**(old.batch_sizes or {}), **(new.batch_sizes or {})} or None
-    return ControlCommand(
-        epoch=new.epoch,
-        mode=new.mode if new.mode is not None else old.mode,
-        groups=new.groups if new.groups is not None else old.groups,
-        batch_sizes=batch_sizes,
-        reason=new.reason or old.reason,
-    )
 
 
 class _Server(ThreadingHTTPServer):

@@ -34,7 +34,6 @@ import torch
 import torch.distributed as dist
 
 from sgdjob_trainer.config import LrScaling, Precision, RunConfig, TrainingConfig
-from sgdjob_trainer.control import ControlCommand
 from sgdjob_trainer.data import ShardedStream, build_dataset, eval_batch
 from sgdjob_trainer.emulation import ComputeEmulator
 from sgdjob_trainer.levers import LossScaler, lr_factor
@@ -42,11 +41,12 @@ from sgdjob_trainer.models import build_loss, build_model
 from sgdjob_trainer.recovery import Recovery
 from sgdjob_trainer.runtime import WorldInfo, choose_device, init_distributed, setup_logging, shutdown_distributed
 from sgdjob_trainer.server import ControlInbox, TrainerServer
-from sgdjob_trainer.state import TrainState
 from sgdjob_trainer.strategies import STRATEGIES, Context, Strategy
 from sgdjob_trainer.strategies.hierarchical import valid_groups
 from sgdjob_trainer.strategies.ps import ParameterServer
 from sgdjob_trainer.telemetry import Telemetry
+from sgdjob_trainer.train_state import TrainState
+from sgdjob_trainer.wire.control import ControlCommand
 
 log = logging.getLogger("sgdjob_trainer")
 

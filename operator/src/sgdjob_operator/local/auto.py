@@ -18,12 +18,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sgdjob_operator.api.models import SGDJob
-from sgdjob_operator.local.progress import Display, Snapshot
+from sgdjob_operator.local.progress import Display, ProgressFrame
 from sgdjob_operator.local.runner import LocalRun
 from sgdjob_operator.policy import Keep, PolicyState, Rebalance, ReplaceWorker, Rescale, SwitchMode, evaluate, job_view
-from sgdjob_operator.scrape import ScrapeResult
+from sgdjob_operator.workers.scrape import ScrapeResult
 from sgdjob_trainer.config import SyncMode
-from sgdjob_trainer.control import ControlCommand
+from sgdjob_trainer.wire.control import ControlCommand
 
 
 def command_for(decision: SwitchMode | Rebalance, epoch: int, batch_sizes: dict[int, int]) -> ControlCommand:
@@ -66,7 +66,7 @@ def node_of(results: Sequence[ScrapeResult], rank: int) -> str | None:
     return None
 
 
-def active_mode(snap: Snapshot, fallback: str) -> str:
+def active_mode(snap: ProgressFrame, fallback: str) -> str:
     modes = {w.mode for w in snap.workers if w.fresh and not w.done}
     return modes.pop() if len(modes) == 1 else fallback
 
@@ -89,7 +89,7 @@ class AutoController:
     start: float = field(default_factory=time.time)
     settling_since: float | None = None  # a membership change waits for the new world to report
 
-    def _record(self, decision: Any, snap: Snapshot, applied: bool, note: str = "") -> None:
+    def _record(self, decision: Any, snap: ProgressFrame, applied: bool, note: str = "") -> None:
         entry = {"time_s": round(snap.elapsed_s, 3), "step": snap.step, **decision.to_dict(), "applied": applied}
         if note:
             entry["note"] = note
@@ -97,7 +97,7 @@ class AutoController:
         what = decision.action if not isinstance(decision, SwitchMode) else f"switch to {decision.mode}"
         self.display.note(f"[{snap.elapsed_s:6.1f}s] decision at step {snap.step}: {what}: {decision.reason}{' (' + note + ')' if note else ''}")
 
-    async def __call__(self, run: LocalRun, results: list[ScrapeResult], snap: Snapshot) -> None:
+    async def __call__(self, run: LocalRun, results: list[ScrapeResult], snap: ProgressFrame) -> None:
         self.mode = active_mode(snap, self.mode)
         run.report_extra["mode"] = "auto"
         run.report_extra["decisions"] = self.decisions

@@ -19,7 +19,7 @@ from typing import Any
 
 from sgdjob_operator.local.launch import LOOPBACK, AgentPlan, LaunchPlan, plan_agent, write_run_config
 from sgdjob_operator.local.procs import Agent, ProcessSet, free_port_blocks
-from sgdjob_operator.scrape import Endpoint
+from sgdjob_operator.workers.scrape import Endpoint
 from sgdjob_trainer.config import SyncMode
 
 

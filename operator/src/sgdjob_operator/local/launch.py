@@ -6,7 +6,7 @@ One torchrun agent per emulated node (NODE_NAME=local-0, local-1, ...), each wit
 `nprocPerNode` trainer processes, all joining one c10d rendezvous on 127.0.0.1. The agent is
 `sgdjob_trainer.agent`, torchrun with workers forked from it rather than exec'd: on a laptop or a
 CI machine the workers' imports of torch were most of a short run's start-up. The rendezvous store
-is a process of its own (`python -m sgdjob_operator.rendezvous`, as the operator's store pod), so any
+is a process of its own (`python -m sgdjob_trainer.rendezvous_store`, as the operator's store pod), so any
 agent, the first included, can be stopped and replaced while the others go on; a replacement gets
 the next unused node name (local-N).
 """
@@ -24,7 +24,7 @@ from sgdjob_trainer.config import RunConfig, SyncMode
 LOOPBACK = "127.0.0.1"
 TRAINER_MODULE = "sgdjob_trainer"
 AGENT_MODULE = "sgdjob_trainer.agent"
-STORE_MODULE = "sgdjob_operator.rendezvous"
+STORE_MODULE = "sgdjob_trainer.rendezvous_store"
 # Agents on one machine start within a few seconds of each other, even on 2 loaded cores.
 LAST_CALL_S = 5
 

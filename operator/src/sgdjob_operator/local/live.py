@@ -15,13 +15,13 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from sgdjob_operator.local.progress import RunInfo, Snapshot
+from sgdjob_operator.local.progress import ProgressFrame, RunInfo
 from sgdjob_operator.local.report import summary_lines
 
 MAX_NOTES = 8
 
 
-def eta_seconds(snap: Snapshot, total_steps: int, first: Snapshot | None) -> float | None:
+def eta_seconds(snap: ProgressFrame, total_steps: int, first: ProgressFrame | None) -> float | None:
     """Seconds left at the average step rate so far; None before there is a rate."""
     if first is None or snap.step <= first.step or snap.time <= first.time:
         return None
@@ -36,7 +36,7 @@ class RichDisplay:
         self.console = console or Console()
         self._live: Live | None = None
         self._info: RunInfo | None = None
-        self._first: Snapshot | None = None
+        self._first: ProgressFrame | None = None
         self._notes: deque[str] = deque(maxlen=MAX_NOTES)
 
     def start(self, info: RunInfo) -> None:
@@ -48,7 +48,7 @@ class RichDisplay:
         self._live = Live(Text("starting workers ..."), console=self.console, refresh_per_second=4, transient=False)
         self._live.start()
 
-    def render(self, snap: Snapshot) -> Panel:
+    def render(self, snap: ProgressFrame) -> Panel:
         info = self._info
         total = info.steps if info else 0
         eta = eta_seconds(snap, total, self._first)
@@ -74,7 +74,7 @@ class RichDisplay:
             parts.append(Text("\n".join(self._notes), style="yellow"))
         return Panel(Group(*parts), title=info.job if info else "sgdjob", subtitle=f"{snap.elapsed_s:.0f}s")
 
-    def update(self, snap: Snapshot) -> None:
+    def update(self, snap: ProgressFrame) -> None:
         if self._first is None and snap.step > 0:
             self._first = snap
         if self._live is not None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, TextIO
 
 from sgdjob_operator.local.report import rank_speed, summary_lines
-from sgdjob_operator.scrape import ScrapeResult
+from sgdjob_operator.workers.scrape import ScrapeResult
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,7 +37,7 @@ class WorkerView:
 
 
 @dataclass(frozen=True, slots=True)
-class Snapshot:
+class ProgressFrame:
     """The job at one poll. `samples_per_s` is the rate since the previous poll (None at first)."""
 
     time: float
@@ -92,8 +92,8 @@ def worker_from_status(status: Mapping[str, Any]) -> WorkerView | None:
         return None
 
 
-def summarize(results: Sequence[ScrapeResult], *, now: float, start: float, previous: Snapshot | None = None) -> Snapshot:
-    """Fold one poll into a Snapshot. Workers that did not answer keep their last view (not fresh),
+def summarize(results: Sequence[ScrapeResult], *, now: float, start: float, previous: ProgressFrame | None = None) -> ProgressFrame:
+    """Fold one poll into a ProgressFrame. Workers that did not answer keep their last view (not fresh),
     so totals do not drop while a worker is briefly unreachable or after its server has closed."""
     seen: dict[int, WorkerView] = {w.rank: replace(w, fresh=False) for w in (previous.workers if previous else ())}
     errors: list[str] = []
@@ -107,10 +107,10 @@ def summarize(results: Sequence[ScrapeResult], *, now: float, start: float, prev
     rate: float | None = None
     if previous is not None and previous.workers and now > previous.time:
         rate = max(0.0, (sum(w.samples for w in workers) - previous.samples) / (now - previous.time))
-    return Snapshot(time=now, elapsed_s=now - start, workers=workers, samples_per_s=rate, errors=tuple(errors))
+    return ProgressFrame(time=now, elapsed_s=now - start, workers=workers, samples_per_s=rate, errors=tuple(errors))
 
 
-def progress_line(snap: Snapshot, total_steps: int, expected_workers: int) -> str:
+def progress_line(snap: ProgressFrame, total_steps: int, expected_workers: int) -> str:
     """One plain progress line."""
     loss = f"{snap.loss:.4f}" if snap.loss is not None else "n/a"
     rate = f"{snap.samples_per_s:.1f}" if snap.samples_per_s is not None else "n/a"
@@ -133,7 +133,7 @@ class RunInfo:
 class Display(Protocol):
     def start(self, info: RunInfo) -> None: ...
 
-    def update(self, snap: Snapshot) -> None: ...
+    def update(self, snap: ProgressFrame) -> None: ...
 
     def note(self, text: str) -> None: ...
 
@@ -162,7 +162,7 @@ class PlainDisplay:
         self._print(f"sgdjob run {info.job}: {info.nodes} local node(s), {info.workers} worker process(es), mode {info.mode}, {info.steps} steps")
         self._print(f"output: {info.out_dir}")
 
-    def update(self, snap: Snapshot) -> None:
+    def update(self, snap: ProgressFrame) -> None:
         if self._last is not None and snap.time - self._last < self.every_s:
             return
         info = self._info

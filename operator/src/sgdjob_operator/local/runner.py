@@ -28,12 +28,12 @@ from sgdjob_operator.api.models import SGDJob
 from sgdjob_operator.local.fleet import Fleet, MembershipChange, plan_replace, plan_rescale
 from sgdjob_operator.local.launch import TRAINER_MODULE, AgentPlan, LaunchPlan, job_name, plan_launch, resolve_mode, write_run_config
 from sgdjob_operator.local.procs import ProcessSet, free_port_blocks
-from sgdjob_operator.local.progress import Display, RunInfo, Snapshot, summarize
+from sgdjob_operator.local.progress import Display, ProgressFrame, RunInfo, summarize
 from sgdjob_operator.local.report import RANK_FILE_GLOB, build_report, load_rank_docs, with_status_fallback
 from sgdjob_operator.local.timeline import Timeline
-from sgdjob_operator.scrape import ControlResult, Endpoint, ScrapeResult, post_control, scrape
+from sgdjob_operator.workers.scrape import ControlResult, Endpoint, ScrapeResult, post_control, scrape
 from sgdjob_trainer.config import SyncMode
-from sgdjob_trainer.control import ControlCommand
+from sgdjob_trainer.wire.control import ControlCommand
 
 EXIT_FAILED = 1
 EXIT_TIMEOUT = 124
@@ -114,7 +114,7 @@ class LocalRun:
         return await post_control(endpoint, command, self.token, session=self.session)
 
 
-PollHook = Callable[[LocalRun, list[ScrapeResult], Snapshot], Awaitable[None]]
+PollHook = Callable[[LocalRun, list[ScrapeResult], ProgressFrame], Awaitable[None]]
 
 
 def default_out_dir(job: SGDJob, now: float | None = None) -> Path:
@@ -179,7 +179,7 @@ async def _supervise(
 ) -> str | None:
     """Poll until every agent has exited, a stop is asked for, or the run times out. Returns why it
     stopped early (None when the agents all exited by themselves)."""
-    snapshot: Snapshot | None = None
+    snapshot: ProgressFrame | None = None
     failed_at: float | None = None
     changes = run.membership_changes
     while True:

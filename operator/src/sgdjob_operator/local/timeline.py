@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from sgdjob_operator.local.progress import Snapshot
+from sgdjob_operator.local.progress import ProgressFrame
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,14 +32,14 @@ class JobPoint:
 
 @dataclass(slots=True)
 class Timeline:
-    """Append one Snapshot per poll with `add`; `to_dict` is what report.json keeps as `timeline`."""
+    """Append one ProgressFrame per poll with `add`; `to_dict` is what report.json keeps as `timeline`."""
 
     ranks: list[RankPoint] = field(default_factory=list)
     job: list[JobPoint] = field(default_factory=list)
     mode_changes: list[tuple[float, str]] = field(default_factory=list)
-    _last: Snapshot | None = None
+    _last: ProgressFrame | None = None
 
-    def add(self, snap: Snapshot) -> None:
+    def add(self, snap: ProgressFrame) -> None:
         previous, self._last = self._last, snap
         self.job.append(JobPoint(snap.elapsed_s, snap.step, snap.samples_per_s, snap.bound_per_s, snap.loss, snap.mode))
         if snap.workers and (not self.mode_changes or self.mode_changes[-1][1] != snap.mode):

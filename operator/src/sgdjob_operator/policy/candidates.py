@@ -21,7 +21,7 @@ Make = Callable[[str, float], Decision]
 
 
 @dataclass(frozen=True, slots=True)
-class Context:
+class DecisionContext:
     health: JobHealth
     view: JobView
     speeds: Mapping[int, float]
@@ -53,7 +53,7 @@ REPLACE_PREFERENCE = 0.10
 CLUSTER_PREFERENCE = 0.03
 
 
-def current_groups(ctx: Context) -> list[list[int]]:
+def current_groups(ctx: DecisionContext) -> list[list[int]]:
     view = ctx.view
     if view.groups:
         return [list(g) for g in view.groups]
@@ -62,7 +62,7 @@ def current_groups(ctx: Context) -> list[list[int]]:
     return speed_groups(ctx.speeds, view.policy.recover_threshold, group_size_target(len(ctx.speeds)))
 
 
-def predict_config(ctx: Context, mode: str, speeds: Mapping[int, float], batches: Mapping[int, int], groups: list[list[int]] | None, label: str) -> Prediction:
+def predict_config(ctx: DecisionContext, mode: str, speeds: Mapping[int, float], batches: Mapping[int, int], groups: list[list[int]] | None, label: str) -> Prediction:
     if mode == "async":
         return predict_async(speeds, batches, ctx.ci, ctx.measured_staleness if ctx.view.mode == "async" else None, label)
     if mode == "hierarchical":
@@ -70,12 +70,12 @@ def predict_config(ctx: Context, mode: str, speeds: Mapping[int, float], batches
     return predict_sync(speeds, batches, ctx.ci, label)
 
 
-def predict_current(ctx: Context) -> Prediction:
+def predict_current(ctx: DecisionContext) -> Prediction:
     batches = {r: ctx.view.batch(r) for r in ctx.speeds}
     return predict_config(ctx, ctx.view.mode, ctx.speeds, batches, None, "current")
 
 
-def build(ctx: Context) -> list[Candidate]:
+def build(ctx: DecisionContext) -> list[Candidate]:
     view, shape = ctx.view, ctx.health.raw_shape
     if shape is Shape.UNKNOWN:
         return []
@@ -125,7 +125,7 @@ def _candidate(key: str, make: Make, pred: Prediction, cost: float, preference: 
     return Candidate(key, make, pred, cost, preference, restoring)
 
 
-def straggler_node(ctx: Context) -> tuple[int, list[int], bool] | None:
+def straggler_node(ctx: DecisionContext) -> tuple[int, list[int], bool] | None:
     """The worst flagged rank, every rank on its node, and whether the node is to blame (all of its
     ranks are slow; with one rank per node the rank is the node)."""
     flagged = [h for h in ctx.health.ranks.values() if h.flagged]
@@ -138,7 +138,7 @@ def straggler_node(ctx: Context) -> tuple[int, list[int], bool] | None:
     return worst.rank, on_node, all(ctx.health.ranks[r].flagged for r in on_node if r in ctx.health.ranks)
 
 
-def _membership(ctx: Context) -> list[Candidate]:
+def _membership(ctx: DecisionContext) -> list[Candidate]:
     view = ctx.view
     found = straggler_node(ctx)
     if found is None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from sgdjob_operator.policy.candidates import Candidate, Context, build, predict_current, straggler_node
+from sgdjob_operator.policy.candidates import Candidate, DecisionContext, build, predict_current, straggler_node
 from sgdjob_operator.policy.cost import CostInputs, Prediction
 from sgdjob_operator.policy.decisions import Decision, Keep, ReplaceWorker, Rescale
 from sgdjob_operator.policy.health import JobHealth, Shape, assess, jitter_coefficient
@@ -73,7 +73,7 @@ def evaluate(state: PolicyState, samples: Sequence[WorkerSample], job: JobView, 
     pods = {r: (window.latest[r].pod if r in window.latest else None) for r in speeds}
     stale = [w.staleness for w in window.ranks.values() if w.mode == "async"]
     ci = CostInputs(comm, jitter, p.staleness_penalty, job.average_every, job.hier_staleness, job.async_staleness, job.ps_shards)
-    ctx = Context(health, job, speeds, nodes, pods, ci, sum(stale) / len(stale) if stale else None)
+    ctx = DecisionContext(health, job, speeds, nodes, pods, ci, sum(stale) / len(stale) if stale else None)
     current = predict_current(ctx)
     candidates = build(ctx)
     predictions = {"current": current.useful, **{c.prediction.label: c.prediction.useful for c in candidates}}
@@ -144,7 +144,7 @@ def _keep_reason(health: JobHealth, current: Prediction, candidates: list[Candid
     return f"{health.summary}; best alternative {best.prediction.label} predicts {_gain(best.prediction, current):+.0%} (a change needs {job.policy.switch_margin:+.0%} and must repay its pause)"
 
 
-def _forget_replaced(ranks: Mapping[int, RankState], decision: Decision, ctx: Context) -> dict[int, RankState]:
+def _forget_replaced(ranks: Mapping[int, RankState], decision: Decision, ctx: DecisionContext) -> dict[int, RankState]:
     """Ranks whose pod goes away start over: a new pod's speed and streak are its own."""
     out = dict(ranks)
     if isinstance(decision, ReplaceWorker | Rescale):

@@ -11,7 +11,7 @@ from sgdjob_trainer.config import SyncMode
 
 # Without a known memory limit, rebalancing gives a rank at most this multiple of the spec batch.
 DEFAULT_MAX_BATCH_FACTOR = 4
-MODES = tuple(m.value for m in SyncMode)
+SYNC_MODES = tuple(m.value for m in SyncMode)
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,8 +88,8 @@ def job_view(
     in), the current replicas (default spec.replicas), per-rank batch sizes and hierarchical groups
     in force, and optionally what is known about the network and per-rank memory limits."""
     active = mode if mode is not None else spec.initial_mode.value
-    if active not in MODES:
-        raise ValueError(f"mode must be one of {', '.join(MODES)}, not {active!r}")
+    if active not in SYNC_MODES:
+        raise ValueError(f"mode must be one of {', '.join(SYNC_MODES)}, not {active!r}")
     hier = spec.training.hierarchical
     given_groups = groups if groups is not None else hier.groups
     return JobView(

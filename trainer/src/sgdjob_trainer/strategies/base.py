@@ -29,8 +29,8 @@ from sgdjob_trainer.emulation import ComputeEmulator
 from sgdjob_trainer.levers import autocast, lr_factor
 from sgdjob_trainer.models import LossFn
 from sgdjob_trainer.runtime import WorldInfo
-from sgdjob_trainer.state import TrainState
 from sgdjob_trainer.telemetry import Telemetry
+from sgdjob_trainer.train_state import TrainState
 
 if TYPE_CHECKING:
     from sgdjob_trainer.strategies.ps import ParameterServer

@@ -15,10 +15,10 @@ from typing import Any
 import aiohttp
 
 from sgdjob_operator.api.models import LOSS_BOUND, JobMode, SGDJobSpec, SGDJobStatus, Straggler
+from sgdjob_operator.k8s.status import Event, PodView, controller, new_command, record_decision, workers
 from sgdjob_operator.policy.samples import WorkerSample
-from sgdjob_operator.scrape import Endpoint, scrape
-from sgdjob_operator.status import Event, PodView, controller, new_command, record_decision, workers
-from sgdjob_trainer.control import ControlCommand
+from sgdjob_operator.workers.scrape import Endpoint, scrape
+from sgdjob_trainer.wire.control import ControlCommand
 
 MAX_EXCLUDED = 256
 

@@ -1,4 +1,4 @@
-"""The job's rendezvous store: `python -m sgdjob_operator.rendezvous --host H --port P`.
+"""The job's rendezvous store: `python -m sgdjob_trainer.rendezvous_store --host H --port P`.
 
 Hosts a c10d TCPStore that torchrun's agents use for their c10d rendezvous (`--rdzv-conf is_host=0`).
 It runs in its own small pod so that no worker's loss, worker 0's included, takes the rendezvous
@@ -15,7 +15,7 @@ import threading
 from datetime import timedelta
 from types import FrameType
 
-log = logging.getLogger("sgdjob_operator.rendezvous")
+log = logging.getLogger("sgdjob_trainer.rendezvous_store")
 
 
 def serve(host: str, port: int, stop: threading.Event) -> None:
@@ -37,7 +37,7 @@ def serve(host: str, port: int, stop: threading.Event) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m sgdjob_operator.rendezvous", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m sgdjob_trainer.rendezvous_store", description=__doc__)
     parser.add_argument("--host", default="0.0.0.0", help="address to listen on (the pod IP)")
     parser.add_argument("--port", type=int, default=29400)
     args = parser.parse_args(argv)

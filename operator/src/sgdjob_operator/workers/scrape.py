@@ -20,7 +20,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from sgdjob_operator.policy.samples import WorkerSample
-from sgdjob_trainer.control import ControlCommand
+from sgdjob_trainer.wire.control import ControlCommand
 
 # Sample names as the trainer exports them (prometheus_client appends `_total` to counters).
 STEPS = "sgdjob_steps_total"

@@ -1,5 +1,5 @@
 """Thin kopf handlers: they only wire events to the controller's passes. Importing this module
-registers them (the CLI imports it; `kopf run -m sgdjob_operator` does through the package).
+registers them (the CLI imports it; `kopf run -m sgdjob_operator.k8s` does through the package).
 
 - one `on.startup` applies every setting; `on.login` gives kopf the operator's own credentials;
 - `on.create/resume/update(spec)` validate the spec (PermanentError naming the field when the
@@ -20,14 +20,14 @@ from typing import Any
 import aiohttp
 import kopf
 
-from sgdjob_operator import metrics
 from sgdjob_operator.api.models import GROUP, PLURAL, VERSION
 from sgdjob_operator.api.validation import SpecError, validate_spec
-from sgdjob_operator.builders import LABEL_JOB, JobRef
-from sgdjob_operator.controller import Runtime, ensure_children, mark_invalid, post_events, reconcile
-from sgdjob_operator.kube import ApiError, Credentials, Kube, core_path, pods_path
-from sgdjob_operator.settings import current
-from sgdjob_operator.status import dump_status, load_status
+from sgdjob_operator.k8s import metrics
+from sgdjob_operator.k8s.builders import LABEL_JOB, JobRef
+from sgdjob_operator.k8s.client import ApiError, Credentials, Kube, core_path, pods_path
+from sgdjob_operator.k8s.reconcile import Runtime, ensure_children, mark_invalid, post_events, reconcile
+from sgdjob_operator.k8s.settings import current
+from sgdjob_operator.k8s.status import dump_status, load_status
 
 log = logging.getLogger("sgdjob_operator")
 PREFIX = "sgdjob.dev"

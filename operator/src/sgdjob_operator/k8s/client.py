@@ -19,7 +19,7 @@ from typing import Any
 import aiohttp
 
 from sgdjob_operator.api.models import GROUP, PLURAL, VERSION
-from sgdjob_operator.builders import JobRef, owner_reference
+from sgdjob_operator.k8s.builders import JobRef, owner_reference
 
 MERGE = "application/merge-patch+json"
 SA_TOKEN = "/var/run/secrets/kubernetes.io/serviceaccount/token"

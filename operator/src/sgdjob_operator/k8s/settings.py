@@ -7,7 +7,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
-from sgdjob_operator.builders import DEFAULT_IMAGE
+from sgdjob_operator.k8s.builders import DEFAULT_IMAGE
 
 
 def _float(env: Mapping[str, str], name: str, default: float) -> float:

@@ -7,8 +7,6 @@ import os
 
 import click
 
-from sgdjob_operator.settings import OperatorSettings, set_current
-
 
 @click.command("operator")
 @click.option("--namespace", "-n", "namespaces", multiple=True, help="Watch this namespace (repeatable). Default: all namespaces.")
@@ -53,6 +51,9 @@ def operator(
     """Run the SGDJob operator (kopf) until interrupted."""
     if namespaces and all_namespaces:
         raise click.UsageError("give --namespace or --all-namespaces, not both")
+    # The Kubernetes shell is imported when this command runs: importing the CLI never loads it.
+    from sgdjob_operator.k8s.settings import OperatorSettings, set_current
+
     base = OperatorSettings.from_env()
     changes: dict[str, object] = {"namespaces": namespaces, "context": context}
     for name, value in (
@@ -72,7 +73,7 @@ def operator(
         if value is not None:
             changes[name] = value
     settings = base.with_(**changes)
-    from sgdjob_operator.webhook import check
+    from sgdjob_operator.k8s.webhook import check
 
     problem = check(settings)
     if problem:
@@ -84,8 +85,8 @@ def operator(
         os.environ["KUBECONFIG"] = settings.kubeconfig  # for anything that reads the default location
     import kopf
 
-    import sgdjob_operator.handlers  # noqa: F401 - registers the handlers
-    from sgdjob_operator.webhook import register
+    import sgdjob_operator.k8s.handlers  # noqa: F401 - registers the handlers
+    from sgdjob_operator.k8s.webhook import register
 
     register(settings)
 

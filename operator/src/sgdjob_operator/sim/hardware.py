@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-from sgdjob_operator.simulator.scenario import Death, Drift, Hiccups, Scenario, Slowdown
+from sgdjob_operator.sim.scenario import Death, Drift, Hiccups, Scenario, Slowdown
 
 Floats = npt.NDArray[np.float64]
 Ints = npt.NDArray[np.int64]
@@ -13,7 +13,7 @@ Ints = npt.NDArray[np.int64]
 _STEP, _DRIFT, _DEATH = 0, 1, 2
 
 
-class Fleet:
+class SimulatedFleet:
     """Workers (GPUs) on nodes, `nproc_per_node` consecutive workers per node. Events belong to a
     physical node: a worker moved to a replacement node leaves its old node's events behind."""
 

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from sgdjob_operator.api.models import CleanPodPolicy, JobMode, Phase, SGDJobSpec, SGDJobStatus
-from sgdjob_operator.status import (
+from sgdjob_operator.k8s.status import (
     FINISHED,
     INFRA_REASONS,
     Event,

@@ -9,15 +9,15 @@ import json
 from typing import Any
 
 from sgdjob_operator.api.models import SGDJobSpec, SGDJobStatus
-from sgdjob_operator.monitor import Observation, command_fields
+from sgdjob_operator.k8s.observe import Observation, command_fields
+from sgdjob_operator.k8s.status import controller
 from sgdjob_operator.policy import Keep, PolicyState, evaluate, job_view
-from sgdjob_operator.policy.job import MODES
-from sgdjob_operator.status import controller
+from sgdjob_operator.policy.job import SYNC_MODES
 
 
 def active_mode(st: SGDJobStatus, spec: SGDJobSpec, obs: Observation) -> str:
     for mode in (obs.mode, st.mode, st.target_mode):
-        if mode in MODES:
+        if mode in SYNC_MODES:
             return str(mode)
     return spec.initial_mode.value
 

@@ -13,7 +13,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from sgdjob_operator.api.models import MAX_DECISIONS, Condition, ControllerState, DecisionRecord, Phase, SGDJobSpec, SGDJobStatus
-from sgdjob_operator.builders import LABEL_INDEX, LABEL_ROLE, ROLE_RDZV, ROLE_WORKER
+from sgdjob_operator.k8s.builders import LABEL_INDEX, LABEL_ROLE, ROLE_RDZV, ROLE_WORKER
 
 FINISHED = (Phase.SUCCEEDED, Phase.FAILED)
 ACTIVE_POD_PHASES = ("Pending", "Running", "Unknown")

@@ -18,10 +18,10 @@ from typing import Any
 
 import aiohttp
 
-from sgdjob_operator import metrics
 from sgdjob_operator.api.models import Phase, SGDJobSpec, SGDJobStatus
 from sgdjob_operator.api.validation import SpecError, validate_spec
-from sgdjob_operator.builders import (
+from sgdjob_operator.k8s import metrics
+from sgdjob_operator.k8s.builders import (
     TOKEN_KEY,
     JobRef,
     build_config_map,
@@ -30,14 +30,14 @@ from sgdjob_operator.builders import (
     build_service,
     build_worker_pod,
 )
-from sgdjob_operator.kube import ApiError, Kube, core_path
-from sgdjob_operator.monitor import Observation, Outcome, apply_decision, command_to_push, endpoints, observe, record_observation
-from sgdjob_operator.policy_adapter import run_policy, without_change
-from sgdjob_operator.reconcile import plan_reconcile
-from sgdjob_operator.scrape import post_control
-from sgdjob_operator.settings import OperatorSettings
-from sgdjob_operator.status import FINISHED, Event, PodView, controller, dump_status, finish, in_flight, load_status
-from sgdjob_operator.status import workers as worker_pods
+from sgdjob_operator.k8s.client import ApiError, Kube, core_path
+from sgdjob_operator.k8s.observe import Observation, Outcome, apply_decision, command_to_push, endpoints, observe, record_observation
+from sgdjob_operator.k8s.plan import plan_reconcile
+from sgdjob_operator.k8s.policy_bridge import run_policy, without_change
+from sgdjob_operator.k8s.settings import OperatorSettings
+from sgdjob_operator.k8s.status import FINISHED, Event, PodView, controller, dump_status, finish, in_flight, load_status
+from sgdjob_operator.k8s.status import workers as worker_pods
+from sgdjob_operator.workers.scrape import post_control
 from sgdjob_trainer.config import SyncMode
 
 log = logging.getLogger("sgdjob_operator")

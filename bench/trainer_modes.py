@@ -1,6 +1,6 @@
 """Side-by-side benchmark of the three modes on the quickstart shape, under real torchrun.
 
-    python -m sgdjob_trainer.bench [--steps 200] [--out DIR] [--switches]
+    python -m bench.trainer_modes [--steps 200] [--out DIR] [--switches]
 
 Runs `python -m torch.distributed.run --standalone --nproc-per-node=4 -m sgdjob_trainer` once per
 mode (4 workers, rank 3 emulated 3x slower, computeSeconds 0.05: EMULATED compute, real gloo
@@ -168,7 +168,7 @@ def run_switches(steps: int, out: Path) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sgdjob_trainer.bench", description="Sync vs hierarchical vs async, side by side.")
+    parser = argparse.ArgumentParser(prog="python -m bench.trainer_modes", description="Sync vs hierarchical vs async, side by side.")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--out", type=Path, default=Path("/tmp/sgdjob-bench"))
     parser.add_argument("--modes", nargs="+", default=["sync", "hierarchical", "async"], choices=["sync", "hierarchical", "async"])

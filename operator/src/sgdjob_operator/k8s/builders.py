@@ -2,7 +2,7 @@
 control-token Secret and run-config ConfigMap. No I/O; the kopf shell creates what these return.
 
 Rendezvous: a small dedicated pod (`<job>-rdzv`) hosts the c10d TCPStore that torchrun's agents
-rendezvous through (`python -m sgdjob_operator.rendezvous`, with `is_host=0` on every worker). With the
+rendezvous through (`python -m sgdjob_trainer.rendezvous_store`, with `is_host=0` on every worker). With the
 store on worker 0, as plain torchrun does, losing worker 0 would take the rendezvous with it; on its own
 pod, any single worker may go and the others re-rendezvous. The pod is recreated if it is lost.
 
@@ -249,7 +249,7 @@ def build_rdzv_pod(job: JobRef, spec: SGDJobSpec, *, default_image: str) -> dict
     container = {
         "name": "rendezvous",
         "image": image,
-        "command": ["python", "-m", "sgdjob_operator.rendezvous", "--host", "$(POD_IP)", "--port", str(RDZV_PORT)],
+        "command": ["python", "-m", "sgdjob_trainer.rendezvous_store", "--host", "$(POD_IP)", "--port", str(RDZV_PORT)],
         "env": [_field_env("POD_IP", "status.podIP"), {"name": "PYTHONUNBUFFERED", "value": "1"}],
         "ports": [{"name": "rendezvous", "containerPort": RDZV_PORT, "protocol": "TCP"}],
         "resources": {"requests": {"cpu": "50m", "memory": "64Mi"}, "limits": {"memory": "256Mi"}},

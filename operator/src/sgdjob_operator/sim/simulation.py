@@ -20,12 +20,12 @@ from sgdjob_operator.api.models import JobMode
 from sgdjob_operator.policy import Decision, JobView, PolicyState, Rebalance, ReplaceWorker, Rescale, SwitchMode, WorkerSample, evaluate, job_view
 from sgdjob_operator.policy.job import DEFAULT_MAX_BATCH_FACTOR
 from sgdjob_operator.policy.plans import group_size_target, node_groups, paced_group_batches, rebalanced_batches, speed_groups
-from sgdjob_operator.simulator.engines import AsyncEngine, Counters, Engine, Env, HierarchicalEngine, SyncEngine
-from sgdjob_operator.simulator.fleet import Fleet, Floats
-from sgdjob_operator.simulator.loss import loss_after
-from sgdjob_operator.simulator.scenario import Scenario
+from sgdjob_operator.sim.engines import AsyncEngine, Counters, Engine, Env, HierarchicalEngine, SyncEngine
+from sgdjob_operator.sim.hardware import Floats, SimulatedFleet
+from sgdjob_operator.sim.loss import loss_after
+from sgdjob_operator.sim.scenario import Scenario
 
-MODES = ("sync", "rebalanced", "hierarchical", "async", "auto")
+SYSTEMS = ("sync", "rebalanced", "hierarchical", "async", "auto")
 
 
 @dataclass
@@ -41,11 +41,11 @@ class ModeResult:
 
 class Run:
     def __init__(self, sc: Scenario, label: str) -> None:
-        if label not in MODES:
-            raise ValueError(f"mode must be one of {', '.join(MODES)}, not {label!r}")
+        if label not in SYSTEMS:
+            raise ValueError(f"mode must be one of {', '.join(SYSTEMS)}, not {label!r}")
         self.sc, self.label = sc, label
         self.spec = sc.spec(JobMode.AUTO)
-        self.fleet = Fleet(sc)
+        self.fleet = SimulatedFleet(sc)
         self.duration = sc.duration
         n = self.fleet.size
         self.counters = Counters(n)
@@ -217,4 +217,4 @@ class Run:
 
 def run_mode(sc: Scenario, mode: str, bound: float | None = None) -> ModeResult:
     """Simulate `sc` in one mode; `bound` (samples/s) defaults to the fleet's."""
-    return Run(sc, mode).run(bound if bound is not None else Fleet(sc).bound(sc.duration))
+    return Run(sc, mode).run(bound if bound is not None else SimulatedFleet(sc).bound(sc.duration))

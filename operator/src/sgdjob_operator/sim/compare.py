@@ -6,9 +6,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from sgdjob_operator.simulator.fleet import Fleet
-from sgdjob_operator.simulator.runner import MODES, ModeResult, run_mode
-from sgdjob_operator.simulator.scenario import Drift, Scenario, Slowdown
+from sgdjob_operator.sim.hardware import SimulatedFleet
+from sgdjob_operator.sim.scenario import Drift, Scenario, Slowdown
+from sgdjob_operator.sim.simulation import SYSTEMS, ModeResult, run_mode
 
 
 @dataclass
@@ -46,9 +46,9 @@ class ScenarioResult:
         }
 
 
-def simulate_scenario(sc: Scenario, modes: tuple[str, ...] = MODES) -> ScenarioResult:
+def simulate_scenario(sc: Scenario, modes: tuple[str, ...] = SYSTEMS) -> ScenarioResult:
     started = time.perf_counter()
-    bound = Fleet(sc).bound(sc.duration)
+    bound = SimulatedFleet(sc).bound(sc.duration)
     results = {m: run_mode(sc, m, bound) for m in modes}
     return ScenarioResult(sc, bound, results, time.perf_counter() - started)
 
@@ -56,12 +56,12 @@ def simulate_scenario(sc: Scenario, modes: tuple[str, ...] = MODES) -> ScenarioR
 def table(results: list[ScenarioResult]) -> str:
     """Efficiency (useful throughput / bound) per scenario and mode, with auto's distance to the
     best static mode and its changes."""
-    head = f"{'scenario':<28} {'workers':>7} " + " ".join(f"{m:>12}" for m in MODES) + f" {'best static':>18} {'auto/best':>9} {'changes':>7} {'detect s':>8} {'sim s':>6}"
+    head = f"{'scenario':<28} {'workers':>7} " + " ".join(f"{m:>12}" for m in SYSTEMS) + f" {'best static':>18} {'auto/best':>9} {'changes':>7} {'detect s':>8} {'sim s':>6}"
     lines = [head, "-" * len(head)]
     for res in results:
         best, value = res.best_static
         auto = res.modes.get("auto")
-        cells = " ".join(f"{res.modes[m].efficiency:>12.3f}" if m in res.modes else f"{'-':>12}" for m in MODES)
+        cells = " ".join(f"{res.modes[m].efficiency:>12.3f}" if m in res.modes else f"{'-':>12}" for m in SYSTEMS)
         ratio = f"{auto.efficiency / value:>9.3f}" if auto and value > 0 else f"{'-':>9}"
         delay = auto.detection_delay_s if auto else None
         lines.append(

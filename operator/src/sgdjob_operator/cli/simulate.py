@@ -16,8 +16,8 @@ def simulate(scenarios: tuple[Path, ...], out_dir: Path) -> None:
     """Simulate each SCENARIO.yaml in sync, rebalanced sync, hierarchical, async and auto (the
     policy in the loop); write OUT/<name>.json and print efficiencies (useful throughput / bound)."""
     # numpy-backed: imported here so `sgdjob` in the operator image (no numpy) still starts.
-    from sgdjob_operator.simulator import ScenarioError, load_scenario, simulate_scenario
-    from sgdjob_operator.simulator.report import table
+    from sgdjob_operator.sim import ScenarioError, load_scenario, simulate_scenario
+    from sgdjob_operator.sim.compare import table
 
     loaded = []
     failed = False

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from sgdjob_operator.policy.comm import CommModel
-from sgdjob_operator.simulator.fleet import Fleet, Floats, Ints
-from sgdjob_operator.simulator.loss import statistical_efficiency
+from sgdjob_operator.sim.hardware import Floats, Ints, SimulatedFleet
+from sgdjob_operator.sim.loss import statistical_efficiency
 
 
 class Counters:
@@ -51,7 +51,7 @@ NOISE_BLOCK = 1 << 16
 
 @dataclass
 class Env:
-    fleet: Fleet
+    fleet: SimulatedFleet
     counters: Counters
     rng: np.random.Generator
     comm: CommModel

@@ -17,7 +17,7 @@ import kopf
 
 from sgdjob_operator.api.models import GROUP, PLURAL, VERSION
 from sgdjob_operator.api.validation import SpecError, validate_spec
-from sgdjob_operator.settings import OperatorSettings
+from sgdjob_operator.k8s.settings import OperatorSettings
 
 log = logging.getLogger("sgdjob_operator")
 HANDLER_ID = "validate"
