@@ -4,32 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from sgdjob_operator.local.auto import active_mode, applied_epoch, command_for
-from sgdjob_operator.local.progress import ProgressFrame, WorkerView
-from sgdjob_operator.policy import Rebalance, SwitchMode
+from sgdjob_operator.local.auto import applied_epoch
 from sgdjob_operator.workers.scrape import Endpoint, ScrapeResult
 from tests.local.example_runs import RunExample, processes_mentioning
 
 
-def _worker(rank: int, mode: str, *, fresh: bool = True, done: bool = False) -> WorkerView:
-    return WorkerView(rank=rank, node=None, step=1, samples=1, compute_s=1.0, wait_s=0.0, loss=None, mode=mode, done=done, fresh=fresh)
-
-
-def test_commands_carry_the_decision() -> None:
-    switch = command_for(SwitchMode("hierarchical", "clusters", groups=((0, 1), (2, 3))), 3, {})
-    assert (switch.epoch, switch.mode, switch.groups, switch.reason) == (3, "hierarchical", [[0, 1], [2, 3]], "clusters")
-    rebalance = command_for(Rebalance({3: 8}, "slow rank"), 4, {0: 40, 3: 16})
-    assert rebalance.mode is None and rebalance.batch_sizes == {0: 40, 3: 8}
-
-
-def test_applied_epoch_and_active_mode_read_the_workers() -> None:
+def test_applied_epoch_is_what_rank_0_reports() -> None:
     ep = Endpoint("http://127.0.0.1:1")
     assert applied_epoch([ScrapeResult(ep, 0.0, None, {"rank": 1, "controlEpoch": 5}, None)]) is None
     assert applied_epoch([ScrapeResult(ep, 0.0, None, {"rank": 0, "controlEpoch": 2}, None)]) == 2
-    snap = ProgressFrame(time=1.0, elapsed_s=1.0, workers=(_worker(0, "async"), _worker(1, "async"), _worker(2, "sync", fresh=False)))
-    assert active_mode(snap, "sync") == "async"
-    mixed = ProgressFrame(time=1.0, elapsed_s=1.0, workers=(_worker(0, "async"), _worker(1, "sync")))
-    assert active_mode(mixed, "sync") == "sync"  # mid-switch: keep what we had
+    assert applied_epoch([ScrapeResult(ep, 0.0, None, {"rank": 0}, None)]) == 0
 
 
 @pytest.mark.multiproc

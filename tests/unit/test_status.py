@@ -9,11 +9,13 @@ import pytest
 
 from sgdjob_operator.api.models import MAX_DECISIONS, Phase, SGDJobStatus
 from sgdjob_operator.api.validation import validate_spec
-from sgdjob_operator.k8s.observe import Observation, apply_decision, command_to_push, record_observation
+from sgdjob_operator.k8s.actuator import Outcome, apply_step, driver_state, store
+from sgdjob_operator.k8s.observe import Observation, command_to_push, record_observation
 from sgdjob_operator.k8s.plan import plan_reconcile
 from sgdjob_operator.k8s.reconcile import mark_invalid
 from sgdjob_operator.k8s.status import PodView, controller, dump_status, load_status, record_decision, rfc3339
-from sgdjob_operator.policy import Keep, Rebalance, ReplaceWorker, Rescale, SwitchMode, WorkerSample
+from sgdjob_operator.policy import Decision, Keep, Rebalance, ReplaceWorker, Rescale, SwitchMode, WorkerSample, job_view
+from sgdjob_operator.policy.driver import Observed, Refused, Step, action_for
 from sgdjob_operator.workers.scrape import Endpoint
 
 T0 = 1_800_000_000.0
@@ -162,9 +164,17 @@ def _sample(rank: int, mode: str = "sync") -> WorkerSample:
     return WorkerSample(rank=rank, time=T0, steps=10, samples=320, compute_seconds=1.0, comm_wait_seconds=0.1, mode=mode, batch_size=32, pod=f"j-worker-{rank}", node=f"n{rank}")
 
 
+def apply_decision(st: SGDJobStatus, spec: Any, decision: Decision, samples: tuple[WorkerSample, ...] = ()) -> Outcome:
+    """What the operator does with `decision`, as the driver would have returned it."""
+    state, _ = driver_state(st)
+    state, action = action_for(state, decision, Observed(samples), spec, job_view(spec))
+    store(st, state)
+    return apply_step(st, Step(state, decision, action), T0)
+
+
 def test_switch_is_recorded_then_pushed_until_applied() -> None:
     spec, st = _spec(), running()
-    out = apply_decision(st, spec, SwitchMode(mode="async", reason="straggler"), {}, now=T0, busy="")
+    out = apply_decision(st, spec, SwitchMode(mode="async", reason="straggler"))
     assert out.applied == "switchMode" and out.config_changed and st.target_mode == "async"
     assert controller(st).command == {"epoch": 1, "mode": "async", "reason": "straggler"} and st.decisions[-1].mode == "async"
     control = Endpoint("http://10.0.0.1:9400")
@@ -185,24 +195,19 @@ def test_step_is_the_jobs_step_after_a_resume() -> None:
     assert st.step == 10  # without rank 0's /status: the counters
 
 
-@pytest.mark.parametrize("busy", ["switching mode sync -> async", "worker pods terminating"])
-def test_one_change_in_flight(busy: str) -> None:
-    st = running()
-    out = apply_decision(st, _spec(), Rescale(replicas=3, reason="faster"), {}, now=T0, busy=busy)
-    assert out.deferred == "rescale" and out.scale_to is None and not st.decisions
-
-
 def test_replace_rescale_rebalance_and_keep() -> None:
     spec, st = _spec(policy={"allowedActions": ["rescale", "replaceWorker"]}), running()
-    out = apply_decision(st, spec, ReplaceWorker(rank=1, reason="slow node", exclude_node="n1"), {1: "j-worker-1"}, now=T0, busy="")
+    out = apply_decision(st, spec, ReplaceWorker(rank=1, reason="slow node", exclude_node="n1"), (_sample(1),))
     assert controller(st).excluded_nodes == ["n1"] and out.delete_pod is None and st.decisions[-1].rank == 1
-    out = apply_decision(st, spec, ReplaceWorker(rank=0, reason="slow pod"), {0: "j-worker-0"}, now=T0, busy="")
-    assert out.delete_pod == "j-worker-0"
-    out = apply_decision(st, spec, Rescale(replicas=99, reason="more"), {}, now=T0, busy="")
+    out = apply_decision(st, spec, ReplaceWorker(rank=0, reason="slow pod"), (_sample(0),))
+    assert out.delete_pod == "j-worker-0" and out.events[-1].message == "replacing rank 0 (pod j-worker-0): slow pod"
+    out = apply_decision(st, spec, Rescale(replicas=99, reason="more"))
     assert out.scale_to == 4 and st.decisions[-1].replicas == 4  # clamped to maxReplicas
-    out = apply_decision(st, spec, Rebalance(batch_sizes={0: 40, 1: 24}, reason="even out"), {}, now=T0, busy="")
+    out = apply_decision(st, spec, Rebalance(batch_sizes={0: 40, 1: 24}, reason="even out"))
     assert controller(st).command is not None and controller(st).command["batchSizes"] == {"0": 40, "1": 24}
     before = st.model_copy(deep=True)
-    assert apply_decision(st, spec, Keep("fine"), {}, now=T0, busy="").applied is None and st == before
+    assert apply_decision(st, spec, Keep("fine")).applied is None and st == before
     fixed = running()
-    assert apply_decision(fixed, _spec(mode="sync"), SwitchMode(mode="async", reason="x"), {}, now=T0, busy="").deferred == "switchMode"
+    with pytest.raises(Refused, match=r"spec\.mode fixes sync"):
+        apply_decision(fixed, _spec(mode="sync"), SwitchMode(mode="async", reason="x"))
+    assert not fixed.decisions and controller(fixed).command is None

@@ -21,6 +21,7 @@ import aiohttp
 from sgdjob_operator.api.models import Phase, SGDJobSpec, SGDJobStatus
 from sgdjob_operator.api.validation import SpecError, validate_spec
 from sgdjob_operator.k8s import metrics
+from sgdjob_operator.k8s.actuator import Outcome, apply_step, evaluate_job
 from sgdjob_operator.k8s.builders import (
     TOKEN_KEY,
     JobRef,
@@ -31,9 +32,8 @@ from sgdjob_operator.k8s.builders import (
     build_worker_pod,
 )
 from sgdjob_operator.k8s.client import ApiError, Kube, core_path
-from sgdjob_operator.k8s.observe import Observation, Outcome, apply_decision, command_to_push, endpoints, observe, record_observation
+from sgdjob_operator.k8s.observe import Observation, command_to_push, endpoints, observe, record_observation
 from sgdjob_operator.k8s.plan import plan_reconcile
-from sgdjob_operator.k8s.policy_bridge import run_policy, without_change
 from sgdjob_operator.k8s.settings import OperatorSettings
 from sgdjob_operator.k8s.status import FINISHED, Event, PodView, controller, dump_status, finish, in_flight, load_status
 from sgdjob_operator.k8s.status import workers as worker_pods
@@ -131,22 +131,19 @@ async def _monitor(rt: Runtime, ref: JobRef, spec: SGDJobSpec, st: SGDJobStatus,
     events += await _once(rt, ref, "ScrapeFailed", f"cannot scrape {len(obs.errors)} of {len(eps)} workers: {failing}" if failing else "")
     if not obs.samples:
         return None, events, spec
-    decision, health, state, problem = run_policy(spec, st, obs, now)
-    events += await _once(rt, ref, "PolicyError", problem)
-    events += record_observation(st, obs, health)
     busy = in_flight(st, spec, pods)
-    rank_pods = {s.rank: s.pod for s in obs.samples if s.pod}
-    outcome = apply_decision(st, spec, decision, rank_pods, now=now, busy=busy)
-    if state is not None:
-        ctl = controller(st)
-        ctl.policy_state = without_change(state, ctl.policy_state) if outcome.deferred else state
-    if str(getattr(decision, "action", "keep")) == "keep":
-        log.debug("%s/%s: keep: %s", ref.namespace, ref.name, getattr(decision, "reason", ""))
+    step, problem = evaluate_job(spec, st, obs, now, busy)
+    events += await _once(rt, ref, "PolicyError", problem)
+    events += record_observation(st, obs, step.health)
+    outcome = apply_step(st, step, now)
     if outcome.applied:
-        metrics.DECISIONS.labels(action=outcome.applied, reason=metrics.reason_label(str(decision.reason))).inc()
-    if outcome.deferred:
-        metrics.DEFERRED.labels(action=outcome.deferred).inc()
-        log.info("%s/%s: %s deferred (%s)", ref.namespace, ref.name, outcome.deferred, busy or "mode fixed by spec")
+        metrics.DECISIONS.labels(action=outcome.applied, reason=metrics.reason_label(step.decision.reason)).inc()
+    else:
+        log.debug("%s/%s: keep: %s", ref.namespace, ref.name, step.decision.reason)
+    if outcome.held:
+        metrics.DEFERRED.labels(action=outcome.held).inc()
+        why = busy or "control command not applied yet"
+        log.info("%s/%s: %s held back (%s)", ref.namespace, ref.name, outcome.held, why)
     if outcome.scale_to is not None and await rt.kube.scale_job(ref, outcome.scale_to) is not None:
         spec = spec.model_copy(update={"replicas": outcome.scale_to})
     command = command_to_push(st, obs)

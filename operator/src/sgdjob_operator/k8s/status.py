@@ -14,6 +14,9 @@ from typing import Any
 
 from sgdjob_operator.api.models import MAX_DECISIONS, Condition, ControllerState, DecisionRecord, Phase, SGDJobSpec, SGDJobStatus
 from sgdjob_operator.k8s.builders import LABEL_INDEX, LABEL_ROLE, ROLE_RDZV, ROLE_WORKER
+from sgdjob_operator.policy.driver import issue, load_state
+from sgdjob_trainer.config import SyncMode
+from sgdjob_trainer.wire.control import ControlCommand
 
 FINISHED = (Phase.SUCCEEDED, Phase.FAILED)
 ACTIVE_POD_PHASES = ("Pending", "Running", "Unknown")
@@ -157,19 +160,15 @@ def record_decision(status: SGDJobStatus, now: float, action: str, reason: str, 
     return record
 
 
-def new_command(status: SGDJobStatus, now: float, reason: str, *, carry: bool = True, **fields: Any) -> dict[str, Any]:
-    """A new control command with the next epoch. With `carry`, merged over the previous one so a
-    mode set earlier is not forgotten by a later rebalance (a restarted trainer gets it all again);
-    a mode switch starts afresh (its own groups and batch sizes, or none)."""
+def new_command(status: SGDJobStatus, now: float, reason: str, *, mode: str) -> dict[str, Any]:
+    """Tell the workers to run `mode` (one the spec fixes): the next epoch, merged over the stored
+    command by the driver's rule, so nothing set earlier is forgotten."""
     ctl = controller(status)
-    previous = dict(ctl.command or {})
-    epoch = int(previous.get("epoch", 0)) + 1
-    kept = {k: v for k, v in previous.items() if k in ("mode", "groups", "batchSizes")} if carry else {}
-    command = {**kept, **{k: v for k, v in fields.items() if v is not None}}
-    command.update({"epoch": epoch, "reason": reason[:4096]})
-    ctl.command = command
+    state, _ = load_state(None, ctl.command, None)
+    after = issue(state, ControlCommand(epoch=0, mode=SyncMode(mode), reason=reason[:4096]))
+    ctl.command = after.command_dict()
     ctl.last_change_time = rfc3339(now)
-    return command
+    return ctl.command or {}
 
 
 def desired_conditions(phase: Phase, *, created: bool, adapting_reason: str, message: str) -> dict[str, tuple[bool, str, str]]:

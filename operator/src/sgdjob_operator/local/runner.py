@@ -25,6 +25,7 @@ from typing import Any
 import aiohttp
 
 from sgdjob_operator.api.models import SGDJob
+from sgdjob_operator.local.auto import AutoController
 from sgdjob_operator.local.fleet import Fleet, MembershipChange, plan_replace, plan_rescale
 from sgdjob_operator.local.launch import TRAINER_MODULE, AgentPlan, LaunchPlan, job_name, plan_launch, resolve_mode, write_run_config
 from sgdjob_operator.local.procs import ProcessSet, free_port_blocks
@@ -237,8 +238,6 @@ async def run_local(job: SGDJob, options: RunOptions, display: Display, on_poll:
     plan, token = prepare(job, options)
     auto = resolve_mode(job.spec.mode, options.mode)[1]
     if on_poll is None and auto:
-        from sgdjob_operator.local.auto import AutoController  # imports this module
-
         on_poll = AutoController(job, display)
     display.start(
         RunInfo(

@@ -1,8 +1,8 @@
 """Policy core: pure functions from worker samples to job health and decisions. No I/O, no clock.
 
-The shells call `evaluate(state, samples, job, now)` once per policy interval with a `JobView`
-from `job_view(spec, ...)`, act on `Evaluation.decision` and keep `Evaluation.state.to_dict()`
-until the next call (`PolicyState.from_dict` restores it).
+`evaluate(state, samples, job, now)` is one policy step on a `JobView` from `job_view(spec, ...)`.
+The shells do not call it themselves: they call `driver.drive` once per policy interval, carry
+out the `Action` it returns through their `driver.Actuator` and keep its `DriverState`.
 """
 
 from sgdjob_operator.policy.comm import CommModel

@@ -4,7 +4,7 @@ A change is made only when (1) the cost model predicts at least switchMargin mor
 throughput than the job gets now (or, for the way back to plain sync, no loss), (2) the same change
 has been the best for persistenceIntervals windows in a row, (3) cooldownSeconds have passed since
 the last change, and (4) the change pays back its own cost (restart or switch pause) well within
-the time it will stay in force.
+the time it will stay in force, and (5) no change is still in flight (`JobView.in_flight`).
 """
 
 from __future__ import annotations
@@ -35,12 +35,14 @@ PAYBACK_INTERVALS = 30
 @dataclass(frozen=True, slots=True)
 class Evaluation:
     """The decision, the health it was based on, the state to keep for next time, and the cost
-    model's predictions (useful samples/s by label, `current` included) for logs and reports."""
+    model's predictions (useful samples/s by label, `current` included) for logs and reports.
+    `held` is the change the policy would have made had none been in flight."""
 
     decision: Decision
     health: JobHealth
     state: PolicyState
     predictions: Mapping[str, float]
+    held: Decision | None = None
 
 
 def evaluate(state: PolicyState, samples: Sequence[WorkerSample], job: JobView, now: float) -> Evaluation:
@@ -85,6 +87,10 @@ def evaluate(state: PolicyState, samples: Sequence[WorkerSample], job: JobView, 
     waiting = replace(base, candidate=chosen.key, candidate_streak=streak)
     gain = _gain(chosen.prediction, current)
     what = f"{chosen.prediction.label} predicts {chosen.prediction.useful:.4g} useful samples/s vs {current.useful:.4g} now ({gain:+.0%})"
+    if job.in_flight:
+        # Persistence starts over once the change has landed: no cooldown starts, no streak grows.
+        held = chosen.make(f"{health.summary}; {what}", round(gain, 4))
+        return Evaluation(Keep(f"{health.summary}; {what}; held: {job.in_flight}"), health, base, predictions, held)
     if streak < p.persistence_intervals or health.shape is Shape.TRANSIENT:
         why = f"{health.summary}; {what}; persisting {streak}/{p.persistence_intervals} intervals"
         return Evaluation(Keep(why), health, waiting, predictions)

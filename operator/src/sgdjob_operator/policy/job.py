@@ -22,6 +22,7 @@ class JobView:
     the policy switch). `batch_sizes` and `max_batch_sizes` are per global rank; a rank absent from
     them has `base_batch` and `max_batch`. `restart_seconds` is what a membership change costs
     (re-rendezvous plus resuming from a checkpoint), `switch_seconds` a mode switch or rebalance.
+    `in_flight` says why a change is still being applied ('' when none): the policy then holds.
     """
 
     requested_mode: str
@@ -44,6 +45,7 @@ class JobView:
     max_batch_sizes: Mapping[int, int] = field(default_factory=dict)
     restart_seconds: float = 60.0
     switch_seconds: float = 5.0
+    in_flight: str = ""
 
     @property
     def world_size(self) -> int:
@@ -83,6 +85,7 @@ def job_view(
     max_batch_sizes: Mapping[int, int] | None = None,
     restart_seconds: float = 60.0,
     switch_seconds: float = 5.0,
+    in_flight: str = "",
 ) -> JobView:
     """The policy's view of a job: `spec` plus the active mode (default: the mode workers start
     in), the current replicas (default spec.replicas), per-rank batch sizes and hierarchical groups
@@ -112,4 +115,5 @@ def job_view(
         max_batch_sizes=dict(max_batch_sizes or {}),
         restart_seconds=restart_seconds,
         switch_seconds=switch_seconds,
+        in_flight=in_flight,
     )

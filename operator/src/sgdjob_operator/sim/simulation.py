@@ -1,8 +1,8 @@
 """Run one scenario in one mode: a static configuration, or `auto` with the policy in the loop.
 
-`auto` calls the same `evaluate` the operator calls, every policy interval, with WorkerSamples
-made from the simulated counters, keeps its state only in `PolicyState.to_dict()` form (as the
-operator keeps it in status), and applies each decision with its cost: a mode switch or rebalance
+`auto` calls the same decision driver the operator calls, every policy interval, with WorkerSamples
+made from the simulated counters, keeps its state only in `DriverState.to_dict()` form (as the
+operator keeps it in status), and carries each action out with its cost: a mode switch or rebalance
 pauses for its switch time, a replacement or rescale restarts every worker from the latest
 checkpoint (as torchrun's elastic agent does on a membership change), and so does a node death,
 once it is detected.
@@ -17,7 +17,8 @@ from typing import Any
 import numpy as np
 
 from sgdjob_operator.api.models import JobMode
-from sgdjob_operator.policy import Decision, JobView, PolicyState, Rebalance, ReplaceWorker, Rescale, SwitchMode, WorkerSample, evaluate, job_view
+from sgdjob_operator.policy import Decision, SwitchMode, WorkerSample
+from sgdjob_operator.policy.driver import Costs, DriverState, Observed, Push, Replace, Scale, act, drive
 from sgdjob_operator.policy.job import DEFAULT_MAX_BATCH_FACTOR
 from sgdjob_operator.policy.plans import group_size_target, node_groups, paced_group_batches, rebalanced_batches, speed_groups
 from sgdjob_operator.sim.engines import AsyncEngine, Counters, Engine, Env, HierarchicalEngine, SyncEngine
@@ -39,6 +40,36 @@ class ModeResult:
     decisions: list[dict[str, Any]] = field(default_factory=list)
 
 
+@dataclass(slots=True)
+class SimActuator:
+    """Carries the driver's actions out in the simulation, with their costs: a switch or rebalance
+    pauses the workers, a replacement or rescale restarts them from the latest checkpoint."""
+
+    run: Run
+    now: float
+    workers: list[int]  # by rank
+
+    def push(self, action: Push) -> None:
+        run, d = self.run, action.decision
+        run.record(d, self.now)
+        t = run.engine.barrier()
+        for r, b in (d.batch_sizes or {}).items():
+            run.batches[self.workers[r]] = b
+        if isinstance(d, SwitchMode):
+            run.mode = d.mode
+            run.groups = [[self.workers[r] for r in g] for g in d.groups] if d.groups else None
+        pause = run.sc.costs.switch_seconds if isinstance(d, SwitchMode) else run.sc.costs.rebalance_seconds
+        run.engine = run._engine(max(t, self.now) + pause)
+
+    def replace(self, action: Replace) -> None:
+        self.run.record(action.decision, self.now)
+        self.run._restart(self.now, replace={int(self.run.fleet.node_of[self.workers[action.rank]])})
+
+    def scale(self, action: Scale) -> None:
+        self.run.record(action.decision, self.now)
+        self.run._restart(self.now, drop={int(self.run.fleet.node_of[self.workers[r]]) for r in action.remove_ranks})
+
+
 class Run:
     def __init__(self, sc: Scenario, label: str) -> None:
         if label not in SYSTEMS:
@@ -56,7 +87,7 @@ class Run:
         self.batches: Floats = np.full(n, float(self.base))
         self.groups: list[list[int]] | None = None
         self.mode = "sync"
-        self.state_doc: dict[str, Any] = PolicyState().to_dict()
+        self.state_doc: dict[str, Any] = DriverState().to_dict()
         self.result = ModeResult(label, 0.0, 0.0, 0.0)
         self._static_config()
         self.engine: Engine = self._engine(0.0)
@@ -149,47 +180,36 @@ class Run:
             )
         return out
 
-    def _view(self, workers: list[int]) -> JobView:
+    def _policy(self, now: float) -> None:
+        """One interval through the decision driver, as the operator and `sgdjob run` use it; the
+        per-rank batch sizes and groups are the simulator's own (its ranks are renumbered on a
+        membership change without any command)."""
+        workers = self._workers()
         rank_of = {w: r for r, w in enumerate(workers)}
-        groups = [[rank_of[w] for w in g] for g in self.groups] if self.groups and self.mode == "hierarchical" else None
-        return job_view(
-            self.spec,
-            mode=self.mode,
+        hierarchical = bool(self.groups) and self.mode == "hierarchical"
+        observed = Observed(
+            self._samples(now, workers),
             replicas=len(workers) // self.fleet.nproc,
             batch_sizes={r: int(self.batches[w]) for r, w in enumerate(workers)},
-            groups=groups,
+            groups=[[rank_of[w] for w in g] for g in self.groups or []] if hierarchical else None,
+        )
+        costs = Costs(
             comm=self.env.comm,
             max_batch_sizes={r: self.caps[w] for r, w in enumerate(workers)},
             restart_seconds=self.sc.costs.restart_seconds,
             switch_seconds=self.sc.costs.switch_seconds,
         )
+        step = drive(DriverState.from_dict(self.state_doc), observed, self.spec, now, costs)
+        self.state_doc = step.state.to_dict()
+        if step.action is not None:
+            act(step.action, SimActuator(self, now, workers))
 
-    def _policy(self, now: float) -> None:
-        workers = self._workers()
-        ev = evaluate(PolicyState.from_dict(self.state_doc), self._samples(now, workers), self._view(workers), now)
-        self.state_doc = ev.state.to_dict()
-        if ev.decision.action != "keep":
-            self._apply(ev.decision, now, workers)
-
-    def _apply(self, d: Decision, now: float, workers: list[int]) -> None:
+    def record(self, d: Decision, now: float) -> None:
         record = {k: v for k, v in d.to_dict().items() if k not in ("batchSizes", "groups")}
         record["time"] = round(now, 3)
         if isinstance(d, SwitchMode) and d.groups is not None:
             record["groups"] = len(d.groups)
         self.result.decisions.append(record)
-        if isinstance(d, SwitchMode | Rebalance):
-            t = self.engine.barrier()
-            for r, b in (d.batch_sizes or {}).items():
-                self.batches[workers[r]] = b
-            if isinstance(d, SwitchMode):
-                self.mode = d.mode
-                self.groups = [[workers[r] for r in g] for g in d.groups] if d.groups else None
-            pause = self.sc.costs.switch_seconds if isinstance(d, SwitchMode) else self.sc.costs.rebalance_seconds
-            self.engine = self._engine(max(t, now) + pause)
-        elif isinstance(d, ReplaceWorker):
-            self._restart(now, replace={int(self.fleet.node_of[workers[d.rank]])})
-        elif isinstance(d, Rescale):
-            self._restart(now, drop={int(self.fleet.node_of[workers[r]]) for r in d.remove_ranks})
 
     # ------------------------------------------------------------------ run
     def run(self, bound: float) -> ModeResult:

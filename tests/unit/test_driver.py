@@ -1,0 +1,153 @@
+"""The decision driver: pure, no shell."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import pytest
+
+from sgdjob_operator.api.models import SGDJobSpec
+from sgdjob_operator.policy import Rescale, SwitchMode, job_view
+from sgdjob_operator.policy.driver import (
+    DriverState,
+    Observed,
+    Push,
+    Refused,
+    Scale,
+    action_for,
+    active_mode,
+    drive,
+    issue,
+    load_state,
+    restarted,
+)
+from sgdjob_trainer.config import SyncMode
+from sgdjob_trainer.wire.control import ControlCommand
+from tests.unit.policy_feed import STRAGGLER, Scrapes, feed, spec_for
+
+
+def run_driver(spec: SGDJobSpec, scrapes: Scrapes, in_flight: dict[float, str] | None = None) -> list[Any]:
+    """Drive through `scrapes` with every command applied at once; the steps."""
+    state, out = DriverState(), []
+    for t, samples in scrapes:
+        observed = Observed(samples, applied_epoch=state.epoch, in_flight=(in_flight or {}).get(t, ""))
+        step = drive(state, observed, spec, t)
+        state = step.state
+        out.append(step)
+    return out
+
+
+def test_a_straggler_is_rebalanced_after_persisting() -> None:
+    steps = run_driver(spec_for(policy={"allowedActions": ["rebalance"]}), feed([STRAGGLER] * 6))
+    assert [s.decision.action for s in steps] == ["keep", "keep", "keep", "rebalance", "keep", "keep"]
+    push = steps[3].action
+    assert isinstance(push, Push) and push.command.epoch == 1 and push.command.batch_sizes is not None
+    assert push.command.batch_sizes[3] < 32 < push.command.batch_sizes[0]
+    assert steps[3].state.policy.last_change == 30.0
+
+
+def test_in_flight_holds_without_starting_a_cooldown_and_persistence_starts_over() -> None:
+    spec = spec_for(policy={"allowedActions": ["rebalance"]})
+    busy = {30.0: "worker pods terminating", 40.0: "worker pods terminating"}
+    steps = run_driver(spec, feed([STRAGGLER] * 9), in_flight=busy)
+    held = steps[3]
+    assert held.decision.action == "keep" and held.action is None and held.held == "rebalance"
+    assert "held: worker pods terminating" in held.decision.reason
+    assert held.state.policy.last_change is None and held.state.policy.candidate_streak == 0
+    # Three windows once the change has landed (50, 60, 70), not at once.
+    assert [s.decision.action for s in steps[4:]] == ["keep", "keep", "keep", "rebalance", "keep"]
+
+
+def test_an_unapplied_command_is_in_flight() -> None:
+    spec, scrapes = spec_for(policy={"allowedActions": ["rebalance"]}), feed([STRAGGLER] * 5)
+    state = issue(DriverState(), ControlCommand(epoch=0, mode=SyncMode.SYNC, reason="spec.mode"))
+    steps = []
+    for t, samples in scrapes:  # rank 0 reports epoch 0 throughout
+        steps.append(drive(state, Observed(samples, applied_epoch=0), spec, t))
+        state = steps[-1].state
+    assert all(s.action is None for s in steps) and steps[3].held == "rebalance"
+    assert "held: control epoch 1 not applied yet" in steps[3].decision.reason and state.policy.last_change is None
+    t, samples = feed([STRAGGLER] * 8)[-1]
+    assert drive(state, Observed(samples, applied_epoch=1), spec, t).decision.action == "keep"  # persisting anew
+
+
+def test_epochs_increase_and_commands_merge_by_the_one_rule() -> None:
+    state = issue(DriverState(), ControlCommand(epoch=0, batch_sizes={0: 40, 1: 24}, reason="a"))
+    state = issue(state, ControlCommand(epoch=0, mode=SyncMode.HIERARCHICAL, groups=[[0], [1]], reason="b"))
+    assert state.epoch == 2 and state.command is not None
+    assert (state.command.epoch, state.command.mode, state.command.batch_sizes) == (
+        2,
+        SyncMode.HIERARCHICAL,
+        {0: 40, 1: 24},
+    )
+    # A restarted trainer that reports a later epoch than ours: the next one is above it.
+    later = issue(state, ControlCommand(epoch=0, batch_sizes={1: 30}), applied_epoch=7)
+    assert later.epoch == 8 and later.command is not None and later.command.batch_sizes == {0: 40, 1: 30}
+    assert DriverState.from_dict(json.loads(json.dumps(later.to_dict()))) == later
+
+
+def test_rescale_is_clamped_and_a_no_op_is_refused() -> None:
+    spec = spec_for(policy={"allowedActions": ["rescale"]})
+    samples = feed([STRAGGLER])[0][1]
+    view = job_view(spec, replicas=4)
+    fewer = Rescale(replicas=1, reason="fewer", remove_ranks=(3, 2))
+    _, scale = action_for(DriverState(), fewer, Observed(samples), spec, view)
+    assert isinstance(scale, Scale) and (scale.replicas, scale.current, scale.remove_nodes) == (
+        3,
+        4,
+        ("node-3", "node-2"),
+    )
+    with pytest.raises(Refused, match="keeps 4 nodes"):
+        action_for(DriverState(), Rescale(replicas=9, reason="more"), Observed(samples), spec, view)
+
+
+def test_a_fixed_mode_is_never_switched() -> None:
+    spec = spec_for(mode="sync", policy={"allowedActions": ["switchMode"]})
+    steps = run_driver(spec, feed([[100.0, 100.0, 50.0, 50.0]] * 8))
+    assert all(s.action is None for s in steps)
+    with pytest.raises(Refused, match=r"spec\.mode fixes sync"):
+        action_for(DriverState(), SwitchMode("async", "x"), Observed([]), spec, job_view(spec))
+
+
+def test_a_policy_error_is_a_keep_with_the_problem_and_the_state_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    spec, scrapes = spec_for(), feed([STRAGGLER] * 3)
+    state = run_driver(spec, scrapes[:2])[-1].state
+
+    def broken(*_: Any) -> Any:
+        raise ZeroDivisionError("division by zero")
+
+    monkeypatch.setattr("sgdjob_operator.policy.driver.evaluate", broken)
+    step = drive(state, Observed(scrapes[2][1]), spec, 20.0)
+    assert step.decision.action == "keep" and step.action is None and step.state.policy == state.policy
+    assert step.problem == "policy evaluation failed: ZeroDivisionError: division by zero"
+
+
+def test_stored_state_that_cannot_be_read_starts_afresh_with_the_problem() -> None:
+    state, problem = load_state("{not json", {"epoch": "x"}, "bogus")
+    assert state == DriverState() and "policy state dropped" in problem and "command dropped" in problem
+    kept, none = load_state(DriverState().policy_json(), {"epoch": 3, "mode": "async"}, "sync")
+    assert none == "" and kept.epoch == 3 and kept.mode == "sync"
+
+
+def test_active_mode_prefers_what_the_workers_run() -> None:
+    spec = spec_for()
+    samples = feed([STRAGGLER])[0][1]
+    told = DriverState(command=ControlCommand(epoch=1, mode=SyncMode.ASYNC), epoch=1)
+    assert active_mode(told, Observed(samples), spec) == "sync"
+    mixed = [samples[0], dataclasses.replace(samples[1], mode="async")]  # mid-switch: what they were told
+    assert active_mode(told, Observed(mixed), spec) == "async"
+    last = dataclasses.replace(told, mode="sync")
+    assert active_mode(last, Observed(mixed), spec) == "sync"  # what they last all ran
+    assert active_mode(told, Observed([]), spec) == "async"
+    assert active_mode(DriverState(mode="hierarchical"), Observed([]), spec) == "hierarchical"
+    assert active_mode(DriverState(), Observed([]), spec) == spec.initial_mode.value
+
+
+def test_a_membership_change_starts_the_policy_over_and_resets_batch_sizes() -> None:
+    state = issue(DriverState(), ControlCommand(epoch=0, batch_sizes={0: 40, 1: 24, 2: 32}))
+    after, command = restarted(state, 500.0, 2, 32, applied_epoch=1)
+    assert after.policy.last_change == 500.0 and after.policy.ranks == {}
+    assert command is not None and command.epoch == 2 and command.batch_sizes == {0: 32, 1: 32}
+    assert restarted(DriverState(epoch=4), 1.0, 2, 32, None)[1] is None

@@ -1,0 +1,139 @@
+"""The three shells (operator, `sgdjob run`, simulator) make the same decisions for the same scrapes."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sgdjob_operator.api.models import JobMode, SGDJob, SGDJobSpec, SGDJobStatus
+from sgdjob_operator.k8s.actuator import apply_step, evaluate_job
+from sgdjob_operator.k8s.observe import Observation, command_to_push, record_observation
+from sgdjob_operator.k8s.status import dump_status, load_status, parse_time
+from sgdjob_operator.local.auto import AutoController
+from sgdjob_operator.local.progress import PlainDisplay, ProgressFrame
+from sgdjob_operator.policy import WorkerSample
+from sgdjob_operator.sim.scenario import load_scenario
+from sgdjob_operator.sim.simulation import Run
+from sgdjob_operator.workers.scrape import ControlResult, Endpoint, ScrapeResult
+from sgdjob_trainer.config import SyncMode
+from sgdjob_trainer.wire.control import ControlCommand
+from tests.unit.policy_feed import INTERVAL, STRAGGLER, Scrapes, feed
+
+Decisions = list[tuple[float, str, str]]
+
+
+LOCAL_ENDPOINTS = [Endpoint(f"http://127.0.0.1:{9000 + r}") for r in range(4)]
+SHIFTING = [STRAGGLER] * 7 + [[100.0] * 4] * 8  # a straggler, rebalanced; then it recovers
+
+
+@dataclass
+class FakeFleet:
+    names: list[str]
+    next_index: int = 4
+
+    def nodes(self) -> list[str]:
+        return list(self.names)
+
+    def world_size(self) -> int:
+        return len(self.names)
+
+
+@dataclass
+class FakeRun:
+    fleet: FakeFleet = field(default_factory=lambda: FakeFleet([f"node-{r}" for r in range(4)]))
+    report_extra: dict[str, Any] = field(default_factory=dict)
+    pushed: list[ControlCommand] = field(default_factory=list)
+    applied: int = 0
+
+    async def push(self, command: ControlCommand) -> ControlResult:
+        self.pushed.append(command)
+        self.applied = command.epoch  # the workers apply it at once
+        return ControlResult(200)
+
+    async def replace(self, node: str, mode: SyncMode, reason: str) -> None:
+        raise AssertionError("no membership change expected")
+
+    async def rescale(self, nodes: int, mode: SyncMode, reason: str, remove: tuple[str, ...] = ()) -> None:
+        raise AssertionError("no membership change expected")
+
+
+def kubernetes_shell(spec: SGDJobSpec, scrapes: Scrapes) -> tuple[Decisions, list[ControlCommand]]:
+    """The operator's monitor pass, with status written out and read back between passes."""
+    st, applied, pushed = SGDJobStatus(mode="sync", target_mode="sync"), 0, []
+    for t, samples in scrapes:
+        st = load_status(json.loads(json.dumps(dump_status(st))))  # a restarted operator sees only this
+        obs = Observation(t, tuple(samples), {}, Endpoint("http://10.0.0.1:9400"), control_epoch=applied)
+        step, problem = evaluate_job(spec, st, obs, t, busy="")
+        assert problem == ""
+        record_observation(st, obs, step.health)
+        apply_step(st, step, t)
+        command = command_to_push(st, obs)
+        if command is not None:
+            pushed.append(command)
+            applied = command.epoch
+    return [(parse_time(d.time) or 0.0, d.action, d.reason) for d in st.decisions], pushed
+
+
+def local_shell(spec: SGDJobSpec, scrapes: Scrapes) -> tuple[Decisions, list[ControlCommand]]:
+    """`sgdjob run`'s auto controller on a run whose workers apply every command at once."""
+    now = [0.0]
+    auto = AutoController(SGDJob(spec=spec), PlainDisplay(stream=io.StringIO()), clock=lambda: now[0])
+    run = FakeRun()
+    for t, samples in scrapes:
+        now[0] = t
+        status = {"controlEpoch": run.applied}
+        results = [ScrapeResult(LOCAL_ENDPOINTS[s.rank], t, s, {**status, "rank": s.rank}) for s in samples]
+        asyncio.run(auto(run, results, ProgressFrame(time=t, elapsed_s=t)))
+    return [(d["time_s"], d["action"], d["reason"]) for d in auto.decisions], run.pushed
+
+
+def simulator_shell(tmp_path: Path, scrapes: Scrapes) -> tuple[Decisions, list[int], SGDJobSpec]:
+    """The simulator's auto mode, fed the same scrapes instead of its own counters."""
+    scenario = {
+        "name": "same-inputs",
+        "nprocPerNode": 1,
+        "fleet": [{"name": "gpu", "nodes": 4, "speed": 100, "maxBatch": 128}],
+        "durationSeconds": 1000,
+        "network": {"latencySeconds": 2e-5, "bandwidthGbps": 12.5, "gradientMb": 0, "psApplySeconds": 5e-4},
+        "costs": {"restartSeconds": 60, "switchSeconds": 5},
+        "job": {
+            "training": {"batchSize": 32},
+            "policy": {
+                "intervalSeconds": INTERVAL,
+                "persistenceIntervals": 3,
+                "cooldownSeconds": 60,
+                "allowedActions": ["rebalance"],
+            },
+        },
+    }
+    path = tmp_path / "same-inputs.yaml"
+    path.write_text(json.dumps(scenario))
+    fed = dict(scrapes)
+
+    class Fed(Run):
+        def _samples(self, now: float, workers: list[int]) -> list[WorkerSample]:
+            return fed[now]
+
+    run = Fed(load_scenario(path), "auto")
+    for t, _ in scrapes:
+        run._policy(t)
+    decisions = [(d["time"], d["action"], d["reason"]) for d in run.result.decisions]
+    return decisions, [int(b) for b in run.batches], run.spec
+
+
+def test_the_three_shells_make_the_same_decisions_for_the_same_scrapes(tmp_path: Path) -> None:
+    scrapes = feed(SHIFTING)
+    sim, batches, spec = simulator_shell(tmp_path, scrapes)
+    assert spec.mode is JobMode.AUTO
+    k8s, k8s_pushed = kubernetes_shell(spec, scrapes)
+    local, local_pushed = local_shell(spec, scrapes)
+    assert [(t, a) for t, a, _ in k8s] == [(30.0, "rebalance"), (90.0, "rebalance")], k8s
+    assert k8s == local == sim
+    # The same commands reach rank 0, and the simulated workers run what they say.
+    assert [c.model_dump() for c in k8s_pushed] == [c.model_dump() for c in local_pushed]
+    assert [c.epoch for c in k8s_pushed] == [1, 2]
+    assert k8s_pushed[-1].batch_sizes == dict(enumerate(batches)) == {r: 32 for r in range(4)}
