@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 
 from sgdjob_trainer.config import SyncMode
 from sgdjob_trainer.runtime import WorldInfo
+from sgdjob_trainer.wire import metrics as wm
 
 # `*_created` series double every counter's output and no consumer here reads them.
 disable_created_metrics()  # type: ignore[no-untyped-call]
@@ -62,6 +63,7 @@ class Telemetry:
         self.staleness = 0.0
         self.batch_size = batch_size
         self.control_epoch = 0
+        self.gradient_bytes = 0
         self.switches: list[SwitchRecord] = []
         self.done = False
         self.initial_loss = math.nan
@@ -75,28 +77,30 @@ class Telemetry:
 
         self.registry = CollectorRegistry()
         r = self.registry
-        self.m_steps = Counter("sgdjob_steps", "Optimizer steps taken by this process.", registry=r)
-        self.m_samples = Counter("sgdjob_samples", "Samples whose gradient was applied to the model.", registry=r)
-        self.m_compute = Counter("sgdjob_compute_seconds", "Seconds in forward/backward/optimizer plus emulated compute.", registry=r)
-        self.m_wait = Counter("sgdjob_comm_wait_seconds", "Seconds blocked in collectives or parameter-server exchanges.", registry=r)
-        self.m_step_time = Histogram("sgdjob_step_seconds", "Wall seconds per step.", buckets=STEP_BUCKETS, registry=r)
-        self.m_loss = Gauge("sgdjob_loss", "Training loss of the last step on this process.", registry=r)
-        self.m_staleness = Gauge("sgdjob_staleness_steps", "Staleness of the last applied update, in steps.", registry=r)
-        self.m_world = Gauge("sgdjob_world_size", "Processes in the job.", registry=r)
-        self.m_batch = Gauge("sgdjob_batch_size", "This process's batch size.", registry=r)
-        self.m_epoch = Gauge("sgdjob_control_epoch", "Epoch of the last applied control command.", registry=r)
-        self.m_mode = Gauge("sgdjob_mode", "1 for the active synchronisation mode, 0 for the others.", ["mode"], registry=r)
-        self.m_info = Gauge("sgdjob_worker_info", "Identity of this process.", ["rank", "local_rank", "node"], registry=r)
-        self.m_switches = Counter("sgdjob_switches", "Mode switches done.", registry=r)
-        self.m_pause = Counter("sgdjob_switch_pause_seconds", "Seconds spent paused in mode switches.", registry=r)
-        self.m_info.labels(rank=str(info.rank), local_rank=str(info.local_rank), node=info.node).set(1)
+        self.m_steps = Counter(wm.STEPS, "Optimizer steps taken by this process.", registry=r)
+        self.m_samples = Counter(wm.SAMPLES, "Samples whose gradient was applied to the model.", registry=r)
+        self.m_compute = Counter(wm.COMPUTE_SECONDS, "Seconds in forward/backward/optimizer plus emulated compute.", registry=r)
+        self.m_wait = Counter(wm.COMM_WAIT_SECONDS, "Seconds blocked in collectives or parameter-server exchanges.", registry=r)
+        self.m_step_time = Histogram(wm.STEP_SECONDS, "Wall seconds per step.", buckets=STEP_BUCKETS, registry=r)
+        self.m_loss = Gauge(wm.LOSS, "Training loss of the last step on this process.", registry=r)
+        self.m_staleness = Gauge(wm.STALENESS, "Staleness of the last applied update, in steps.", registry=r)
+        self.m_world = Gauge(wm.WORLD_SIZE, "Processes in the job.", registry=r)
+        self.m_batch = Gauge(wm.BATCH_SIZE, "This process's batch size.", registry=r)
+        self.m_epoch = Gauge(wm.CONTROL_EPOCH, "Epoch of the last applied control command.", registry=r)
+        self.m_gradient_bytes = Gauge(wm.GRADIENT_BYTES, "Bytes of this process's gradient in one synchronous exchange.", registry=r)
+        self.m_mode = Gauge(wm.MODE, "1 for the active synchronisation mode, 0 for the others.", [wm.LABEL_MODE], registry=r)
+        self.m_info = Gauge(wm.WORKER_INFO, "Identity of this process.", list(wm.WORKER_INFO_LABELS), registry=r)
+        self.m_switches = Counter(wm.SWITCHES, "Mode switches done.", registry=r)
+        self.m_pause = Counter(wm.SWITCH_PAUSE_SECONDS, "Seconds spent paused in mode switches.", registry=r)
+        identity = {wm.LABEL_RANK: str(info.rank), wm.LABEL_LOCAL_RANK: str(info.local_rank), wm.LABEL_NODE: info.node}
+        self.m_info.labels(**identity).set(1)
         self.m_world.set(info.world_size)
         self.m_batch.set(batch_size)
         self._set_mode_gauge(mode)
 
     def _set_mode_gauge(self, mode: SyncMode) -> None:
         for m in SyncMode:
-            self.m_mode.labels(mode=m.value).set(1 if m == mode else 0)
+            self.m_mode.labels(**{wm.LABEL_MODE: m.value}).set(1 if m == mode else 0)
 
     def record_step(self, step: int, samples: int, compute_s: float, wait_s: float, step_s: float, loss: float, staleness: float) -> None:
         with self.lock:
@@ -134,6 +138,11 @@ class Telemetry:
         with self.lock:
             self.batch_size = batch_size
         self.m_batch.set(batch_size)
+
+    def set_gradient_bytes(self, nbytes: int) -> None:
+        with self.lock:
+            self.gradient_bytes = nbytes
+        self.m_gradient_bytes.set(nbytes)
 
     def set_control_epoch(self, epoch: int) -> None:
         with self.lock:
@@ -175,6 +184,7 @@ class Telemetry:
                 "staleness": self.staleness,
                 "batchSize": self.batch_size,
                 "controlEpoch": self.control_epoch,
+                "gradientBytes": self.gradient_bytes,
                 "switches": [s.as_json() for s in self.switches],
                 "done": self.done,
                 "time": time.time(),

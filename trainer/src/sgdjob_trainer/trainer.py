@@ -42,6 +42,7 @@ from sgdjob_trainer.recovery import Recovery
 from sgdjob_trainer.runtime import WorldInfo, choose_device, init_distributed, setup_logging, shutdown_distributed
 from sgdjob_trainer.server import ControlInbox, TrainerServer
 from sgdjob_trainer.strategies import STRATEGIES, Context, Strategy
+from sgdjob_trainer.strategies.base import exchange_bytes
 from sgdjob_trainer.strategies.hierarchical import valid_groups
 from sgdjob_trainer.strategies.ps import ParameterServer
 from sgdjob_trainer.telemetry import Telemetry
@@ -101,6 +102,7 @@ class Trainer:
         self.eval_x, self.eval_y = (v.to(self.device) for v in eval_batch(dataset))
         loss_fn = build_loss(t.loss, t.dataset, self.eval_y)
         numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        self.telemetry.set_gradient_bytes(exchange_bytes(list(model.parameters()), t.compression))
         ps = ParameterServer(
             self.info.rank,
             self.info.world_size,

@@ -20,20 +20,14 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from sgdjob_operator.policy.samples import WorkerSample
+from sgdjob_trainer.wire import metrics as wm
 from sgdjob_trainer.wire.control import ControlCommand
 
-# Sample names as the trainer exports them (prometheus_client appends `_total` to counters).
-STEPS = "sgdjob_steps_total"
-SAMPLES = "sgdjob_samples_total"
-COMPUTE = "sgdjob_compute_seconds_total"
-COMM_WAIT = "sgdjob_comm_wait_seconds_total"
-LOSS = "sgdjob_loss"
-STALENESS = "sgdjob_staleness_steps"
-WORLD_SIZE = "sgdjob_world_size"
-BATCH_SIZE = "sgdjob_batch_size"
-MODE = "sgdjob_mode"
-WORKER_INFO = "sgdjob_worker_info"
-GRADIENT_BYTES = "sgdjob_gradient_bytes"  # optional: bytes of one gradient exchange, for the cost model
+# Sample names as the trainer exports them; gradient bytes are optional (older trainers lack them).
+STEPS = wm.sample_name(wm.STEPS)
+SAMPLES = wm.sample_name(wm.SAMPLES)
+COMPUTE = wm.sample_name(wm.COMPUTE_SECONDS)
+COMM_WAIT = wm.sample_name(wm.COMM_WAIT_SECONDS)
 REQUIRED = (STEPS, SAMPLES, COMPUTE, COMM_WAIT)
 
 T = TypeVar("T")
@@ -120,19 +114,19 @@ def parse_metrics(text: str, *, time: float, endpoint: Endpoint | None = None) -
     missing = [name for name in REQUIRED if name not in series]
     if missing:
         raise MetricsError(f"missing series: {', '.join(missing)}")
-    info = series.get(WORKER_INFO, [])
+    info = series.get(wm.WORKER_INFO, [])
     labels = info[0][0] if info else {}
     rank: int | None
     try:
-        rank = int(labels["rank"]) if "rank" in labels else None
+        rank = int(labels[wm.LABEL_RANK]) if wm.LABEL_RANK in labels else None
     except ValueError as err:
-        raise MetricsError(f"{WORKER_INFO} has a non-integer rank label {labels['rank']!r}") from err
+        raise MetricsError(f"{wm.WORKER_INFO} has a non-integer rank label {labels[wm.LABEL_RANK]!r}") from err
     if rank is None and endpoint is not None:
         rank = endpoint.rank
     if rank is None:
-        raise MetricsError(f"no rank: {WORKER_INFO} is missing and the endpoint gives none")
-    modes = [lab.get("mode", "") for lab, value in series.get(MODE, []) if value >= 0.5]
-    node = labels.get("node") or (endpoint.node if endpoint else None)
+        raise MetricsError(f"no rank: {wm.WORKER_INFO} is missing and the endpoint gives none")
+    modes = [lab.get(wm.LABEL_MODE, "") for lab, value in series.get(wm.MODE, []) if value >= 0.5]
+    node = labels.get(wm.LABEL_NODE) or (endpoint.node if endpoint else None)
     return WorkerSample(
         rank=rank,
         time=time,
@@ -141,13 +135,13 @@ def parse_metrics(text: str, *, time: float, endpoint: Endpoint | None = None) -
         compute_seconds=float(_first(series, COMPUTE) or 0.0),
         comm_wait_seconds=float(_first(series, COMM_WAIT) or 0.0),
         mode=modes[0] if modes else "unknown",
-        batch_size=int(_finite(_first(series, BATCH_SIZE)) or 0),
+        batch_size=int(_finite(_first(series, wm.BATCH_SIZE)) or 0),
         node=node,
         pod=endpoint.pod if endpoint else None,
-        loss=_finite(_first(series, LOSS)),
-        staleness=_finite(_first(series, STALENESS)) or 0.0,
-        world_size=int(_finite(_first(series, WORLD_SIZE)) or 0),
-        gradient_bytes=int(_finite(_first(series, GRADIENT_BYTES)) or 0),
+        loss=_finite(_first(series, wm.LOSS)),
+        staleness=_finite(_first(series, wm.STALENESS)) or 0.0,
+        world_size=int(_finite(_first(series, wm.WORLD_SIZE)) or 0),
+        gradient_bytes=int(_finite(_first(series, wm.GRADIENT_BYTES)) or 0),
     )
 
 
