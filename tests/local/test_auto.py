@@ -8,6 +8,7 @@ from sgdjob_operator.local.auto import active_mode, applied_epoch, command_for
 from sgdjob_operator.local.progress import ProgressFrame, WorkerView
 from sgdjob_operator.policy import Rebalance, SwitchMode
 from sgdjob_operator.workers.scrape import Endpoint, ScrapeResult
+from sgdjob_trainer.wire.status import WorkerStatus
 from tests.local.example_runs import RunExample, processes_mentioning
 
 
@@ -24,8 +25,8 @@ def test_commands_carry_the_decision() -> None:
 
 def test_applied_epoch_and_active_mode_read_the_workers() -> None:
     ep = Endpoint("http://127.0.0.1:1")
-    assert applied_epoch([ScrapeResult(ep, 0.0, None, {"rank": 1, "controlEpoch": 5}, None)]) is None
-    assert applied_epoch([ScrapeResult(ep, 0.0, None, {"rank": 0, "controlEpoch": 2}, None)]) == 2
+    assert applied_epoch([ScrapeResult(ep, 0.0, None, WorkerStatus(rank=1, control_epoch=5), None)]) is None
+    assert applied_epoch([ScrapeResult(ep, 0.0, None, WorkerStatus(rank=0, control_epoch=2), None)]) == 2
     snap = ProgressFrame(time=1.0, elapsed_s=1.0, workers=(_worker(0, "async"), _worker(1, "async"), _worker(2, "sync", fresh=False)))
     assert active_mode(snap, "sync") == "async"
     mixed = ProgressFrame(time=1.0, elapsed_s=1.0, workers=(_worker(0, "async"), _worker(1, "sync")))

@@ -13,7 +13,16 @@ import pytest
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 
-from sgdjob_operator.workers.scrape import Endpoint, MetricsError, parse_metrics, post_control, sample_from_status, scrape, scrape_sync
+from sgdjob_operator.workers.scrape import (
+    Endpoint,
+    MetricsError,
+    parse_metrics,
+    parse_status,
+    post_control,
+    sample_from_status,
+    scrape,
+    scrape_sync,
+)
 from sgdjob_trainer.config import SyncMode
 from sgdjob_trainer.runtime import WorldInfo
 from sgdjob_trainer.telemetry import Telemetry
@@ -21,9 +30,15 @@ from sgdjob_trainer.wire import metrics as wm
 from sgdjob_trainer.wire.control import ControlCommand
 
 
-def trainer_telemetry(rank: int = 2, node: str = "node-a", mode: SyncMode = SyncMode.HIERARCHICAL, steps: int = 40, loss: float = 0.25) -> Telemetry:
+def trainer_telemetry(
+    rank: int = 2,
+    node: str = "node-a",
+    mode: SyncMode = SyncMode.HIERARCHICAL,
+    steps: int = 40,
+    loss: float = 0.25,
+) -> Telemetry:
     """A trainer's own Telemetry after `steps` steps of 32 samples (2.5 s compute, 0.75 s wait in all)."""
-    info = WorldInfo(rank=rank, local_rank=0, world_size=4, local_world_size=1, group_rank=0, restart_count=0, node=node)
+    info = WorldInfo(rank, local_rank=0, world_size=4, local_world_size=1, group_rank=0, restart_count=0, node=node)
     telemetry = Telemetry(info, mode, batch_size=32)
     telemetry.set_gradient_bytes(4096)
     for step in range(1, steps + 1):
@@ -73,8 +88,9 @@ def test_sample_from_status_matches_the_metrics_view() -> None:
     ep = Endpoint("http://10.0.0.7:9400", pod="job-worker-1")
     from_metrics = parse_metrics(telemetry.render_metrics().decode(), time=123.0, endpoint=ep)
     assert sample_from_status(telemetry.status(), time=123.0, endpoint=ep) == from_metrics
-    with pytest.raises(MetricsError):
-        sample_from_status({"step": 1}, time=0.0)
+    for not_a_status in ('{"step": 1}', "[1, 2]", "{{{", '{"rank": 0, "mode": "sideways"}'):
+        with pytest.raises(MetricsError, match="not a trainer status"):
+            parse_status(not_a_status)
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -137,7 +153,7 @@ def test_scrape_reports_each_bad_worker_without_failing_the_rest() -> None:
         assert elapsed < 4.0, "endpoints must be scraped concurrently with their own timeout"
         ok0, slow_r, bad_r, closed_r, ok1 = results
         assert ok0.ok and ok0.sample is not None and ok0.sample.rank == 0 and ok0.sample.time == 42.0
-        assert ok0.status == {"rank": 0, "step": 7, "mode": "sync"}
+        assert ok0.status is not None and ok0.status.document() == {"rank": 0, "step": 7, "mode": "sync"}
         assert ok1.ok and ok1.sample is not None and ok1.sample.node == "n1"
         assert slow_r.sample is None and slow_r.error is not None and "timed out" in slow_r.error
         assert bad_r.error is not None and "/metrics: not Prometheus text" in bad_r.error and "HTTP 500" in bad_r.error

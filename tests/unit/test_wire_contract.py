@@ -4,21 +4,25 @@ code produces is what the controllers' parsers read, with nothing written by han
 from __future__ import annotations
 
 import dataclasses
+import json
+import urllib.request
 
 import pytest
 import torch
 
 from sgdjob_operator.policy.measure import measure
 from sgdjob_operator.policy.samples import WorkerSample
-from sgdjob_operator.workers.scrape import Endpoint, parse_metrics
+from sgdjob_operator.workers.scrape import Endpoint, parse_metrics, parse_status, sample_from_status
 from sgdjob_trainer.config import Compression, SyncMode
 from sgdjob_trainer.runtime import WorldInfo
+from sgdjob_trainer.server import TrainerServer
 from sgdjob_trainer.strategies.base import exchange_bytes
 from sgdjob_trainer.telemetry import Telemetry
+from sgdjob_trainer.wire.status import CheckpointReport, Figures, ResumeRecord
 
 
 def _telemetry(rank: int = 1) -> Telemetry:
-    info = WorldInfo(rank=rank, local_rank=1, world_size=3, local_world_size=2, group_rank=0, restart_count=0, node="node-b")
+    info = WorldInfo(rank, local_rank=1, world_size=3, local_world_size=2, group_rank=0, restart_count=0, node="node-b")
     return Telemetry(info, SyncMode.ASYNC, batch_size=16)
 
 
@@ -46,12 +50,61 @@ def test_the_trainers_metrics_give_the_policy_every_field_it_reads() -> None:
         telemetry.record_step(step, samples=16, compute_s=0.5, wait_s=0.25, step_s=0.8, loss=0.75, staleness=2.0)
     endpoint = Endpoint("http://10.0.0.9:9401", pod="job-worker-0", rank=7, node="hint")
     sample = parse_metrics(telemetry.render_metrics().decode(), time=50.0, endpoint=endpoint)
-    expected = WorkerSample(rank=1, time=50.0, steps=3, samples=48, compute_seconds=1.5, comm_wait_seconds=0.75, mode="async",
-                            batch_size=16, node="node-b", pod="job-worker-0", loss=0.75, staleness=2.0, world_size=3,
-                            gradient_bytes=nbytes)  # fmt: skip
+    expected = WorkerSample(
+        rank=1,
+        time=50.0,
+        steps=3,
+        samples=48,
+        compute_seconds=1.5,
+        comm_wait_seconds=0.75,
+        mode="async",
+        batch_size=16,
+        node="node-b",
+        pod="job-worker-0",
+        loss=0.75,
+        staleness=2.0,
+        world_size=3,
+        gradient_bytes=nbytes,
+    )
     assert sample == expected
-    defaults = WorkerSample(rank=0, time=0.0, steps=0, samples=0, compute_seconds=0.0, comm_wait_seconds=0.0, mode="", batch_size=0)
-    unset = [f.name for f in dataclasses.fields(WorkerSample) if getattr(sample, f.name) == getattr(defaults, f.name)]
+    zero = WorkerSample(0, 0.0, steps=0, samples=0, compute_seconds=0.0, comm_wait_seconds=0.0, mode="", batch_size=0)
+    unset = [f.name for f in dataclasses.fields(WorkerSample) if getattr(sample, f.name) == getattr(zero, f.name)]
     assert unset == [], "every field the policy reads comes from the trainer's metrics"
     window = measure({}, [sample], world_size=3)
     assert window.gradient_bytes == nbytes and window.world_size == 3
+
+
+def _served_status(telemetry: Telemetry) -> bytes:
+    server = TrainerServer(telemetry, None, "127.0.0.1", 0)
+    server.start()
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/status", timeout=5) as resp:
+            body: bytes = resp.read()
+            return body
+    finally:
+        server.stop()
+
+
+def test_the_served_status_parses_into_the_model_and_back() -> None:
+    telemetry = _telemetry(rank=0)
+    telemetry.record_step(1, samples=16, compute_s=0.5, wait_s=0.25, step_s=0.8, loss=float("nan"), staleness=0.0)
+    telemetry.record_switch(SyncMode.ASYNC, SyncMode.SYNC, 1, 0.125, "stragglers gone")
+    telemetry.set_control_epoch(4)
+    telemetry.restart_count = 1
+    resume = ResumeRecord(from_step=0, reached_step=3, lost_steps=3, restart_seconds=1.5, world_size=3, restart_count=1)
+    telemetry.resumes = [resume]
+    figures = Figures.of([0.5, 1.5])
+    telemetry.checkpoint = CheckpointReport(stall_seconds=figures, write_seconds=Figures.of([]), completed=[1])
+    body = _served_status(telemetry)
+    status = parse_status(body.decode())
+    assert status.document() == json.loads(body), "nothing the trainer serves is lost or added by the model"
+    assert (status.rank, status.control_epoch, status.loss, status.restart_count) == (0, 4, None, 1)
+    assert status.port is not None and status.checkpoint is not None and status.checkpoint.stall_seconds.mean == 1.0
+    assert [s.to_mode for s in status.switches] == [SyncMode.SYNC] and status.resumes == telemetry.resumes
+    assert sample_from_status(status, time=1.0).mode == "sync"
+
+
+def test_a_fresh_trainers_status_leaves_out_what_it_does_not_know_yet() -> None:
+    doc = json.loads(_served_status(_telemetry()))
+    assert not {"restartCount", "resumes", "checkpoint"} & set(doc)
+    assert parse_status(json.dumps(doc)).document() == doc

@@ -135,7 +135,7 @@ def _make_handler(server: TrainerServer) -> type[BaseHTTPRequestHandler]:
             if path == "/metrics":
                 self._reply(200, server.telemetry.render_metrics(), CONTENT_TYPE_LATEST)
             elif path == "/status":
-                self._json(200, {**server.telemetry.status(), "port": server.port})
+                self._json(200, server.telemetry.status().model_copy(update={"port": server.port}).document())
             elif path == "/healthz":
                 self._reply(200, b"ok\n", "text/plain")
             else:

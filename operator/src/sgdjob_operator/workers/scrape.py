@@ -1,4 +1,4 @@
-"""Scrape trainer processes over HTTP: `/metrics` into `WorkerSample`s, `/status` as JSON, and push
+"""Scrape trainer processes over HTTP: `/metrics` into `WorkerSample`s, `/status` into `WorkerStatus`, and push
 `/control` commands.
 
 Shared by every shell: the Kubernetes operator scrapes pod IPs, the local runner scrapes loopback
@@ -18,10 +18,12 @@ from typing import Any, TypeVar
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
+from pydantic import ValidationError
 
 from sgdjob_operator.policy.samples import WorkerSample
 from sgdjob_trainer.wire import metrics as wm
 from sgdjob_trainer.wire.control import ControlCommand
+from sgdjob_trainer.wire.status import WorkerStatus
 
 # Sample names as the trainer exports them; gradient bytes are optional (older trainers lack them).
 STEPS = wm.sample_name(wm.STEPS)
@@ -60,7 +62,7 @@ class ScrapeResult:
     endpoint: Endpoint
     time: float
     sample: WorkerSample | None = None
-    status: dict[str, Any] | None = None
+    status: WorkerStatus | None = None
     error: str | None = None
 
     @property
@@ -145,31 +147,37 @@ def parse_metrics(text: str, *, time: float, endpoint: Endpoint | None = None) -
     )
 
 
-def sample_from_status(status: dict[str, Any], *, time: float, endpoint: Endpoint | None = None) -> WorkerSample:
-    """The same WorkerSample built from a /status JSON document (or a rank report file).
+def parse_status(text: str) -> WorkerStatus:
+    """Parse one trainer's /status body. Raises MetricsError when it is not a trainer's status."""
+    try:
+        return WorkerStatus.model_validate(json.loads(text))
+    except ValueError as err:  # JSON and validation errors alike
+        first = err.errors()[0] if isinstance(err, ValidationError) else None
+        reason = f"{'.'.join(str(p) for p in first['loc']) or 'document'}: {first['msg']}" if first else str(err)
+        raise MetricsError(f"not a trainer status: {reason}") from err
+
+
+def sample_from_status(status: WorkerStatus, *, time: float, endpoint: Endpoint | None = None) -> WorkerSample:
+    """The same WorkerSample built from a /status document (or a rank report file).
 
     One difference: `/status` `step` is the job's step (in async, the parameter server's), while
     `sgdjob_steps_total` counts this process's own optimizer steps; the metrics view is preferred."""
-    try:
-        loss = status.get("loss")
-        return WorkerSample(
-            rank=int(status["rank"]),
-            time=time,
-            steps=int(status.get("step", 0)),
-            samples=int(status.get("samples", 0)),
-            compute_seconds=float(status.get("computeSeconds", 0.0)),
-            comm_wait_seconds=float(status.get("commWaitSeconds", 0.0)),
-            mode=str(status.get("mode", "unknown")),
-            batch_size=int(status.get("batchSize", 0)),
-            node=status.get("node") or (endpoint.node if endpoint else None),
-            pod=endpoint.pod if endpoint else None,
-            loss=_finite(float(loss)) if loss is not None else None,
-            staleness=float(status.get("staleness") or 0.0),
-            world_size=int(status.get("worldSize", 0)),
-            gradient_bytes=int(status.get("gradientBytes") or 0),
-        )
-    except (KeyError, TypeError, ValueError) as err:
-        raise MetricsError(f"not a trainer status: {err!r}") from err
+    return WorkerSample(
+        rank=status.rank,
+        time=time,
+        steps=status.step,
+        samples=status.samples,
+        compute_seconds=status.compute_seconds,
+        comm_wait_seconds=status.comm_wait_seconds,
+        mode=status.mode.value if status.mode is not None else "unknown",
+        batch_size=status.batch_size,
+        node=status.node or (endpoint.node if endpoint else None),
+        pod=endpoint.pod if endpoint else None,
+        loss=_finite(status.loss),
+        staleness=status.staleness,
+        world_size=status.world_size,
+        gradient_bytes=status.gradient_bytes,
+    )
 
 
 # ---------------------------------------------------------------- HTTP
@@ -194,11 +202,8 @@ async def _metrics(session: aiohttp.ClientSession, endpoint: Endpoint, timeout: 
     return parse_metrics(await _get(session, endpoint.path("/metrics"), timeout), time=now, endpoint=endpoint)
 
 
-async def _status(session: aiohttp.ClientSession, endpoint: Endpoint, timeout: float) -> dict[str, Any]:
-    loaded = json.loads(await _get(session, endpoint.path("/status"), timeout))
-    if not isinstance(loaded, dict):
-        raise MetricsError("/status is not a JSON object")
-    return loaded
+async def _status(session: aiohttp.ClientSession, endpoint: Endpoint, timeout: float) -> WorkerStatus:
+    return parse_status(await _get(session, endpoint.path("/status"), timeout))
 
 
 async def _settle(coro: Awaitable[T]) -> tuple[T | None, str | None]:
