@@ -23,11 +23,12 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from bench.trainer_modes import free_port_base
-from sgdjob_trainer.config import RunConfig, SyncMode
+from sgdjob_trainer.config import SyncMode
 from sgdjob_trainer.data import ShardedStream, build_dataset
 from sgdjob_trainer.models import build_model
 from sgdjob_trainer.trainer import Trainer
 from sgdjob_trainer.wire.control import ControlCommand
+from sgdjob_trainer.wire.launch import RunConfig
 
 pytestmark = pytest.mark.multiproc
 WORLD = 4

@@ -16,7 +16,8 @@ from sgdjob_operator.local.procs import PORT_FLOOR, ephemeral_ports, free_port_b
 from sgdjob_operator.local.progress import PlainDisplay, RunInfo, summarize
 from sgdjob_operator.local.report import build_report, mode_timeline, summary_lines, with_status_fallback
 from sgdjob_operator.workers.scrape import Endpoint, ScrapeResult
-from sgdjob_trainer.config import RunConfig, SyncMode
+from sgdjob_trainer.config import SyncMode
+from sgdjob_trainer.wire.launch import RunConfig
 from sgdjob_trainer.wire.status import WorkerStatus
 
 EMULATION = {"computeSeconds": 0.05, "jitter": 0.0, "slowdowns": [{"rank": 1, "factor": 3.0}]}

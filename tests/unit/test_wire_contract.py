@@ -6,10 +6,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import urllib.request
+from pathlib import Path
 
 import pytest
 import torch
 
+from sgdjob_operator.api.models import SGDJob
+from sgdjob_operator.api.validation import validate_job
+from sgdjob_operator.k8s.builders import CONFIG_FILE, JobRef, build_config_map, build_worker_pod
+from sgdjob_operator.local.launch import AgentPlan, plan_launch
 from sgdjob_operator.policy.measure import measure
 from sgdjob_operator.policy.samples import WorkerSample
 from sgdjob_operator.workers.scrape import Endpoint, parse_metrics, parse_status, sample_from_status
@@ -18,6 +23,7 @@ from sgdjob_trainer.runtime import WorldInfo
 from sgdjob_trainer.server import TrainerServer
 from sgdjob_trainer.strategies.base import exchange_bytes
 from sgdjob_trainer.telemetry import Telemetry
+from sgdjob_trainer.wire.launch import AGENT_MODULE, RunConfig, option_env
 from sgdjob_trainer.wire.status import CheckpointReport, Figures, ResumeRecord
 
 
@@ -108,3 +114,62 @@ def test_a_fresh_trainers_status_leaves_out_what_it_does_not_know_yet() -> None:
     doc = json.loads(_served_status(_telemetry()))
     assert not {"restartCount", "resumes", "checkpoint"} & set(doc)
     assert parse_status(json.dumps(doc)).document() == doc
+
+
+def _job(mode: str, actions: list[str]) -> SGDJob:
+    spec = {"replicas": 2, "minReplicas": 1, "maxReplicas": 3, "nprocPerNode": 2, "mode": mode,
+            "runPolicy": {"backoffLimit": 2}, "policy": {"allowedActions": actions}}  # fmt: skip
+    doc = {"apiVersion": "sgdjob.dev/v1alpha1", "kind": "SGDJob", "metadata": {"name": "tiny"}, "spec": spec}
+    return validate_job(doc)
+
+
+def _agent(job: SGDJob, tmp_path: Path, *, auto: bool) -> AgentPlan:
+    plan = plan_launch(
+        job,
+        SyncMode.SYNC,
+        tmp_path,
+        rdzv_port=29555,
+        metrics_bases=[30000, 30010],
+        token="t",
+        python="/py",
+        base_env={},
+        auto=auto,
+    )
+    return plan.agents[0]
+
+
+def _agent_options(argv: tuple[str, ...]) -> dict[str, str]:
+    """The agent's torchrun options (between the agent module and the worker's `-m`), named as in the env."""
+    options = argv[argv.index(AGENT_MODULE) + 1 : argv.index("-m", argv.index(AGENT_MODULE))]
+    return {option_env(name.removeprefix("--")): value for name, value in (o.split("=", 1) for o in options)}
+
+
+def test_a_pod_and_a_local_agent_of_one_job_start_the_same_trainers(tmp_path: Path) -> None:
+    job = _job("auto", ["switchMode", "replaceWorker"])
+    pod = build_worker_pod(JobRef("tiny", "ns", "u-1"), job.spec, 0, default_image="img")
+    container = pod["spec"]["containers"][0]
+    pod_options = {e["name"]: e["value"] for e in container["env"] if e["name"].startswith("PET_")}
+    agent = _agent(job, tmp_path, auto=True)
+    local_options = _agent_options(agent.argv)
+    assert set(pod_options) == set(local_options), "the same torchrun options, as env in a pod and argv locally"
+    differ = {name for name in pod_options if pod_options[name] != local_options[name]}
+    where = {option_env(o) for o in ("rdzv-endpoint", "rdzv-id", "rdzv-conf", "local-addr")}
+    assert differ == where, "only where they run differs"
+    assert local_options[option_env("max-restarts")] == "5" and local_options[option_env("nnodes")] == "1:3"
+    conf = option_env("rdzv-conf")
+    assert pod_options[conf] == "is_host=0" and local_options[conf].startswith("is_host=0,"), "the store runs apart"
+    assert container["args"][:3] == list(agent.argv[-4:-1]) == ["-m", "sgdjob_trainer", "--config"]
+    # A local run whose policy never removes a worker budgets no restarts for members leaving.
+    fixed = _agent_options(_agent(_job("sync", ["switchMode", "replaceWorker"]), tmp_path, auto=False).argv)
+    assert fixed[option_env("max-restarts")] == "2"
+
+
+def test_a_pod_and_a_local_agent_read_the_same_run_config(tmp_path: Path) -> None:
+    job = _job("sync", ["switchMode"])
+    config_map = build_config_map(JobRef("tiny", "ns", "u-1"), job.spec, SyncMode.SYNC)
+    in_pod = RunConfig.model_validate_json(config_map["data"][CONFIG_FILE])
+    local = _agent(job, tmp_path, auto=False).run_config
+    facts = (local.job_name, local.mode, local.reference_world_size)
+    assert facts == (in_pod.job_name, in_pod.mode, in_pod.reference_world_size) == ("tiny", SyncMode.SYNC, 2)
+    # Locally, only the run's own port and checkpoint directory differ from the spec's training.
+    assert local.training.model_copy(update={"metrics_port": in_pod.training.metrics_port}) == in_pod.training

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from sgdjob_trainer.config import LrScaling, Precision, RunConfig, TrainingConfig
+from sgdjob_trainer.config import LrScaling, Precision, TrainingConfig
 from sgdjob_trainer.data import ShardedStream, build_dataset, eval_batch
 from sgdjob_trainer.emulation import ComputeEmulator
 from sgdjob_trainer.levers import LossScaler, lr_factor
@@ -48,6 +48,7 @@ from sgdjob_trainer.strategies.ps import ParameterServer
 from sgdjob_trainer.telemetry import Telemetry
 from sgdjob_trainer.train_state import TrainState
 from sgdjob_trainer.wire.control import ControlCommand
+from sgdjob_trainer.wire.launch import RunConfig
 
 log = logging.getLogger("sgdjob_trainer")
 

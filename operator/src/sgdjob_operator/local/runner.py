@@ -26,7 +26,7 @@ import aiohttp
 
 from sgdjob_operator.api.models import SGDJob
 from sgdjob_operator.local.fleet import Fleet, MembershipChange, plan_replace, plan_rescale
-from sgdjob_operator.local.launch import TRAINER_MODULE, AgentPlan, LaunchPlan, job_name, plan_launch, resolve_mode, write_run_config
+from sgdjob_operator.local.launch import AgentPlan, LaunchPlan, job_name, plan_launch, resolve_mode, write_run_config
 from sgdjob_operator.local.procs import ProcessSet, free_port_blocks
 from sgdjob_operator.local.progress import Display, ProgressFrame, RunInfo, summarize
 from sgdjob_operator.local.report import RANK_FILE_GLOB, build_report, load_rank_docs, with_status_fallback
@@ -34,6 +34,7 @@ from sgdjob_operator.local.timeline import Timeline
 from sgdjob_operator.workers.scrape import ControlResult, Endpoint, ScrapeResult, post_control, scrape
 from sgdjob_trainer.config import SyncMode
 from sgdjob_trainer.wire.control import ControlCommand
+from sgdjob_trainer.wire.launch import TRAINER_MODULE
 from sgdjob_trainer.wire.status import WorkerStatus
 
 EXIT_FAILED = 1
