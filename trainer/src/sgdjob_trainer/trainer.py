@@ -48,7 +48,7 @@ from sgdjob_trainer.strategies.ps import ParameterServer
 from sgdjob_trainer.telemetry import Telemetry
 from sgdjob_trainer.train_state import TrainState
 from sgdjob_trainer.wire.control import ControlCommand
-from sgdjob_trainer.wire.launch import RunConfig
+from sgdjob_trainer.wire.launch import ENV_METRICS_HOST, ENV_METRICS_PORT, ENV_REPORT_DIR, RunConfig
 
 log = logging.getLogger("sgdjob_trainer")
 
@@ -65,7 +65,7 @@ def scaled_lr(training: TrainingConfig, world_size: int, reference_world_size: i
 
 def metrics_port(training: TrainingConfig, local_rank: int) -> int:
     """SGDJOB_METRICS_PORT (else training.metricsPort) plus the local rank; 0 means ephemeral."""
-    raw = os.environ.get("SGDJOB_METRICS_PORT")
+    raw = os.environ.get(ENV_METRICS_PORT)
     base = int(raw) if raw not in (None, "") else training.metrics_port
     return 0 if base == 0 else base + local_rank
 
@@ -80,7 +80,7 @@ class Trainer:
         self.telemetry = Telemetry(self.info, config.mode, t.batch_size)
         self.inbox = ControlInbox() if self.info.rank == 0 else None
         # The server starts before the process group so a scraper sees the process while it joins.
-        host = os.environ.get("SGDJOB_METRICS_HOST", "0.0.0.0")
+        host = os.environ.get(ENV_METRICS_HOST, "0.0.0.0")
         self.server = TrainerServer(self.telemetry, self.inbox, host, metrics_port(t, self.info.local_rank))
         self.server.start()
         self.device = choose_device(self.info)
@@ -234,7 +234,7 @@ class Trainer:
         self.recovery.report()
         self.telemetry.finish(final)
         log.info("done at step %d: loss %.5f -> %.5f", self.state.step, self.telemetry.initial_loss, final)
-        report_dir = os.environ.get("SGDJOB_REPORT_DIR")
+        report_dir = os.environ.get(ENV_REPORT_DIR)
         if report_dir:
             self.telemetry.write_report(report_dir)
         assert self.ctx.ps is not None

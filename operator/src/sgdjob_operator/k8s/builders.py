@@ -20,7 +20,17 @@ from typing import Any
 
 from sgdjob_operator.api.models import API_VERSION, KIND, SGDJobSpec
 from sgdjob_trainer.config import SyncMode
-from sgdjob_trainer.wire.launch import STORE_MODULE, TorchrunOptions, restart_budget, run_config, trainer_args
+from sgdjob_trainer.wire.launch import (
+    ENV_CONTROL_TOKEN_FILE,
+    ENV_METRICS_HOST,
+    ENV_NODE_NAME,
+    ENV_UNSHARED_RDZV_STORE,
+    STORE_MODULE,
+    TorchrunOptions,
+    restart_budget,
+    run_config,
+    trainer_args,
+)
 
 LABEL_JOB = "sgdjob.dev/job-name"
 LABEL_ROLE = "sgdjob.dev/role"
@@ -150,16 +160,13 @@ def worker_env(job: JobRef, spec: SGDJobSpec, index: int) -> list[dict[str, Any]
     can expand `$(POD_IP)`."""
     return [
         _field_env("POD_IP", "status.podIP"),
-        _field_env("NODE_NAME", "spec.nodeName"),
+        _field_env(ENV_NODE_NAME, "spec.nodeName"),
         _field_env("POD_NAME", "metadata.name"),
         _field_env("POD_NAMESPACE", "metadata.namespace"),
         *({"name": name, "value": value} for name, value in torchrun_options(job, spec).env().items()),
-        # torch 2.13 shares the rendezvous round's TCP store with the workers and caches its address
-        # on non-zero ranks: after a membership change that moves rank 0 to another pod, survivors
-        # dial the old rank 0's dead store and hang at init. Unshared, every round publishes afresh.
-        {"name": "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "value": "1"},
-        {"name": "SGDJOB_METRICS_HOST", "value": "$(POD_IP)"},
-        {"name": "SGDJOB_CONTROL_TOKEN_FILE", "value": f"{TOKEN_DIR}/{TOKEN_KEY}"},
+        {"name": ENV_UNSHARED_RDZV_STORE, "value": "1"},
+        {"name": ENV_METRICS_HOST, "value": "$(POD_IP)"},
+        {"name": ENV_CONTROL_TOKEN_FILE, "value": f"{TOKEN_DIR}/{TOKEN_KEY}"},
         {"name": "SGDJOB_JOB_NAME", "value": job.name},
         {"name": "SGDJOB_WORKER_INDEX", "value": str(index)},
         {"name": "PYTHONUNBUFFERED", "value": "1"},

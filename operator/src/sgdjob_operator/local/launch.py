@@ -22,6 +22,13 @@ from sgdjob_operator.api.models import Action, JobMode, SGDJob
 from sgdjob_trainer.config import SyncMode, TrainingConfig
 from sgdjob_trainer.wire.launch import (
     AGENT_MODULE,
+    ENV_CONTROL_TOKEN,
+    ENV_CONTROL_TOKEN_FILE,
+    ENV_METRICS_HOST,
+    ENV_METRICS_PORT,
+    ENV_NODE_NAME,
+    ENV_REPORT_DIR,
+    ENV_UNSHARED_RDZV_STORE,
     STORE_MODULE,
     TRAINER_MODULE,
     RunConfig,
@@ -146,19 +153,17 @@ def agent_env(base: Mapping[str, str], *, node: str, token: str, report_dir: Pat
     env = dict(base)
     env.update(
         {
-            "NODE_NAME": node,
-            "SGDJOB_METRICS_HOST": LOOPBACK,
-            "SGDJOB_CONTROL_TOKEN": token,
-            "SGDJOB_REPORT_DIR": str(report_dir),
+            ENV_NODE_NAME: node,
+            ENV_METRICS_HOST: LOOPBACK,
+            ENV_CONTROL_TOKEN: token,
+            ENV_REPORT_DIR: str(report_dir),
             "PYTHONUNBUFFERED": "1",
         }
     )
-    env.pop("SGDJOB_CONTROL_TOKEN_FILE", None)
-    env.pop("SGDJOB_METRICS_PORT", None)  # ports come from each agent's config: metricsPort + LOCAL_RANK
+    env.pop(ENV_CONTROL_TOKEN_FILE, None)
+    env.pop(ENV_METRICS_PORT, None)  # ports come from each agent's config: metricsPort + LOCAL_RANK
     env.setdefault("OMP_NUM_THREADS", "1")
-    # torch 2.13 shares the rendezvous TCP store across rounds, and a restarted worker group then
-    # reads the dead group's gloo addresses from it; one store per round avoids that.
-    env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    env.setdefault(ENV_UNSHARED_RDZV_STORE, "1")
     if sys.platform.startswith("linux"):
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # all workers are on this machine
     return env

@@ -21,6 +21,19 @@ AGENT_MODULE = "sgdjob_trainer.agent"  # torchrun with forked workers (see sgdjo
 STORE_MODULE = "sgdjob_trainer.rendezvous_store"  # the c10d store the agents rendezvous through
 RDZV_BACKEND = "c10d"
 
+# The environment a trainer process reads, besides torchrun's own (RANK, WORLD_SIZE, ...).
+ENV_NODE_NAME = "NODE_NAME"  # the node it runs on (a pod's spec.nodeName); else the host name
+ENV_METRICS_HOST = "SGDJOB_METRICS_HOST"  # the address its HTTP server binds; default 0.0.0.0
+ENV_METRICS_PORT = "SGDJOB_METRICS_PORT"  # the server's base port, over training.metricsPort
+ENV_CONTROL_TOKEN = "SGDJOB_CONTROL_TOKEN"  # the /control bearer token,
+ENV_CONTROL_TOKEN_FILE = "SGDJOB_CONTROL_TOKEN_FILE"  # or a file holding it (re-read per request)
+ENV_REPORT_DIR = "SGDJOB_REPORT_DIR"  # where it writes rank-<rank>.json when training ends
+# For the agent: torch 2.13 shares the rendezvous round's TCP store with the workers and caches its
+# address on non-zero ranks, so after a membership change that moves rank 0 elsewhere survivors dial
+# the old rank 0's dead store, and a restarted worker group reads the dead group's gloo addresses.
+# Unshared, every round publishes afresh.
+ENV_UNSHARED_RDZV_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+
 
 class RunConfig(CamelModel):
     """The file a trainer process reads (`--config FILE`): the job's training config plus run facts.
