@@ -14,7 +14,7 @@ from bench.measure import SYSTEMS, curve_from_ddp, curve_from_report, ddp_result
 from bench.operator_scale import percentile
 from bench.scenarios import SCENARIO_NAMES, BenchConfig, bound, build_scenario, ddp_run_config, job_doc, rank_factor, rank_speeds
 from sgdjob_operator.api.validation import validate_job
-from sgdjob_trainer.config import RunConfig
+from sgdjob_trainer.wire.launch import RunConfig
 
 
 def test_time_to_target_uses_the_smoothed_curve() -> None:

@@ -6,14 +6,14 @@ import pytest
 
 from sgdjob_operator.local.auto import applied_epoch
 from sgdjob_operator.workers.scrape import Endpoint, ScrapeResult
+from sgdjob_trainer.wire.status import WorkerStatus
 from tests.local.example_runs import RunExample, processes_mentioning
 
 
 def test_applied_epoch_is_what_rank_0_reports() -> None:
     ep = Endpoint("http://127.0.0.1:1")
-    assert applied_epoch([ScrapeResult(ep, 0.0, None, {"rank": 1, "controlEpoch": 5}, None)]) is None
-    assert applied_epoch([ScrapeResult(ep, 0.0, None, {"rank": 0, "controlEpoch": 2}, None)]) == 2
-    assert applied_epoch([ScrapeResult(ep, 0.0, None, {"rank": 0}, None)]) == 0
+    assert applied_epoch([ScrapeResult(ep, 0.0, None, WorkerStatus(rank=1, control_epoch=5), None)]) is None
+    assert applied_epoch([ScrapeResult(ep, 0.0, None, WorkerStatus(rank=0, control_epoch=2), None)]) == 2
 
 
 @pytest.mark.multiproc

@@ -23,11 +23,12 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from bench.trainer_modes import free_port_base
-from sgdjob_trainer.config import RunConfig, SyncMode
+from sgdjob_trainer.config import SyncMode
 from sgdjob_trainer.data import ShardedStream, build_dataset
 from sgdjob_trainer.models import build_model
 from sgdjob_trainer.trainer import Trainer
 from sgdjob_trainer.wire.control import ControlCommand
+from sgdjob_trainer.wire.launch import RunConfig
 
 pytestmark = pytest.mark.multiproc
 WORLD = 4
@@ -108,7 +109,7 @@ def _switch_chain(rank: int) -> dict[str, Any]:
 
         def push() -> None:  # rank 0's controller: next mode once this rank runs the previous one
             for epoch, mode in enumerate(CHAIN, start=1):
-                while telemetry.status()["step"] < 8 * epoch and not telemetry.done:
+                while telemetry.status().step < 8 * epoch and not telemetry.done:
                     time.sleep(0.005)
                 inbox.offer(ControlCommand(epoch=epoch, mode=SyncMode(mode), groups=[[0, 1], [2, 3]], reason=f"chain {epoch}"))
                 while telemetry.mode.value != mode and not telemetry.done:
@@ -118,7 +119,7 @@ def _switch_chain(rank: int) -> dict[str, Any]:
 
     emulation = {"computeSeconds": 0.004, "jitter": 0.2, "slowdowns": [{"rank": 3, "factor": 2.0}]}
     trainer = _run(_config("sync", 400, emulation=emulation, hierarchical={"averageEvery": 2, "staleness": 1}, **{"async": {"staleness": None, "shards": 2}}), drive)
-    status = trainer.telemetry.status()
+    status = trainer.telemetry.status().document()  # across processes as JSON, as served
     return {
         "checks": checks,
         "switches": status["switches"],

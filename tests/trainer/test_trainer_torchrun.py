@@ -10,6 +10,10 @@ from pathlib import Path
 import pytest
 
 from bench.trainer_modes import SWITCH_SEQUENCE, free_port_base, launch, post_control, read_reports, wait_status
+from sgdjob_operator.workers.scrape import parse_metrics
+from sgdjob_trainer.config import Compression
+from sgdjob_trainer.models import build_model
+from sgdjob_trainer.strategies.base import exchange_bytes
 
 pytestmark = pytest.mark.multiproc
 TOKEN = "test-token"
@@ -59,6 +63,9 @@ def test_switch_through_every_pair_over_http(tmp_path: Path) -> None:
         metrics = urllib.request.urlopen(f"http://127.0.0.1:{port + 2}/metrics", timeout=5).read().decode()
         for name in NAMES:
             assert name in metrics, name
+        # What the policy's cost model is given: the bytes the synchronous allreduce sends.
+        expected = exchange_bytes(list(build_model("mlp", 0).parameters()), Compression.NONE)
+        assert parse_metrics(metrics, time=0.0).gradient_bytes == expected > 0
         body = {"epoch": 1, "mode": SWITCH_SEQUENCE[0], "reason": "test"}
         assert post_control(port, body, None)[0] == 401
         assert post_control(port, body, "wrong")[0] == 401

@@ -16,7 +16,8 @@ from sgdjob_operator.k8s.builders import (
     build_worker_pod,
     config_map_mode,
 )
-from sgdjob_trainer.config import RunConfig, SyncMode
+from sgdjob_trainer.config import SyncMode
+from sgdjob_trainer.wire.launch import RunConfig
 
 JOB = JobRef(name="j", namespace="ns", uid="u-1")
 IMAGE = "registry/trainer:1"

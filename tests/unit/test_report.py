@@ -16,7 +16,9 @@ from sgdjob_operator.local.procs import PORT_FLOOR, ephemeral_ports, free_port_b
 from sgdjob_operator.local.progress import PlainDisplay, RunInfo, summarize
 from sgdjob_operator.local.report import build_report, mode_timeline, summary_lines, with_status_fallback
 from sgdjob_operator.workers.scrape import Endpoint, ScrapeResult
-from sgdjob_trainer.config import RunConfig, SyncMode
+from sgdjob_trainer.config import SyncMode
+from sgdjob_trainer.wire.launch import RunConfig
+from sgdjob_trainer.wire.status import WorkerStatus
 
 EMULATION = {"computeSeconds": 0.05, "jitter": 0.0, "slowdowns": [{"rank": 1, "factor": 3.0}]}
 
@@ -75,7 +77,7 @@ def status_result(rank: int, samples: int, compute: float, **kw: Any) -> ScrapeR
     status = {"rank": rank, "node": f"local-{rank}", "step": samples // 32, "samples": samples, "computeSeconds": compute,
               "commWaitSeconds": 0.0, "loss": 1.0 + rank, "mode": "sync", "done": False}  # fmt: skip
     status.update(kw)
-    return ScrapeResult(Endpoint(f"http://127.0.0.1:{9400 + rank}"), 0.0, status=status)
+    return ScrapeResult(Endpoint(f"http://127.0.0.1:{9400 + rank}"), 0.0, status=WorkerStatus.model_validate(status))
 
 
 def test_summarize_rates_and_keeps_workers_that_stop_answering() -> None:
@@ -189,8 +191,17 @@ def test_free_port_blocks_are_distinct_bindable_and_never_ephemeral() -> None:
 
 def test_ranks_without_a_file_fall_back_to_their_last_status() -> None:
     files = [rank_doc(0, 320, 1.0, 0.5, 2.0)]
-    statuses: dict[int, dict[str, Any]] = {0: {"rank": 0, "samples": 1}, 1: {"rank": 1, "node": "local-1", "samples": 160, "computeSeconds": 2.0, "step": 5,
-                                                 "loss": 0.75, "time": 1003.0, "startTime": 1000.0}}  # fmt: skip
+    late = WorkerStatus(
+        rank=1,
+        node="local-1",
+        samples=160,
+        compute_seconds=2.0,
+        step=5,
+        loss=0.75,
+        time=1003.0,
+        start_time=1000.0,
+    )
+    statuses = {0: WorkerStatus(rank=0, samples=1), 1: late}
     docs = with_status_fallback(files, statuses)
     assert docs[0] == files[0] and docs[1]["fromStatus"] and docs[1]["wallSeconds"] == 3.0 and docs[1]["finalLoss"] == 0.75
     report = build_report(docs, job="j", mode="sync", expected_workers=2, emulation=None)

@@ -21,6 +21,7 @@ from sgdjob_operator.sim.simulation import Run
 from sgdjob_operator.workers.scrape import ControlResult, Endpoint, ScrapeResult
 from sgdjob_trainer.config import SyncMode
 from sgdjob_trainer.wire.control import ControlCommand
+from sgdjob_trainer.wire.status import WorkerStatus
 from tests.unit.policy_feed import INTERVAL, STRAGGLER, Scrapes, feed
 
 Decisions = list[tuple[float, str, str]]
@@ -85,8 +86,7 @@ def local_shell(spec: SGDJobSpec, scrapes: Scrapes) -> tuple[Decisions, list[Con
     run = FakeRun()
     for t, samples in scrapes:
         now[0] = t
-        status = {"controlEpoch": run.applied}
-        results = [ScrapeResult(LOCAL_ENDPOINTS[s.rank], t, s, {**status, "rank": s.rank}) for s in samples]
+        results = [ScrapeResult(LOCAL_ENDPOINTS[s.rank], t, s, WorkerStatus(rank=s.rank, control_epoch=run.applied)) for s in samples]
         asyncio.run(auto(run, results, ProgressFrame(time=t, elapsed_s=t)))
     return [(d["time_s"], d["action"], d["reason"]) for d in auto.decisions], run.pushed
 

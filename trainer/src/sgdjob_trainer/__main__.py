@@ -22,9 +22,9 @@ from pathlib import Path
 
 import yaml
 
-from sgdjob_trainer.config import RunConfig
 from sgdjob_trainer.recovery import EXIT_STOPPED
 from sgdjob_trainer.trainer import Trainer
+from sgdjob_trainer.wire.launch import RunConfig
 
 
 def load_run_config(path: Path) -> RunConfig:

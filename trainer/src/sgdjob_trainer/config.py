@@ -1,4 +1,5 @@
-"""The trainer's configuration: `spec.training` of an SGDJob, and the file the trainer reads.
+"""The trainer's configuration: `spec.training` of an SGDJob (the file the trainer reads around it is
+`sgdjob_trainer.wire.launch.RunConfig`).
 
 This module must stay free of torch: the operator imports it to generate the CRD schema and to
 validate specs, and the operator image carries no torch.
@@ -242,15 +243,3 @@ class TrainingConfig(CamelModel):
 def load_training_config(data: dict[str, Any]) -> TrainingConfig:
     """Parse a mapping (camelCase keys, as in the SGDJob's spec.training) into a TrainingConfig."""
     return TrainingConfig.model_validate(data)
-
-
-class RunConfig(CamelModel):
-    """The file a trainer process reads (`--config FILE`): the job's training config plus run facts.
-
-    The operator and the local runner write it from the SGDJob; the trainer imports nothing of theirs.
-    """
-
-    job_name: Annotated[str, Field(max_length=253, description="SGDJob name, for logs and checkpoint paths.")] = "sgdjob"
-    mode: Annotated[SyncMode, Field(description="Mode the workers start in.")] = SyncMode.SYNC
-    reference_world_size: Annotated[int, Field(ge=1, le=65_536, description="World size at which learningRate applies unscaled.")] = 1
-    training: Annotated[TrainingConfig, Field(description="The SGDJob's spec.training.")] = TrainingConfig()

@@ -25,7 +25,6 @@ import logging
 import math
 import os
 import signal
-import statistics
 import threading
 import time
 import uuid
@@ -38,6 +37,7 @@ from sgdjob_trainer.checkpoint import Checkpointer, Snapshot, claim_dir, read_pr
 from sgdjob_trainer.config import SyncMode
 from sgdjob_trainer.resume import load_latest
 from sgdjob_trainer.strategies import StepResult, Strategy
+from sgdjob_trainer.wire.status import CheckpointReport, Figures, ResumeRecord
 
 if TYPE_CHECKING:
     from sgdjob_trainer.trainer import Trainer
@@ -45,12 +45,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("sgdjob_trainer.recovery")
 EXIT_STOPPED = 143
 STUCK_MIN_S = 5.0
-
-
-def _figures(values: list[float]) -> dict[str, float | int]:
-    if not values:
-        return {"count": 0}
-    return {"count": len(values), "mean": statistics.fmean(values), "max": max(values), "total": sum(values)}
 
 
 class Recovery:
@@ -69,7 +63,7 @@ class Recovery:
         if cfg.dir is not None:
             claim_dir(Path(cfg.dir), trainer.config.job_name, info.rank)
         self.ckpt = Checkpointer(cfg, info.rank, self.life) if cfg.dir is not None else None
-        telemetry.extra["restartCount"] = info.restart_count
+        telemetry.restart_count = info.restart_count
         if self.ckpt is not None:
             self._resume(self.ckpt)
         if threading.current_thread() is threading.main_thread():
@@ -107,7 +101,7 @@ class Recovery:
             self.history = [*previous.get("resumes", []), record]
             log.info("restart: %d steps lost (reached %d, resumed at %d), %.1f s from the last progress to the loaded model", record["lostSteps"], reached, state.step, record["restartSeconds"])
         if info.rank == 0:
-            telemetry.extra["resumes"] = self.history
+            telemetry.resumes = [ResumeRecord.model_validate(record) for record in self.history]
             ckpt.note_progress(state.step, self.history, force=True)
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
@@ -206,8 +200,8 @@ class Recovery:
     def report(self) -> None:
         """Checkpoint figures for /status and the rank report."""
         if self.ckpt is not None:
-            self.trainer.telemetry.extra["checkpoint"] = {
-                "stallSeconds": _figures(self.ckpt.stalls),
-                "writeSeconds": _figures(self.ckpt.writes),
-                "completed": list(self.ckpt.completed),
-            }
+            self.trainer.telemetry.checkpoint = CheckpointReport(
+                stall_seconds=Figures.of(self.ckpt.stalls),
+                write_seconds=Figures.of(self.ckpt.writes),
+                completed=list(self.ckpt.completed),
+            )

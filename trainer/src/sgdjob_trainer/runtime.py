@@ -17,6 +17,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from sgdjob_trainer.wire.launch import ENV_NODE_NAME
+
 log = logging.getLogger("sgdjob_trainer")
 
 # Long enough for a slow group to catch up at a switch point on a loaded machine, short enough
@@ -50,7 +52,7 @@ class WorldInfo:
             local_world_size=_env_int("LOCAL_WORLD_SIZE", 1),
             group_rank=_env_int("GROUP_RANK", 0),
             restart_count=_env_int("TORCHELASTIC_RESTART_COUNT", 0),
-            node=os.environ.get("NODE_NAME") or socket.gethostname(),
+            node=os.environ.get(ENV_NODE_NAME) or socket.gethostname(),
         )
 
 

@@ -26,16 +26,17 @@ from pydantic import ValidationError
 
 from sgdjob_trainer.telemetry import Telemetry
 from sgdjob_trainer.wire.control import ControlCommand, merge
+from sgdjob_trainer.wire.launch import ENV_CONTROL_TOKEN, ENV_CONTROL_TOKEN_FILE
 
 log = logging.getLogger("sgdjob_trainer.server")
 MAX_BODY = 1 << 20
 
 
 def control_token() -> str | None:
-    token = os.environ.get("SGDJOB_CONTROL_TOKEN")
+    token = os.environ.get(ENV_CONTROL_TOKEN)
     if token:
         return token.strip()
-    path = os.environ.get("SGDJOB_CONTROL_TOKEN_FILE")
+    path = os.environ.get(ENV_CONTROL_TOKEN_FILE)
     if path:
         try:
             with open(path, encoding="utf-8") as f:
@@ -135,7 +136,7 @@ def _make_handler(server: TrainerServer) -> type[BaseHTTPRequestHandler]:
             if path == "/metrics":
                 self._reply(200, server.telemetry.render_metrics(), CONTENT_TYPE_LATEST)
             elif path == "/status":
-                self._json(200, {**server.telemetry.status(), "port": server.port})
+                self._json(200, server.telemetry.status().model_copy(update={"port": server.port}).document())
             elif path == "/healthz":
                 self._reply(200, b"ok\n", "text/plain")
             else:

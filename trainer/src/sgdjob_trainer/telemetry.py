@@ -14,7 +14,6 @@ import math
 import os
 import threading
 import time
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 
 from sgdjob_trainer.config import SyncMode
 from sgdjob_trainer.runtime import WorldInfo
+from sgdjob_trainer.wire import metrics as wm
+from sgdjob_trainer.wire.status import CheckpointReport, ResumeRecord, SwitchRecord, WorkerStatus
 
 # `*_created` series double every counter's output and no consumer here reads them.
 disable_created_metrics()  # type: ignore[no-untyped-call]
@@ -29,20 +30,6 @@ disable_created_metrics()  # type: ignore[no-untyped-call]
 STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 # The loss history is decimated (every 2nd point dropped, stride doubled) past this many points.
 HISTORY_POINTS = 1024
-
-
-@dataclass(slots=True)
-class SwitchRecord:
-    from_mode: str
-    to_mode: str
-    step: int
-    pause_s: float
-    reason: str
-    time_s: float
-
-    def as_json(self) -> dict[str, Any]:
-        d = asdict(self)
-        return {"fromMode": d["from_mode"], "toMode": d["to_mode"], "step": d["step"], "pauseS": d["pause_s"], "reason": d["reason"], "timeS": d["time_s"]}
 
 
 class Telemetry:
@@ -62,6 +49,7 @@ class Telemetry:
         self.staleness = 0.0
         self.batch_size = batch_size
         self.control_epoch = 0
+        self.gradient_bytes = 0
         self.switches: list[SwitchRecord] = []
         self.done = False
         self.initial_loss = math.nan
@@ -70,33 +58,54 @@ class Telemetry:
         self._history_stride = 1
         self.mode_timeline: list[dict[str, Any]] = [{"timeS": 0.0, "step": 0, "mode": mode.value, "reason": "start mode"}]
         self.end_time: float | None = None
-        # Further /status and report fields (restart history, checkpoint figures), by their key.
-        self.extra: dict[str, Any] = {}
+        # Set by recovery: this life's restart count, rank 0's resume history, checkpoint figures.
+        self.restart_count: int | None = None
+        self.resumes: list[ResumeRecord] | None = None
+        self.checkpoint: CheckpointReport | None = None
 
         self.registry = CollectorRegistry()
         r = self.registry
-        self.m_steps = Counter("sgdjob_steps", "Optimizer steps taken by this process.", registry=r)
-        self.m_samples = Counter("sgdjob_samples", "Samples whose gradient was applied to the model.", registry=r)
-        self.m_compute = Counter("sgdjob_compute_seconds", "Seconds in forward/backward/optimizer plus emulated compute.", registry=r)
-        self.m_wait = Counter("sgdjob_comm_wait_seconds", "Seconds blocked in collectives or parameter-server exchanges.", registry=r)
-        self.m_step_time = Histogram("sgdjob_step_seconds", "Wall seconds per step.", buckets=STEP_BUCKETS, registry=r)
-        self.m_loss = Gauge("sgdjob_loss", "Training loss of the last step on this process.", registry=r)
-        self.m_staleness = Gauge("sgdjob_staleness_steps", "Staleness of the last applied update, in steps.", registry=r)
-        self.m_world = Gauge("sgdjob_world_size", "Processes in the job.", registry=r)
-        self.m_batch = Gauge("sgdjob_batch_size", "This process's batch size.", registry=r)
-        self.m_epoch = Gauge("sgdjob_control_epoch", "Epoch of the last applied control command.", registry=r)
-        self.m_mode = Gauge("sgdjob_mode", "1 for the active synchronisation mode, 0 for the others.", ["mode"], registry=r)
-        self.m_info = Gauge("sgdjob_worker_info", "Identity of this process.", ["rank", "local_rank", "node"], registry=r)
-        self.m_switches = Counter("sgdjob_switches", "Mode switches done.", registry=r)
-        self.m_pause = Counter("sgdjob_switch_pause_seconds", "Seconds spent paused in mode switches.", registry=r)
-        self.m_info.labels(rank=str(info.rank), local_rank=str(info.local_rank), node=info.node).set(1)
+        self.m_steps = Counter(wm.STEPS, "Optimizer steps taken by this process.", registry=r)
+        self.m_samples = Counter(wm.SAMPLES, "Samples whose gradient was applied to the model.", registry=r)
+        self.m_compute = Counter(
+            wm.COMPUTE_SECONDS,
+            "Seconds in forward/backward/optimizer plus emulated compute.",
+            registry=r,
+        )
+        self.m_wait = Counter(
+            wm.COMM_WAIT_SECONDS,
+            "Seconds blocked in collectives or parameter-server exchanges.",
+            registry=r,
+        )
+        self.m_step_time = Histogram(wm.STEP_SECONDS, "Wall seconds per step.", buckets=STEP_BUCKETS, registry=r)
+        self.m_loss = Gauge(wm.LOSS, "Training loss of the last step on this process.", registry=r)
+        self.m_staleness = Gauge(wm.STALENESS, "Staleness of the last applied update, in steps.", registry=r)
+        self.m_world = Gauge(wm.WORLD_SIZE, "Processes in the job.", registry=r)
+        self.m_batch = Gauge(wm.BATCH_SIZE, "This process's batch size.", registry=r)
+        self.m_epoch = Gauge(wm.CONTROL_EPOCH, "Epoch of the last applied control command.", registry=r)
+        self.m_gradient_bytes = Gauge(
+            wm.GRADIENT_BYTES,
+            "Bytes of this process's gradient in one synchronous exchange.",
+            registry=r,
+        )
+        self.m_mode = Gauge(
+            wm.MODE,
+            "1 for the active synchronisation mode, 0 for the others.",
+            [wm.LABEL_MODE],
+            registry=r,
+        )
+        self.m_info = Gauge(wm.WORKER_INFO, "Identity of this process.", list(wm.WORKER_INFO_LABELS), registry=r)
+        self.m_switches = Counter(wm.SWITCHES, "Mode switches done.", registry=r)
+        self.m_pause = Counter(wm.SWITCH_PAUSE_SECONDS, "Seconds spent paused in mode switches.", registry=r)
+        identity = {wm.LABEL_RANK: str(info.rank), wm.LABEL_LOCAL_RANK: str(info.local_rank), wm.LABEL_NODE: info.node}
+        self.m_info.labels(**identity).set(1)
         self.m_world.set(info.world_size)
         self.m_batch.set(batch_size)
         self._set_mode_gauge(mode)
 
     def _set_mode_gauge(self, mode: SyncMode) -> None:
         for m in SyncMode:
-            self.m_mode.labels(mode=m.value).set(1 if m == mode else 0)
+            self.m_mode.labels(**{wm.LABEL_MODE: m.value}).set(1 if m == mode else 0)
 
     def record_step(self, step: int, samples: int, compute_s: float, wait_s: float, step_s: float, loss: float, staleness: float) -> None:
         with self.lock:
@@ -135,6 +144,11 @@ class Telemetry:
             self.batch_size = batch_size
         self.m_batch.set(batch_size)
 
+    def set_gradient_bytes(self, nbytes: int) -> None:
+        with self.lock:
+            self.gradient_bytes = nbytes
+        self.m_gradient_bytes.set(nbytes)
+
     def set_control_epoch(self, epoch: int) -> None:
         with self.lock:
             self.control_epoch = epoch
@@ -142,9 +156,17 @@ class Telemetry:
 
     def record_switch(self, from_mode: SyncMode, to_mode: SyncMode, step: int, pause_s: float, reason: str) -> None:
         now = time.time() - self.start_time
+        record = SwitchRecord(
+            from_mode=from_mode,
+            to_mode=to_mode,
+            step=step,
+            pause_s=pause_s,
+            reason=reason,
+            time_s=now,
+        )
         with self.lock:
             self.mode = to_mode
-            self.switches.append(SwitchRecord(from_mode.value, to_mode.value, step, pause_s, reason, now))
+            self.switches.append(record)
             self.mode_timeline.append({"timeS": now, "step": step, "mode": to_mode.value, "reason": reason})
         self._set_mode_gauge(to_mode)
         self.m_switches.inc()
@@ -159,32 +181,35 @@ class Telemetry:
     def render_metrics(self) -> bytes:
         return generate_latest(self.registry)
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> WorkerStatus:
         with self.lock:
-            return {
-                "rank": self.info.rank,
-                "localRank": self.info.local_rank,
-                "worldSize": self.world_size,
-                "node": self.info.node,
-                "mode": self.mode.value,
-                "step": self.step,
-                "samples": self.samples,
-                "computeSeconds": self.compute_seconds,
-                "commWaitSeconds": self.comm_wait_seconds,
-                "loss": _finite(self.loss),
-                "staleness": self.staleness,
-                "batchSize": self.batch_size,
-                "controlEpoch": self.control_epoch,
-                "switches": [s.as_json() for s in self.switches],
-                "done": self.done,
-                "time": time.time(),
-                "startTime": self.start_time,
-                **self.extra,
-            }
+            optional = {"restart_count": self.restart_count, "resumes": self.resumes, "checkpoint": self.checkpoint}
+            return WorkerStatus(
+                rank=self.info.rank,
+                local_rank=self.info.local_rank,
+                world_size=self.world_size,
+                node=self.info.node,
+                mode=self.mode,
+                step=self.step,
+                samples=self.samples,
+                compute_seconds=self.compute_seconds,
+                comm_wait_seconds=self.comm_wait_seconds,
+                loss=_finite(self.loss),
+                staleness=self.staleness,
+                batch_size=self.batch_size,
+                control_epoch=self.control_epoch,
+                gradient_bytes=self.gradient_bytes,
+                switches=list(self.switches),
+                done=self.done,
+                time=time.time(),
+                start_time=self.start_time,
+                # Unset fields stay out of the document (exclude_unset), as before they were known.
+                **{key: value for key, value in optional.items() if value is not None},
+            )
 
     def summary(self) -> dict[str, Any]:
         """/status plus the run's history: what `sgdjob run` aggregates into report.json."""
-        doc = self.status()
+        doc = self.status().document()
         with self.lock:
             end = self.end_time or time.time()
             doc.update(

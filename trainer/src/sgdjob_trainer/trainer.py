@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from sgdjob_trainer.config import LrScaling, Precision, RunConfig, TrainingConfig
+from sgdjob_trainer.config import LrScaling, Precision, TrainingConfig
 from sgdjob_trainer.data import ShardedStream, build_dataset, eval_batch
 from sgdjob_trainer.emulation import ComputeEmulator
 from sgdjob_trainer.levers import LossScaler, lr_factor
@@ -42,11 +42,13 @@ from sgdjob_trainer.recovery import Recovery
 from sgdjob_trainer.runtime import WorldInfo, choose_device, init_distributed, setup_logging, shutdown_distributed
 from sgdjob_trainer.server import ControlInbox, TrainerServer
 from sgdjob_trainer.strategies import STRATEGIES, Context, Strategy
+from sgdjob_trainer.strategies.base import exchange_bytes
 from sgdjob_trainer.strategies.hierarchical import valid_groups
 from sgdjob_trainer.strategies.ps import ParameterServer
 from sgdjob_trainer.telemetry import Telemetry
 from sgdjob_trainer.train_state import TrainState
 from sgdjob_trainer.wire.control import ControlCommand
+from sgdjob_trainer.wire.launch import ENV_METRICS_HOST, ENV_METRICS_PORT, ENV_REPORT_DIR, RunConfig
 
 log = logging.getLogger("sgdjob_trainer")
 
@@ -63,7 +65,7 @@ def scaled_lr(training: TrainingConfig, world_size: int, reference_world_size: i
 
 def metrics_port(training: TrainingConfig, local_rank: int) -> int:
     """SGDJOB_METRICS_PORT (else training.metricsPort) plus the local rank; 0 means ephemeral."""
-    raw = os.environ.get("SGDJOB_METRICS_PORT")
+    raw = os.environ.get(ENV_METRICS_PORT)
     base = int(raw) if raw not in (None, "") else training.metrics_port
     return 0 if base == 0 else base + local_rank
 
@@ -78,7 +80,7 @@ class Trainer:
         self.telemetry = Telemetry(self.info, config.mode, t.batch_size)
         self.inbox = ControlInbox() if self.info.rank == 0 else None
         # The server starts before the process group so a scraper sees the process while it joins.
-        host = os.environ.get("SGDJOB_METRICS_HOST", "0.0.0.0")
+        host = os.environ.get(ENV_METRICS_HOST, "0.0.0.0")
         self.server = TrainerServer(self.telemetry, self.inbox, host, metrics_port(t, self.info.local_rank))
         self.server.start()
         self.device = choose_device(self.info)
@@ -101,6 +103,7 @@ class Trainer:
         self.eval_x, self.eval_y = (v.to(self.device) for v in eval_batch(dataset))
         loss_fn = build_loss(t.loss, t.dataset, self.eval_y)
         numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        self.telemetry.set_gradient_bytes(exchange_bytes(list(model.parameters()), t.compression))
         ps = ParameterServer(
             self.info.rank,
             self.info.world_size,
@@ -231,7 +234,7 @@ class Trainer:
         self.recovery.report()
         self.telemetry.finish(final)
         log.info("done at step %d: loss %.5f -> %.5f", self.state.step, self.telemetry.initial_loss, final)
-        report_dir = os.environ.get("SGDJOB_REPORT_DIR")
+        report_dir = os.environ.get(ENV_REPORT_DIR)
         if report_dir:
             self.telemetry.write_report(report_dir)
         assert self.ctx.ps is not None

@@ -19,7 +19,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from sgdjob_operator.api.models import API_VERSION, KIND, SGDJobSpec
-from sgdjob_trainer.config import RunConfig, SyncMode
+from sgdjob_trainer.config import SyncMode
+from sgdjob_trainer.wire.launch import (
+    ENV_CONTROL_TOKEN_FILE,
+    ENV_METRICS_HOST,
+    ENV_NODE_NAME,
+    ENV_UNSHARED_RDZV_STORE,
+    STORE_MODULE,
+    TorchrunOptions,
+    restart_budget,
+    run_config,
+    trainer_args,
+)
 
 LABEL_JOB = "sgdjob.dev/job-name"
 LABEL_ROLE = "sgdjob.dev/role"
@@ -111,14 +122,11 @@ def build_secret(job: JobRef, token: str) -> dict[str, Any]:
     return {"apiVersion": "v1", "kind": "Secret", "metadata": _meta(job, job.secret), "type": "Opaque", "stringData": {TOKEN_KEY: token}}
 
 
-def run_config(job: JobRef, spec: SGDJobSpec, mode: SyncMode) -> RunConfig:
-    return RunConfig(job_name=job.name, mode=mode, reference_world_size=spec.min_workers * spec.nproc_per_node, training=spec.training)
-
-
 def build_config_map(job: JobRef, spec: SGDJobSpec, mode: SyncMode) -> dict[str, Any]:
     """The RunConfig every trainer reads. `mode` is the mode a (re)started worker should begin in: the
     operator keeps it at the target mode so a restarted world does not fall back to the initial one."""
-    text = run_config(job, spec, mode).model_dump_json(by_alias=True, indent=2) + "\n"
+    config = run_config(job.name, mode, spec.training, min_nodes=spec.min_workers, nproc_per_node=spec.nproc_per_node)
+    text = config.model_dump_json(by_alias=True, indent=2) + "\n"
     return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(job, job.config_map), "data": {CONFIG_FILE: text}}
 
 
@@ -133,31 +141,32 @@ def _field_env(name: str, path: str) -> dict[str, Any]:
     return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
 
 
+def torchrun_options(job: JobRef, spec: SGDJobSpec) -> TorchrunOptions:
+    """The worker pods' torchrun options. Any pod may be lost, and the operator replaces and removes
+    workers, so every agent's restart budget counts the members that may leave."""
+    return TorchrunOptions(
+        min_nodes=spec.min_workers,
+        max_nodes=spec.max_workers,
+        nproc_per_node=spec.nproc_per_node,
+        rdzv_endpoint=job.rdzv_endpoint,
+        rdzv_id=job.uid or job.name,
+        max_restarts=restart_budget(spec.run_policy.backoff_limit, spec.max_workers, peers_may_leave=True),
+        local_addr="$(POD_IP)",
+    )
+
+
 def worker_env(job: JobRef, spec: SGDJobSpec, index: int) -> list[dict[str, Any]]:
     """torchrun's PET_* contract plus what the trainer reads. POD_IP comes first so later values
     can expand `$(POD_IP)`."""
-    # Surviving agents restart their processes when a peer is lost; that must not exhaust their own
-    # budget before the job's, so each agent may restart once per possible peer on top of backoffLimit.
-    max_restarts = spec.run_policy.backoff_limit + spec.max_workers
     return [
         _field_env("POD_IP", "status.podIP"),
-        _field_env("NODE_NAME", "spec.nodeName"),
+        _field_env(ENV_NODE_NAME, "spec.nodeName"),
         _field_env("POD_NAME", "metadata.name"),
         _field_env("POD_NAMESPACE", "metadata.namespace"),
-        {"name": "PET_NNODES", "value": f"{spec.min_workers}:{spec.max_workers}"},
-        {"name": "PET_NPROC_PER_NODE", "value": str(spec.nproc_per_node)},
-        {"name": "PET_RDZV_BACKEND", "value": "c10d"},
-        {"name": "PET_RDZV_ENDPOINT", "value": job.rdzv_endpoint},
-        {"name": "PET_RDZV_ID", "value": job.uid or job.name},
-        {"name": "PET_RDZV_CONF", "value": "is_host=0"},
-        {"name": "PET_MAX_RESTARTS", "value": str(max_restarts)},
-        {"name": "PET_LOCAL_ADDR", "value": "$(POD_IP)"},
-        # torch 2.13 shares the rendezvous round's TCP store with the workers and caches its address
-        # on non-zero ranks: after a membership change that moves rank 0 to another pod, survivors
-        # dial the old rank 0's dead store and hang at init. Unshared, every round publishes afresh.
-        {"name": "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "value": "1"},
-        {"name": "SGDJOB_METRICS_HOST", "value": "$(POD_IP)"},
-        {"name": "SGDJOB_CONTROL_TOKEN_FILE", "value": f"{TOKEN_DIR}/{TOKEN_KEY}"},
+        *({"name": name, "value": value} for name, value in torchrun_options(job, spec).env().items()),
+        {"name": ENV_UNSHARED_RDZV_STORE, "value": "1"},
+        {"name": ENV_METRICS_HOST, "value": "$(POD_IP)"},
+        {"name": ENV_CONTROL_TOKEN_FILE, "value": f"{TOKEN_DIR}/{TOKEN_KEY}"},
         {"name": "SGDJOB_JOB_NAME", "value": job.name},
         {"name": "SGDJOB_WORKER_INDEX", "value": str(index)},
         {"name": "PYTHONUNBUFFERED", "value": "1"},
@@ -211,7 +220,7 @@ def build_worker_pod(job: JobRef, spec: SGDJobSpec, index: int, *, default_image
     main["image"] = main.get("image") or default_image
     if not main.get("command") and not main.get("args"):
         main["command"] = ["torchrun"]
-        main["args"] = ["-m", "sgdjob_trainer", "--config", f"{CONFIG_DIR}/{CONFIG_FILE}"]
+        main["args"] = list(trainer_args(f"{CONFIG_DIR}/{CONFIG_FILE}"))
     main["env"] = _merge_named(main.get("env") or [], worker_env(job, spec, index))
     base = spec.training.metrics_port
     ports = [{"name": "metrics" if lr == 0 else f"metrics-{lr}", "containerPort": base + lr, "protocol": "TCP"} for lr in range(spec.nproc_per_node)]
@@ -249,7 +258,7 @@ def build_rdzv_pod(job: JobRef, spec: SGDJobSpec, *, default_image: str) -> dict
     container = {
         "name": "rendezvous",
         "image": image,
-        "command": ["python", "-m", "sgdjob_trainer.rendezvous_store", "--host", "$(POD_IP)", "--port", str(RDZV_PORT)],
+        "command": ["python", "-m", STORE_MODULE, "--host", "$(POD_IP)", "--port", str(RDZV_PORT)],
         "env": [_field_env("POD_IP", "status.podIP"), {"name": "PYTHONUNBUFFERED", "value": "1"}],
         "ports": [{"name": "rendezvous", "containerPort": RDZV_PORT, "protocol": "TCP"}],
         "resources": {"requests": {"cpu": "50m", "memory": "64Mi"}, "limits": {"memory": "256Mi"}},

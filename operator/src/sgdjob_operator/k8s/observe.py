@@ -62,10 +62,8 @@ async def observe(eps: Sequence[Endpoint], *, now: float, timeout: float, sessio
     job_step: int | None = None
     if control is not None:
         (status,) = await scrape([control], metrics=False, status=True, timeout=timeout, session=session, clock=lambda: now)
-        if status.status is not None and isinstance(status.status.get("controlEpoch"), int):
-            epoch = int(status.status["controlEpoch"])
-        if status.status is not None and isinstance(status.status.get("step"), int):
-            job_step = int(status.status["step"])
+        if status.status is not None:
+            epoch, job_step = status.status.control_epoch, status.status.step
     return Observation(now, samples, errors, control, epoch, job_step)
 
 

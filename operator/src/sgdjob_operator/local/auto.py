@@ -69,9 +69,8 @@ def applied_epoch(results: Sequence[ScrapeResult]) -> int | None:
     """The control epoch rank 0 reports as applied, None when rank 0 was not reached."""
     for result in results:
         status = result.status
-        if status is not None and status.get("rank") == 0:
-            epoch = status.get("controlEpoch")
-            return int(epoch) if isinstance(epoch, int) else 0
+        if status is not None and status.rank == 0:
+            return status.control_epoch
     return None
 
 

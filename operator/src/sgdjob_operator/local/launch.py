@@ -19,14 +19,33 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sgdjob_operator.api.models import Action, JobMode, SGDJob
-from sgdjob_trainer.config import RunConfig, SyncMode
+from sgdjob_trainer.config import SyncMode, TrainingConfig
+from sgdjob_trainer.wire.launch import (
+    AGENT_MODULE,
+    ENV_CONTROL_TOKEN,
+    ENV_CONTROL_TOKEN_FILE,
+    ENV_METRICS_HOST,
+    ENV_METRICS_PORT,
+    ENV_NODE_NAME,
+    ENV_REPORT_DIR,
+    ENV_UNSHARED_RDZV_STORE,
+    STORE_MODULE,
+    TRAINER_MODULE,
+    RunConfig,
+    TorchrunOptions,
+    restart_budget,
+    run_config,
+    trainer_args,
+)
 
 LOOPBACK = "127.0.0.1"
-TRAINER_MODULE = "sgdjob_trainer"
-AGENT_MODULE = "sgdjob_trainer.agent"
-STORE_MODULE = "sgdjob_trainer.rendezvous_store"
 # Agents on one machine start within a few seconds of each other, even on 2 loaded cores.
 LAST_CALL_S = 5
+# last_call: how long a round waits, once min nodes are in, for more to join; torch's 30 s would
+# stall every local scale-down for 30 s. A node that left counts as gone after keep_alive_interval x
+# keep_alive_max_attempt (torch: 5 s x 3), and the next round waits for that; heartbeats on loopback
+# are cheap, so 1 s x 3.
+LOCAL_RDZV_CONF = {"last_call_timeout": LAST_CALL_S, "keep_alive_interval": 1, "keep_alive_max_attempt": 3}
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,60 +116,35 @@ def node_name(index: int) -> str:
     return f"local-{index}"
 
 
-def run_config(job: SGDJob, mode: SyncMode, *, metrics_port: int, checkpoint_dir: Path | None) -> RunConfig:
-    """The trainer's config file for one agent: the spec's training with this run's port and
-    checkpoint directory."""
-    spec = job.spec
-    training = spec.training.model_copy(deep=True)
+def local_training(job: SGDJob, *, metrics_port: int, checkpoint_dir: Path | None) -> TrainingConfig:
+    """The spec's training with this run's port and checkpoint directory."""
+    training = job.spec.training.model_copy(deep=True)
     training.metrics_port = metrics_port
     if checkpoint_dir is not None:
         training.checkpoint.dir = str(checkpoint_dir)
-    return RunConfig(
-        job_name=job_name(job),
-        mode=mode,
-        reference_world_size=spec.min_workers * spec.nproc_per_node,
-        training=training,
+    return training
+
+
+def torchrun_options(job: SGDJob, *, rdzv_port: int, leaving: bool) -> TorchrunOptions:
+    """Every agent's torchrun options: the operator's, with the store and agents on loopback. Only
+    a run whose policy may replace or remove workers budgets restarts for members that leave."""
+    spec = job.spec
+    return TorchrunOptions(
+        min_nodes=spec.min_workers,
+        max_nodes=spec.max_workers,
+        nproc_per_node=spec.nproc_per_node,
+        rdzv_endpoint=f"{LOOPBACK}:{rdzv_port}",
+        rdzv_id=job_name(job),
+        max_restarts=restart_budget(spec.run_policy.backoff_limit, spec.max_workers, peers_may_leave=leaving),
+        local_addr=LOOPBACK,
+        rdzv_conf=LOCAL_RDZV_CONF,
     )
 
 
-def torchrun_argv(
-    python: str,
-    *,
-    min_nodes: int,
-    max_nodes: int,
-    nproc_per_node: int,
-    rdzv_port: int,
-    rdzv_id: str,
-    config_path: Path,
-    module: str = TRAINER_MODULE,
-    max_restarts: int = 0,
-    last_call_s: int = LAST_CALL_S,
-) -> tuple[str, ...]:
+def agent_argv(python: str, options: TorchrunOptions, config_path: Path, module: str) -> tuple[str, ...]:
     """`python -m sgdjob_trainer.agent ... -m sgdjob_trainer --config FILE` for one agent: torchrun's
     options and behaviour, with workers forked from the agent (see sgdjob_trainer.agent)."""
-    return (
-        python,
-        "-m",
-        AGENT_MODULE,
-        f"--nnodes={min_nodes}:{max_nodes}",
-        f"--nproc-per-node={nproc_per_node}",
-        "--rdzv-backend=c10d",
-        f"--rdzv-endpoint={LOOPBACK}:{rdzv_port}",
-        f"--rdzv-id={rdzv_id}",
-        # The store is its own process (is_host=0). last_call: how long a round waits, once min nodes
-        # are in, for more to join; torch's 30 s would stall every local scale-down for 30 s. A node
-        # that left counts as gone after keep_alive_interval x keep_alive_max_attempt (torch: 5 s x 3),
-        # and the next round waits for that; heartbeats on loopback are cheap, so 1 s x 3.
-        f"--rdzv-conf=is_host=0,last_call_timeout={last_call_s},keep_alive_interval=1,keep_alive_max_attempt=3",
-        f"--local-addr={LOOPBACK}",
-        # torchrun restarts every worker after a failure (they resume from the newest checkpoint),
-        # at most runPolicy.backoffLimit times; membership changes do not count.
-        f"--max-restarts={max_restarts}",
-        "-m",
-        module,
-        "--config",
-        str(config_path),
-    )
+    return (python, "-m", AGENT_MODULE, *options.argv(), *trainer_args(str(config_path), module))
 
 
 def agent_env(base: Mapping[str, str], *, node: str, token: str, report_dir: Path) -> dict[str, str]:
@@ -159,19 +153,17 @@ def agent_env(base: Mapping[str, str], *, node: str, token: str, report_dir: Pat
     env = dict(base)
     env.update(
         {
-            "NODE_NAME": node,
-            "SGDJOB_METRICS_HOST": LOOPBACK,
-            "SGDJOB_CONTROL_TOKEN": token,
-            "SGDJOB_REPORT_DIR": str(report_dir),
+            ENV_NODE_NAME: node,
+            ENV_METRICS_HOST: LOOPBACK,
+            ENV_CONTROL_TOKEN: token,
+            ENV_REPORT_DIR: str(report_dir),
             "PYTHONUNBUFFERED": "1",
         }
     )
-    env.pop("SGDJOB_CONTROL_TOKEN_FILE", None)
-    env.pop("SGDJOB_METRICS_PORT", None)  # ports come from each agent's config: metricsPort + LOCAL_RANK
+    env.pop(ENV_CONTROL_TOKEN_FILE, None)
+    env.pop(ENV_METRICS_PORT, None)  # ports come from each agent's config: metricsPort + LOCAL_RANK
     env.setdefault("OMP_NUM_THREADS", "1")
-    # torch 2.13 shares the rendezvous TCP store across rounds, and a restarted worker group then
-    # reads the dead group's gloo addresses from it; one store per round avoids that.
-    env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    env.setdefault(ENV_UNSHARED_RDZV_STORE, "1")
     if sys.platform.startswith("linux"):
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # all workers are on this machine
     return env
@@ -198,12 +190,9 @@ class LaunchContext:
     def checkpoint_dir(self) -> Path | None:
         return self.out_dir / "checkpoints" if self.job.spec.training.checkpoint.dir is not None else None
 
-
-def max_restarts(job: SGDJob, membership_changes: bool) -> int:
-    """torchrun's restart budget per agent: runPolicy.backoffLimit failures, plus, when the policy
-    may replace or remove workers, one per member that may leave (a leaving worker ends its peers'
-    round, and torchrun counts that against this budget), as the operator sets it for its pods."""
-    return job.spec.run_policy.backoff_limit + (job.spec.max_workers if membership_changes else 0)
+    @property
+    def torchrun(self) -> TorchrunOptions:
+        return torchrun_options(self.job, rdzv_port=self.rdzv_port, leaving=self.membership_changes)
 
 
 def may_change_membership(job: SGDJob, auto: bool) -> bool:
@@ -217,23 +206,20 @@ def plan_agent(ctx: LaunchContext, index: int, mode: SyncMode, metrics_base: int
     spec = ctx.job.spec
     node = node_name(index)
     config_path = ctx.out_dir / f"run-config-{node}.json"
+    training = local_training(ctx.job, metrics_port=metrics_base, checkpoint_dir=ctx.checkpoint_dir)
     return AgentPlan(
         index=index,
         node=node,
-        argv=torchrun_argv(
-            ctx.python,
-            min_nodes=spec.min_workers,
-            max_nodes=spec.max_workers,
-            nproc_per_node=spec.nproc_per_node,
-            rdzv_port=ctx.rdzv_port,
-            rdzv_id=job_name(ctx.job),
-            config_path=config_path,
-            module=ctx.trainer_module,
-            max_restarts=max_restarts(ctx.job, ctx.membership_changes),
-        ),
+        argv=agent_argv(ctx.python, ctx.torchrun, config_path, ctx.trainer_module),
         env=agent_env(ctx.base_env, node=node, token=ctx.token, report_dir=ctx.report_dir),
         config_path=config_path,
-        run_config=run_config(ctx.job, mode, metrics_port=metrics_base, checkpoint_dir=ctx.checkpoint_dir),
+        run_config=run_config(
+            job_name(ctx.job),
+            mode,
+            training,
+            min_nodes=spec.min_workers,
+            nproc_per_node=spec.nproc_per_node,
+        ),
         metrics_ports=tuple(range(metrics_base, metrics_base + spec.nproc_per_node)),
         log_path=ctx.out_dir / "logs" / f"{node}.log",
     )

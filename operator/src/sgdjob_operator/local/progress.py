@@ -6,6 +6,7 @@ live view of the local-runner issue is one). The runner only calls these four me
 
 from __future__ import annotations
 
+import math
 import statistics
 import sys
 from collections.abc import Mapping, Sequence
@@ -14,6 +15,7 @@ from typing import Any, Protocol, TextIO
 
 from sgdjob_operator.local.report import rank_speed, summary_lines
 from sgdjob_operator.workers.scrape import ScrapeResult
+from sgdjob_trainer.wire.status import WorkerStatus
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,23 +75,20 @@ class ProgressFrame:
         return sum(1 for w in self.workers if w.fresh)
 
 
-def worker_from_status(status: Mapping[str, Any]) -> WorkerView | None:
-    """A WorkerView from a /status document; None when it is not one."""
-    try:
-        loss = status.get("loss")
-        return WorkerView(
-            rank=int(status["rank"]),
-            node=status.get("node"),
-            step=int(status.get("step", 0)),
-            samples=int(status.get("samples", 0)),
-            compute_s=float(status.get("computeSeconds", 0.0)),
-            wait_s=float(status.get("commWaitSeconds", 0.0)),
-            loss=float(loss) if isinstance(loss, int | float) and loss == loss else None,
-            mode=str(status.get("mode", "unknown")),
-            done=bool(status.get("done", False)),
-        )
-    except (KeyError, TypeError, ValueError):
-        return None
+def worker_from_status(status: WorkerStatus) -> WorkerView:
+    """A WorkerView from a parsed /status document."""
+    loss = status.loss
+    return WorkerView(
+        rank=status.rank,
+        node=status.node,
+        step=status.step,
+        samples=status.samples,
+        compute_s=status.compute_seconds,
+        wait_s=status.comm_wait_seconds,
+        loss=loss if loss is not None and math.isfinite(loss) else None,
+        mode=status.mode.value if status.mode is not None else "unknown",
+        done=status.done,
+    )
 
 
 def summarize(results: Sequence[ScrapeResult], *, now: float, start: float, previous: ProgressFrame | None = None) -> ProgressFrame:

@@ -20,6 +20,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from sgdjob_trainer.wire.status import WorkerStatus
+
 RANK_FILE_GLOB = "rank-*.json"
 
 
@@ -151,7 +153,10 @@ def build_report(
     return report
 
 
-def with_status_fallback(rank_docs: Sequence[Mapping[str, Any]], statuses: Mapping[int, Mapping[str, Any]]) -> list[dict[str, Any]]:
+def with_status_fallback(
+    rank_docs: Sequence[Mapping[str, Any]],
+    statuses: Mapping[int, WorkerStatus],
+) -> list[dict[str, Any]]:
     """Rank files, plus the last /status of each rank that wrote none (a run stopped by a signal or
     a crash): its counters up to that poll, wall time from its own clocks, `fromStatus` set."""
     docs = [dict(d) for d in rank_docs]
@@ -159,11 +164,10 @@ def with_status_fallback(rank_docs: Sequence[Mapping[str, Any]], statuses: Mappi
     for rank, status in sorted(statuses.items()):
         if rank in have:
             continue
-        doc = dict(status)
-        doc["fromStatus"] = True
-        doc.setdefault("finalLoss", status.get("loss"))
-        if "wallSeconds" not in doc and _num(status, "time") > 0 and _num(status, "startTime") > 0:
-            doc["wallSeconds"] = _num(status, "time") - _num(status, "startTime")
+        doc = status.document()
+        doc.update(fromStatus=True, finalLoss=_loss(status.loss))
+        if status.time > 0 and status.start_time > 0:
+            doc["wallSeconds"] = status.time - status.start_time
         docs.append(doc)
     return docs
 

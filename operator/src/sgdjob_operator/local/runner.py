@@ -27,7 +27,7 @@ import aiohttp
 from sgdjob_operator.api.models import SGDJob
 from sgdjob_operator.local.auto import AutoController
 from sgdjob_operator.local.fleet import Fleet, MembershipChange, plan_replace, plan_rescale
-from sgdjob_operator.local.launch import TRAINER_MODULE, AgentPlan, LaunchPlan, job_name, plan_launch, resolve_mode, write_run_config
+from sgdjob_operator.local.launch import AgentPlan, LaunchPlan, job_name, plan_launch, resolve_mode, write_run_config
 from sgdjob_operator.local.procs import ProcessSet, free_port_blocks
 from sgdjob_operator.local.progress import Display, ProgressFrame, RunInfo, summarize
 from sgdjob_operator.local.report import RANK_FILE_GLOB, build_report, load_rank_docs, with_status_fallback
@@ -35,6 +35,8 @@ from sgdjob_operator.local.timeline import Timeline
 from sgdjob_operator.workers.scrape import ControlResult, Endpoint, ScrapeResult, post_control, scrape
 from sgdjob_trainer.config import SyncMode
 from sgdjob_trainer.wire.control import ControlCommand
+from sgdjob_trainer.wire.launch import TRAINER_MODULE
+from sgdjob_trainer.wire.status import WorkerStatus
 
 EXIT_FAILED = 1
 EXIT_TIMEOUT = 124
@@ -73,7 +75,7 @@ class LocalRun:
     started: float = field(default_factory=time.monotonic)
     last_results: list[ScrapeResult] = field(default_factory=list)
     timeline: Timeline = field(default_factory=Timeline)
-    last_status: dict[int, dict[str, Any]] = field(default_factory=dict)  # by rank, for a report after a stop
+    last_status: dict[int, WorkerStatus] = field(default_factory=dict)  # by rank, for a report after a stop
     membership_changes: int = 0
     report_extra: dict[str, Any] = field(default_factory=dict)
 
@@ -102,7 +104,7 @@ class LocalRun:
     def control_endpoint(self) -> Endpoint | None:
         """The endpoint of rank 0 (which owns /control), once a scrape has seen it."""
         for result in self.last_results:
-            if result.status is not None and result.status.get("rank") == 0:
+            if result.status is not None and result.status.rank == 0:
                 return result.endpoint
             if result.sample is not None and result.sample.rank == 0:
                 return result.endpoint
@@ -200,8 +202,8 @@ async def _supervise(
         results = await scrape(run.endpoints, status=True, timeout=options.scrape_timeout_s, session=run.session)
         run.last_results = results
         for result in results:
-            if result.status is not None and isinstance(result.status.get("rank"), int):
-                run.last_status[result.status["rank"]] = result.status
+            if result.status is not None:
+                run.last_status[result.status.rank] = result.status
         snapshot = summarize(results, now=time.time(), start=start_wall, previous=snapshot)
         if snapshot.workers:
             display.update(snapshot)
@@ -214,7 +216,14 @@ async def _supervise(
             await asyncio.wait_for(stop.wait(), timeout=options.poll_interval_s)
 
 
-def _write_report(plan: LaunchPlan, job: SGDJob, extra: Mapping[str, Any], statuses: Mapping[int, Mapping[str, Any]], fallback_wall: float, world_size: int) -> tuple[dict[str, Any], Path]:
+def _write_report(
+    plan: LaunchPlan,
+    job: SGDJob,
+    extra: Mapping[str, Any],
+    statuses: Mapping[int, WorkerStatus],
+    fallback_wall: float,
+    world_size: int,
+) -> tuple[dict[str, Any], Path]:
     rank_docs, problems = load_rank_docs(plan.report_dir)
     docs = [d for d in with_status_fallback(rank_docs, statuses) if int(d.get("rank", -1)) < world_size]
     emulation = job.spec.training.emulation
@@ -267,7 +276,7 @@ async def run_local(job: SGDJob, options: RunOptions, display: Display, on_poll:
     start, start_wall = time.monotonic(), time.time()
     why: str | None = "stop"
     extra: dict[str, Any] = {}
-    statuses: dict[int, dict[str, Any]] = {}
+    statuses: dict[int, WorkerStatus] = {}
     try:
         procs.start_service(plan.store)
         procs.start(plan.agents)

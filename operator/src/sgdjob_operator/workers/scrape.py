@@ -1,4 +1,4 @@
-"""Scrape trainer processes over HTTP: `/metrics` into `WorkerSample`s, `/status` as JSON, and push
+"""Scrape trainer processes over HTTP: `/metrics` into `WorkerSample`s, `/status` into `WorkerStatus`, and push
 `/control` commands.
 
 Shared by every shell: the Kubernetes operator scrapes pod IPs, the local runner scrapes loopback
@@ -18,22 +18,18 @@ from typing import Any, TypeVar
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
+from pydantic import ValidationError
 
 from sgdjob_operator.policy.samples import WorkerSample
+from sgdjob_trainer.wire import metrics as wm
 from sgdjob_trainer.wire.control import ControlCommand
+from sgdjob_trainer.wire.status import WorkerStatus
 
-# Sample names as the trainer exports them (prometheus_client appends `_total` to counters).
-STEPS = "sgdjob_steps_total"
-SAMPLES = "sgdjob_samples_total"
-COMPUTE = "sgdjob_compute_seconds_total"
-COMM_WAIT = "sgdjob_comm_wait_seconds_total"
-LOSS = "sgdjob_loss"
-STALENESS = "sgdjob_staleness_steps"
-WORLD_SIZE = "sgdjob_world_size"
-BATCH_SIZE = "sgdjob_batch_size"
-MODE = "sgdjob_mode"
-WORKER_INFO = "sgdjob_worker_info"
-GRADIENT_BYTES = "sgdjob_gradient_bytes"  # optional: bytes of one gradient exchange, for the cost model
+# Sample names as the trainer exports them; gradient bytes are optional (older trainers lack them).
+STEPS = wm.sample_name(wm.STEPS)
+SAMPLES = wm.sample_name(wm.SAMPLES)
+COMPUTE = wm.sample_name(wm.COMPUTE_SECONDS)
+COMM_WAIT = wm.sample_name(wm.COMM_WAIT_SECONDS)
 REQUIRED = (STEPS, SAMPLES, COMPUTE, COMM_WAIT)
 
 T = TypeVar("T")
@@ -66,7 +62,7 @@ class ScrapeResult:
     endpoint: Endpoint
     time: float
     sample: WorkerSample | None = None
-    status: dict[str, Any] | None = None
+    status: WorkerStatus | None = None
     error: str | None = None
 
     @property
@@ -120,19 +116,19 @@ def parse_metrics(text: str, *, time: float, endpoint: Endpoint | None = None) -
     missing = [name for name in REQUIRED if name not in series]
     if missing:
         raise MetricsError(f"missing series: {', '.join(missing)}")
-    info = series.get(WORKER_INFO, [])
+    info = series.get(wm.WORKER_INFO, [])
     labels = info[0][0] if info else {}
     rank: int | None
     try:
-        rank = int(labels["rank"]) if "rank" in labels else None
+        rank = int(labels[wm.LABEL_RANK]) if wm.LABEL_RANK in labels else None
     except ValueError as err:
-        raise MetricsError(f"{WORKER_INFO} has a non-integer rank label {labels['rank']!r}") from err
+        raise MetricsError(f"{wm.WORKER_INFO} has a non-integer rank label {labels[wm.LABEL_RANK]!r}") from err
     if rank is None and endpoint is not None:
         rank = endpoint.rank
     if rank is None:
-        raise MetricsError(f"no rank: {WORKER_INFO} is missing and the endpoint gives none")
-    modes = [lab.get("mode", "") for lab, value in series.get(MODE, []) if value >= 0.5]
-    node = labels.get("node") or (endpoint.node if endpoint else None)
+        raise MetricsError(f"no rank: {wm.WORKER_INFO} is missing and the endpoint gives none")
+    modes = [lab.get(wm.LABEL_MODE, "") for lab, value in series.get(wm.MODE, []) if value >= 0.5]
+    node = labels.get(wm.LABEL_NODE) or (endpoint.node if endpoint else None)
     return WorkerSample(
         rank=rank,
         time=time,
@@ -141,41 +137,47 @@ def parse_metrics(text: str, *, time: float, endpoint: Endpoint | None = None) -
         compute_seconds=float(_first(series, COMPUTE) or 0.0),
         comm_wait_seconds=float(_first(series, COMM_WAIT) or 0.0),
         mode=modes[0] if modes else "unknown",
-        batch_size=int(_finite(_first(series, BATCH_SIZE)) or 0),
+        batch_size=int(_finite(_first(series, wm.BATCH_SIZE)) or 0),
         node=node,
         pod=endpoint.pod if endpoint else None,
-        loss=_finite(_first(series, LOSS)),
-        staleness=_finite(_first(series, STALENESS)) or 0.0,
-        world_size=int(_finite(_first(series, WORLD_SIZE)) or 0),
-        gradient_bytes=int(_finite(_first(series, GRADIENT_BYTES)) or 0),
+        loss=_finite(_first(series, wm.LOSS)),
+        staleness=_finite(_first(series, wm.STALENESS)) or 0.0,
+        world_size=int(_finite(_first(series, wm.WORLD_SIZE)) or 0),
+        gradient_bytes=int(_finite(_first(series, wm.GRADIENT_BYTES)) or 0),
     )
 
 
-def sample_from_status(status: dict[str, Any], *, time: float, endpoint: Endpoint | None = None) -> WorkerSample:
-    """The same WorkerSample built from a /status JSON document (or a rank report file).
+def parse_status(text: str) -> WorkerStatus:
+    """Parse one trainer's /status body. Raises MetricsError when it is not a trainer's status."""
+    try:
+        return WorkerStatus.model_validate(json.loads(text))
+    except ValueError as err:  # JSON and validation errors alike
+        first = err.errors()[0] if isinstance(err, ValidationError) else None
+        reason = f"{'.'.join(str(p) for p in first['loc']) or 'document'}: {first['msg']}" if first else str(err)
+        raise MetricsError(f"not a trainer status: {reason}") from err
+
+
+def sample_from_status(status: WorkerStatus, *, time: float, endpoint: Endpoint | None = None) -> WorkerSample:
+    """The same WorkerSample built from a /status document (or a rank report file).
 
     One difference: `/status` `step` is the job's step (in async, the parameter server's), while
     `sgdjob_steps_total` counts this process's own optimizer steps; the metrics view is preferred."""
-    try:
-        loss = status.get("loss")
-        return WorkerSample(
-            rank=int(status["rank"]),
-            time=time,
-            steps=int(status.get("step", 0)),
-            samples=int(status.get("samples", 0)),
-            compute_seconds=float(status.get("computeSeconds", 0.0)),
-            comm_wait_seconds=float(status.get("commWaitSeconds", 0.0)),
-            mode=str(status.get("mode", "unknown")),
-            batch_size=int(status.get("batchSize", 0)),
-            node=status.get("node") or (endpoint.node if endpoint else None),
-            pod=endpoint.pod if endpoint else None,
-            loss=_finite(float(loss)) if loss is not None else None,
-            staleness=float(status.get("staleness") or 0.0),
-            world_size=int(status.get("worldSize", 0)),
-            gradient_bytes=int(status.get("gradientBytes") or 0),
-        )
-    except (KeyError, TypeError, ValueError) as err:
-        raise MetricsError(f"not a trainer status: {err!r}") from err
+    return WorkerSample(
+        rank=status.rank,
+        time=time,
+        steps=status.step,
+        samples=status.samples,
+        compute_seconds=status.compute_seconds,
+        comm_wait_seconds=status.comm_wait_seconds,
+        mode=status.mode.value if status.mode is not None else "unknown",
+        batch_size=status.batch_size,
+        node=status.node or (endpoint.node if endpoint else None),
+        pod=endpoint.pod if endpoint else None,
+        loss=_finite(status.loss),
+        staleness=status.staleness,
+        world_size=status.world_size,
+        gradient_bytes=status.gradient_bytes,
+    )
 
 
 # ---------------------------------------------------------------- HTTP
@@ -200,11 +202,8 @@ async def _metrics(session: aiohttp.ClientSession, endpoint: Endpoint, timeout: 
     return parse_metrics(await _get(session, endpoint.path("/metrics"), timeout), time=now, endpoint=endpoint)
 
 
-async def _status(session: aiohttp.ClientSession, endpoint: Endpoint, timeout: float) -> dict[str, Any]:
-    loaded = json.loads(await _get(session, endpoint.path("/status"), timeout))
-    if not isinstance(loaded, dict):
-        raise MetricsError("/status is not a JSON object")
-    return loaded
+async def _status(session: aiohttp.ClientSession, endpoint: Endpoint, timeout: float) -> WorkerStatus:
+    return parse_status(await _get(session, endpoint.path("/status"), timeout))
 
 
 async def _settle(coro: Awaitable[T]) -> tuple[T | None, str | None]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
@@ -34,6 +35,17 @@ from sgdjob_trainer.train_state import TrainState
 
 if TYPE_CHECKING:
     from sgdjob_trainer.strategies.ps import ParameterServer
+
+
+def exchange_bytes(params: Sequence[torch.Tensor], compression: Compression) -> int:
+    """Bytes of one gradient in `Strategy.weighted_allreduce`, as it goes on the wire: each trainable
+    parameter's gradient (a gradient has its parameter's dtype), in bf16 under bf16 compression. The
+    few-element tail beside it is left out: it costs latency, not bandwidth. Async pushes to the
+    parameter servers are fp32 and never compressed: under compression they send twice this."""
+    trainable = [p for p in params if p.requires_grad]
+    if compression == Compression.BF16:
+        return sum(p.numel() for p in trainable) * torch.bfloat16.itemsize
+    return sum(p.numel() * p.element_size() for p in trainable)
 
 
 @dataclass(slots=True)

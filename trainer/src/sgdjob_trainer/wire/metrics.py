@@ -1,0 +1,42 @@
+"""The Prometheus names a trainer exports on /metrics and its controllers parse.
+
+The trainer registers its metrics under these family names; the scraper reads the samples under
+`sample_name` of them. A name changed here changes on both sides at once.
+"""
+
+from __future__ import annotations
+
+# Counters: cumulative since the process started (a restart resets them).
+STEPS = "sgdjob_steps"
+SAMPLES = "sgdjob_samples"
+COMPUTE_SECONDS = "sgdjob_compute_seconds"
+COMM_WAIT_SECONDS = "sgdjob_comm_wait_seconds"
+SWITCHES = "sgdjob_switches"
+SWITCH_PAUSE_SECONDS = "sgdjob_switch_pause_seconds"
+
+# Histogram of wall seconds per step.
+STEP_SECONDS = "sgdjob_step_seconds"
+
+# Gauges.
+LOSS = "sgdjob_loss"
+STALENESS = "sgdjob_staleness_steps"
+WORLD_SIZE = "sgdjob_world_size"
+BATCH_SIZE = "sgdjob_batch_size"
+CONTROL_EPOCH = "sgdjob_control_epoch"
+GRADIENT_BYTES = "sgdjob_gradient_bytes"
+MODE = "sgdjob_mode"  # one series per mode, labelled LABEL_MODE: 1 for the active one
+WORKER_INFO = "sgdjob_worker_info"  # always 1, labelled with the process's identity
+
+LABEL_MODE = "mode"
+LABEL_RANK = "rank"
+LABEL_LOCAL_RANK = "local_rank"
+LABEL_NODE = "node"
+WORKER_INFO_LABELS = (LABEL_RANK, LABEL_LOCAL_RANK, LABEL_NODE)
+
+COUNTERS = frozenset({STEPS, SAMPLES, COMPUTE_SECONDS, COMM_WAIT_SECONDS, SWITCHES, SWITCH_PAUSE_SECONDS})
+
+
+def sample_name(family: str) -> str:
+    """The name a family's value is exposed under: prometheus_client appends `_total` to counters
+    (histograms expose `_bucket`/`_sum`/`_count`, which no controller reads)."""
+    return f"{family}_total" if family in COUNTERS else family
