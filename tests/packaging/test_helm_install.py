@@ -18,10 +18,10 @@ from typing import Any
 import pytest
 import yaml
 
-from e2e.cluster import LocalCluster
-from e2e.controlplane import free_port
-from e2e.helpers import new_namespace, wait_for
-from e2e.kube import Kube
+from devcluster.cluster import LocalCluster
+from devcluster.controlplane import free_port
+from devcluster.kube import Kube
+from devcluster.testing import new_namespace, wait_for
 from tests.packaging.recording_proxy import RecordingProxy
 from tests.packaging.test_chart import CHART, _helm, _render
 

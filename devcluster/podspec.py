@@ -7,7 +7,7 @@ Pods are the API's JSON (camelCase dicts), exactly what `kubectl get -o json` sh
 Paths: the agent never touches the host's real mount paths. Every volume lives in a per-pod folder,
 and each container's mountPaths are rewritten to those folders wherever they appear in its command,
 args, env values and workingDir (see `rewrite`). Paths inside files or compiled into libraries are not
-rewritten; e2e/README.md says what that means for pods.
+rewritten; devcluster/README.md says what that means for pods.
 """
 
 from __future__ import annotations
