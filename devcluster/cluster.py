@@ -34,7 +34,7 @@ from devcluster.node_agent import NodeAgent, NodeSpec
 from devcluster.proctree import alive, kill_tagged, reap_orphans
 
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_STATE = Path(tempfile.gettempdir()) / "sgdjob-e2e-cluster" / "state.json"
+DEFAULT_STATE = Path(tempfile.gettempdir()) / "sgdjob-devcluster" / "state.json"
 GPU_LABEL = "nvidia.com/gpu.present"
 
 

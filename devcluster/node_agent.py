@@ -32,10 +32,10 @@ from typing import Any
 
 from devcluster import podspec
 from devcluster.kube import Kube, KubeError
-from devcluster.pod_runner import PodRunner, RunnerConfig, now_iso
+from devcluster.pod_runner import CONTAINER_ID_SCHEME, PodRunner, RunnerConfig, now_iso
 from devcluster.proctree import kill_tagged, new_agent_tag, tagged_pids
 
-log = logging.getLogger("e2e.node_agent")
+log = logging.getLogger("devcluster.node_agent")
 Obj = dict[str, Any]
 _HOSTS_SCRIPT = 'mount --bind "$1" /etc/hosts && hostname "$2" && shift 2 && exec "$@"'
 
@@ -188,13 +188,13 @@ class NodeAgent:
             "status": {
                 "capacity": cap,
                 "allocatable": cap,
-                "conditions": self._conditions("True", "KubeletReady", "sgdjob e2e node agent is posting ready status"),
+                "conditions": self._conditions("True", "KubeletReady", "sgdjob devcluster node agent is posting ready status"),
                 "addresses": [{"type": "InternalIP", "address": self.node_ip(node.name)}, {"type": "Hostname", "address": node.name}],
                 "daemonEndpoints": {"kubeletEndpoint": {"Port": 0}},
                 "nodeInfo": {
                     **dict.fromkeys(("machineID", "systemUUID", "bootID"), ""),
-                    **{"kernelVersion": os.uname().release, "osImage": "sgdjob e2e node agent (processes, no containers)"},
-                    **{"containerRuntimeVersion": "e2e://0", "kubeletVersion": "v1.20.2", "kubeProxyVersion": "v1.20.2"},
+                    **{"kernelVersion": os.uname().release, "osImage": "sgdjob devcluster node agent (processes, no containers)"},
+                    **{"containerRuntimeVersion": f"{CONTAINER_ID_SCHEME}0", "kubeletVersion": "v1.20.2", "kubeProxyVersion": "v1.20.2"},
                     **{"operatingSystem": "linux", "architecture": "amd64"},
                 },
             },

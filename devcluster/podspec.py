@@ -347,7 +347,7 @@ def render_hosts(pod: Obj, pod_ip: str, records: Iterable[Record]) -> str:
     ns = pod["metadata"]["namespace"]
     host, fqdn = pod_hostname(pod)
     lines = [
-        "# Kubernetes-managed hosts file (sgdjob e2e node agent; also stands in for cluster DNS).",
+        "# Kubernetes-managed hosts file (sgdjob devcluster node agent; also stands in for cluster DNS).",
         "127.0.0.1\tlocalhost",
         "::1\tlocalhost ip6-localhost ip6-loopback",
         f"{pod_ip}\t{fqdn} {host}" if fqdn != host else f"{pod_ip}\t{host}",

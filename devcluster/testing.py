@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 
 from devcluster.cluster import LocalCluster
 from devcluster.kube import Kube, pod_path
+from devcluster.pod_runner import CONTAINER_ID_SCHEME
 
 T = TypeVar("T")
 Obj = dict[str, Any]
@@ -53,8 +54,8 @@ def phase_in(kube: Kube, ns: str, name: str, *phases: str) -> Obj | None:
 
 
 def container_pid(pod: Obj, index: int = 0) -> int:
-    """The host pid of a container's main process (the agent's containerID is `e2e://<pid>`)."""
-    return int(pod["status"]["containerStatuses"][index]["containerID"].removeprefix("e2e://"))
+    """The host pid of a container's main process (the agent's containerID is `devcluster://<pid>`)."""
+    return int(pod["status"]["containerStatuses"][index]["containerID"].removeprefix(CONTAINER_ID_SCHEME))
 
 
 def script(body: str) -> str:

@@ -1,4 +1,4 @@
-"""`helm install`, `helm upgrade`, `helm uninstall` of the chart on the e2e cluster: the operator pod runs
+"""`helm install`, `helm upgrade`, `helm uninstall` of the chart on the local cluster (devcluster): the operator pod runs
 through the node agent with in-cluster config (its ServiceAccount's token Secret, mounted by the
 admission plugin) under exactly the chart's RBAC, and reconciles a one-worker SGDJob to Succeeded.
 
