@@ -21,7 +21,7 @@ demo: venv
 lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy operator/src trainer/src e2e bench
+	$(BIN)/mypy operator/src trainer/src devcluster tests/devcluster tests/e2e bench
 
 test: lint
 	$(BIN)/pytest -q

@@ -4,7 +4,7 @@
     python -m bench.operator_scale --out DIR [--jobs 100] [--workers 8]
 
 Starts etcd + kube-apiserver + kube-controller-manager (garbage collection) + kube-scheduler
-(`e2e.controlplane.ControlPlane(with_controllers=True)`), installs the CRD, runs `sgdjob operator
+(`devcluster.controlplane.ControlPlane(with_controllers=True)`), installs the CRD, runs `sgdjob operator
 --namespace NS` as a subprocess through a counting proxy (bench.apiproxy: the operator's own API
 requests, by verb and resource), creates the jobs as fast as the API takes them, and measures:
 - per job, seconds from its create call returning until all its worker pods were seen by a pod
@@ -153,7 +153,7 @@ def run(out: Path, jobs: int, workers: int, timeout_s: float) -> dict[str, Any]:
     import urllib3
     from kubernetes import client, config
 
-    from e2e.controlplane import ControlPlane
+    from devcluster.controlplane import ControlPlane
 
     urllib3.disable_warnings(urllib3.exceptions.InsecureRequestWarning)  # loopback apiserver, self-signed
 

@@ -11,7 +11,7 @@ import pytest
 import yaml
 from kubernetes import client, config
 
-from e2e.controlplane import ControlPlane
+from devcluster.controlplane import ControlPlane
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))

@@ -19,7 +19,7 @@ import pytest
 import yaml
 from kubernetes import client, config
 
-from e2e.controlplane import ControlPlane, free_port
+from devcluster.controlplane import ControlPlane, free_port
 
 T = TypeVar("T")
 GROUP, VERSION, PLURAL = "sgdjob.dev", "v1alpha1", "sgdjobs"

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 from kubernetes import client, config
 
-from e2e.controlplane import ControlPlane
-from e2e.fixtures import CRD_FILE, _require_assets
+from devcluster.controlplane import ControlPlane
+from devcluster.pytest_plugin import require_assets
+from tests.conftest import install_crd
 from tests.operator.conftest import Cluster, Operator, wait_for
 
 pytestmark = pytest.mark.k8s
@@ -18,11 +19,10 @@ pytestmark = pytest.mark.k8s
 
 @pytest.fixture(scope="module")
 def gc_plane() -> Iterator[ControlPlane]:
-    _require_assets()
+    require_assets()
     plane = ControlPlane(with_controllers=True).start()
     try:
-        plane.kubectl("apply", "-f", str(CRD_FILE))
-        plane.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/sgdjobs.sgdjob.dev")
+        install_crd(plane)
         yield plane
     finally:
         plane.stop()

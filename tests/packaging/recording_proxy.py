@@ -1,7 +1,7 @@
 """A TLS reverse proxy in front of the kube-apiserver that records every request as the RBAC
 authorizer names it: (apiGroup, resource[/subresource], verb) and the answer's status.
 
-It serves the API server's own certificate and key (the e2e plane's self-signed `apiserver.crt`, which
+It serves the API server's own certificate and key (the devcluster plane's self-signed `apiserver.crt`, which
 is also the CA in every service-account token Secret), so a pod whose in-cluster config points at
 this proxy (`KUBERNETES_SERVICE_PORT`) verifies it as the API server and needs no change at all.
 Requests pass through with the client's own bearer token, so the API server authorizes them as the

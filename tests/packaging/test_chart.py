@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import yaml
 
-from e2e.controlplane import ControlPlane
+from devcluster.controlplane import ControlPlane
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "sgdjob-operator"

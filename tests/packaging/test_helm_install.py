@@ -1,4 +1,4 @@
-"""`helm install`, `helm upgrade`, `helm uninstall` of the chart on the e2e cluster: the operator pod runs
+"""`helm install`, `helm upgrade`, `helm uninstall` of the chart on the local cluster (devcluster): the operator pod runs
 through the node agent with in-cluster config (its ServiceAccount's token Secret, mounted by the
 admission plugin) under exactly the chart's RBAC, and reconciles a one-worker SGDJob to Succeeded.
 
@@ -18,10 +18,10 @@ from typing import Any
 import pytest
 import yaml
 
-from e2e.cluster import LocalCluster
-from e2e.controlplane import free_port
-from e2e.helpers import new_namespace, wait_for
-from e2e.kube import Kube
+from devcluster.cluster import LocalCluster
+from devcluster.controlplane import free_port
+from devcluster.kube import Kube
+from devcluster.testing import new_namespace, wait_for
 from tests.packaging.recording_proxy import RecordingProxy
 from tests.packaging.test_chart import CHART, _helm, _render
 

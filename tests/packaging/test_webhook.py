@@ -21,7 +21,7 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from e2e.controlplane import ControlPlane, free_port
+from devcluster.controlplane import ControlPlane, free_port
 from sgdjob_operator.cli import main
 from sgdjob_operator.k8s.settings import OperatorSettings
 from sgdjob_operator.k8s.webhook import PATH, check, review

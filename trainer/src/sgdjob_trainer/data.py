@@ -20,6 +20,8 @@ from typing import Any, cast
 import torch
 from torch.utils.data import Dataset, TensorDataset, default_collate
 
+from sgdjob_trainer.hooks import load_hook
+
 SYNTHETIC_FEATURES = 16
 SYNTHETIC_SAMPLES = 8192
 # The teacher's label noise: the best possible mean squared error (the "noise floor") is its square.
@@ -54,8 +56,6 @@ def build_dataset(name: str) -> Dataset[Any]:
         return synthetic_dataset()
     if name == "digits":
         return digits_dataset()
-    from sgdjob_trainer.models import load_hook
-
     dataset = load_hook(name)()
     if not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__"):
         raise TypeError(f"dataset hook '{name}' returned {type(dataset).__name__}, not a map-style dataset")

@@ -1,4 +1,4 @@
-"""Built-in models, losses and the `module:function` user hooks.
+"""Built-in models and losses, and what the `module:function` user hooks (hooks.py) must be.
 
 Hooks: a model hook is called with no arguments and returns an `nn.Module`; a dataset hook is
 called with no arguments and returns a map-style dataset of `(input, target)` pairs; a loss hook IS
@@ -8,27 +8,17 @@ the loss: it is called as `loss(output, target)` and returns a scalar tensor, so
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
-from typing import Any, cast
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from sgdjob_trainer.data import SYNTHETIC_FEATURES
+from sgdjob_trainer.hooks import load_hook
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def load_hook(spec: str) -> Any:
-    """Resolve `package.module:function` to the object it names."""
-    module_name, _, attr = spec.partition(":")
-    module = importlib.import_module(module_name)
-    try:
-        return getattr(module, attr)
-    except AttributeError as err:
-        raise ValueError(f"hook '{spec}': module {module_name} has no attribute {attr}") from err
 
 
 class DigitsCNN(nn.Module):

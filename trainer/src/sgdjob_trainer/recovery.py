@@ -36,11 +36,11 @@ import torch.distributed as dist
 from sgdjob_trainer.checkpoint import Checkpointer, Snapshot, claim_dir, read_progress
 from sgdjob_trainer.config import SyncMode
 from sgdjob_trainer.resume import load_latest
-from sgdjob_trainer.strategies import StepResult, Strategy
+from sgdjob_trainer.strategies import Context, StepResult, Strategy
 from sgdjob_trainer.wire.status import CheckpointReport, Figures, ResumeRecord
 
 if TYPE_CHECKING:
-    from sgdjob_trainer.trainer import Trainer
+    from sgdjob_trainer.server import ControlInbox
 
 log = logging.getLogger("sgdjob_trainer.recovery")
 EXIT_STOPPED = 143
@@ -48,20 +48,24 @@ STUCK_MIN_S = 5.0
 
 
 class Recovery:
-    def __init__(self, trainer: Trainer) -> None:
-        self.trainer = trainer
-        info, telemetry = trainer.info, trainer.telemetry
+    """Works on the strategies' `ctx` (world, training config, state, telemetry, parameter server, stop
+    flag); `ctl` is the group of the small CPU-side agreements (None: the default group), `inbox` rank
+    0's control inbox (marked applied up to a resumed checkpoint's epoch)."""
+
+    def __init__(self, ctx: Context, ctl: dist.ProcessGroup | None, job_name: str, inbox: ControlInbox | None) -> None:
+        self.ctx, self.ctl, self.job_name, self.inbox = ctx, ctl, job_name, inbox
+        info, telemetry = ctx.info, ctx.telemetry
         self.history: list[dict[str, Any]] = []
         self.finishing = False  # past the agreed stop: writing the final checkpoint
         self.slowest_step = 0.0
         self._step_at = time.monotonic()
         # One id per start of the job, the same on every rank: names this life's temp directories.
         holder: list[Any] = [uuid.uuid4().hex[:12] if info.rank == 0 else None]
-        dist.broadcast_object_list(holder, src=0, group=trainer.ctl)
+        dist.broadcast_object_list(holder, src=0, group=ctl)
         self.life = str(holder[0])
-        cfg = trainer.training.checkpoint
+        cfg = ctx.training.checkpoint
         if cfg.dir is not None:
-            claim_dir(Path(cfg.dir), trainer.config.job_name, info.rank)
+            claim_dir(Path(cfg.dir), job_name, info.rank)
         self.ckpt = Checkpointer(cfg, info.rank, self.life) if cfg.dir is not None else None
         telemetry.restart_count = info.restart_count
         if self.ckpt is not None:
@@ -72,22 +76,22 @@ class Recovery:
             log.debug("not on the main thread: no SIGTERM handler")
 
     def _resume(self, ckpt: Checkpointer) -> None:
-        tr = self.trainer
-        info, state, telemetry = tr.info, tr.state, tr.telemetry
+        ctx = self.ctx
+        info, state, telemetry = ctx.info, ctx.state, ctx.telemetry
         previous = None
         if info.rank == 0:
             ckpt.remove_stale()
             previous = read_progress(ckpt.root)
-        meta = load_latest(ckpt.root, state, info.rank, info.world_size, tr.ctl)
+        meta = load_latest(ckpt.root, state, info.rank, info.world_size, self.ctl)
         if meta is not None:
             ckpt.last = state.step
             reason = f"resumed from the checkpoint of step {state.step} (world {meta['world_size']} -> {info.world_size})"
             telemetry.resumed(state.step, state.mode, reason)
             telemetry.set_control_epoch(state.control_epoch)
-            telemetry.set_batch_size(tr.ctx.batch_size())
-            if tr.inbox is not None:
-                tr.inbox.mark_applied(state.control_epoch)
-            log.info("%s, mode %s, lr %.4g", reason, state.mode.value, tr.lr)
+            telemetry.set_batch_size(ctx.batch_size())
+            if self.inbox is not None:
+                self.inbox.mark_applied(state.control_epoch)
+            log.info("%s, mode %s, lr %.4g", reason, state.mode.value, ctx.lr)
         if previous is not None and previous.get("life") != self.life:
             reached = int(previous.get("step", 0))
             record = {
@@ -106,16 +110,16 @@ class Recovery:
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         # Only flags: the loop stops at an agreed step (the handler runs between bytecodes).
-        if not self.trainer.ctx.stopping.is_set():
-            self.trainer.ctx.stopping.set()
-            threading.Thread(target=self._watchdog, args=(self.trainer.state.step,), name="sgdjob-stop-watchdog", daemon=True).start()
+        if not self.ctx.stopping.is_set():
+            self.ctx.stopping.set()
+            threading.Thread(target=self._watchdog, args=(self.ctx.state.step,), name="sgdjob-stop-watchdog", daemon=True).start()
 
     def _watchdog(self, step: int) -> None:
         """torchrun also sends SIGTERM when a peer died; a rank blocked in a collective with the
         dead peer never reaches the agreed stop, and would hold up the restart until torchrun's
         SIGKILL (30 s). No step within max(5 s, 3 x the slowest step): exit at once."""
         time.sleep(max(STUCK_MIN_S, 3.0 * self.slowest_step))
-        if self.trainer.state.step == step and not self.finishing:
+        if self.ctx.state.step == step and not self.finishing:
             log.warning("SIGTERM: no step completes (a peer is gone?); exiting without a final checkpoint")
             logging.shutdown()
             os._exit(EXIT_STOPPED)
@@ -125,8 +129,8 @@ class Recovery:
         return self.ckpt.last if self.ckpt is not None else 0
 
     def after_step(self, strategy: Strategy, result: StepResult) -> None:
-        tr = self.trainer
-        state, rank = tr.state, tr.info.rank
+        ctx = self.ctx
+        state, rank = ctx.state, ctx.info.rank
         now = time.monotonic()
         self.slowest_step, self._step_at = max(self.slowest_step, now - self._step_at), now
         ckpt = self.ckpt
@@ -136,8 +140,8 @@ class Recovery:
                     self.take(result.checkpoint, 0)
             elif ckpt.due(state.step):
                 self.take(state.step, strategy.checkpoint_weight())
-                if state.mode == SyncMode.ASYNC and tr.ctx.ps is not None:
-                    tr.ctx.ps.checkpoint_request = state.step
+                if state.mode == SyncMode.ASYNC and ctx.ps is not None:
+                    ctx.ps.checkpoint_request = state.step
             if rank == 0:
                 ckpt.note_progress(state.step, self.history)
         self._faults()
@@ -149,32 +153,32 @@ class Recovery:
 
     def at_end(self, interrupted: bool) -> None:
         """Every rank holds the same model here (after leave()); one more checkpoint when asked."""
-        tr = self.trainer
+        ctx = self.ctx
         ckpt = self.ckpt
         self.finishing = True
         if ckpt is None:
             return
-        if tr.training.checkpoint.on_stop and tr.state.step > ckpt.last:
-            self.take(tr.state.step, tr.info.world_size if tr.info.rank == 0 else 0)
+        if ctx.training.checkpoint.on_stop and ctx.state.step > ckpt.last:
+            self.take(ctx.state.step, ctx.info.world_size if ctx.info.rank == 0 else 0)
         ckpt.flush()
-        if tr.info.rank == 0:
-            ckpt.note_progress(tr.state.step, self.history, force=True)
+        if ctx.info.rank == 0:
+            ckpt.note_progress(ctx.state.step, self.history, force=True)
         if interrupted:
-            log.warning("stopped by SIGTERM at step %d%s", tr.state.step, " after a final checkpoint" if tr.training.checkpoint.on_stop else "")
+            log.warning("stopped by SIGTERM at step %d%s", ctx.state.step, " after a final checkpoint" if ctx.training.checkpoint.on_stop else "")
 
     def take(self, step: int, weight: int) -> None:
-        tr = self.trainer
-        state, telemetry, ps = tr.state, tr.telemetry, tr.ctx.ps
+        ctx = self.ctx
+        state, telemetry, ps = ctx.state, ctx.telemetry, ctx.ps
         assert self.ckpt is not None
 
         def snapshot() -> Snapshot:
             shards = ps.snapshot() if ps is not None and state.mode == SyncMode.ASYNC else {}
             meta = None
-            if tr.info.rank == 0:
-                meta = state.meta_fields() | {"loss": telemetry.loss if math.isfinite(telemetry.loss) else None, "job": tr.config.job_name}
+            if ctx.info.rank == 0:
+                meta = state.meta_fields() | {"loss": telemetry.loss if math.isfinite(telemetry.loss) else None, "job": self.job_name}
             return Snapshot(
                 step=step,
-                world_size=tr.info.world_size,
+                world_size=ctx.info.world_size,
                 part=state.rank_part(shards),
                 data=state.data.as_dict(),
                 model=state.model_part(weight) if weight > 0 else None,
@@ -185,22 +189,22 @@ class Recovery:
         log.debug("checkpoint of step %d queued after a %.1f ms stall", step, stall * 1e3)
 
     def _faults(self) -> None:
-        tr = self.trainer
-        info = tr.info
-        for fault in tr.training.faults:
+        ctx = self.ctx
+        info = ctx.info
+        for fault in ctx.training.faults:
             if fault.rank != info.rank or fault.restart != info.restart_count:
                 continue
-            by_step = fault.at_step is not None and tr.state.step >= fault.at_step
-            by_time = fault.after_seconds is not None and time.time() - tr.telemetry.start_time >= fault.after_seconds
+            by_step = fault.at_step is not None and ctx.state.step >= fault.at_step
+            by_time = fault.after_seconds is not None and time.time() - ctx.telemetry.start_time >= fault.after_seconds
             if by_step or by_time:
-                log.warning("EMULATED FAULT: rank %d exits abruptly with %d at step %d", info.rank, fault.exit_code, tr.state.step)
+                log.warning("EMULATED FAULT: rank %d exits abruptly with %d at step %d", info.rank, fault.exit_code, ctx.state.step)
                 logging.shutdown()
                 os._exit(fault.exit_code)
 
     def report(self) -> None:
         """Checkpoint figures for /status and the rank report."""
         if self.ckpt is not None:
-            self.trainer.telemetry.checkpoint = CheckpointReport(
+            self.ctx.telemetry.checkpoint = CheckpointReport(
                 stall_seconds=Figures.of(self.ckpt.stalls),
                 write_seconds=Figures.of(self.ckpt.writes),
                 completed=list(self.ckpt.completed),

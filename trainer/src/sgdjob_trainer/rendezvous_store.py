@@ -23,7 +23,7 @@ def serve(host: str, port: int, stop: threading.Event) -> None:
     from torch.distributed import TCPStore  # type: ignore[attr-defined]  # torch only where the store runs
 
     # TCPStore alone listens on every interface; binding the socket ourselves keeps it to the pod IP,
-    # so several jobs' stores can share a machine whose pods are loopback addresses (the e2e node agent).
+    # so several jobs' stores can share a machine whose pods are loopback addresses (the devcluster node agent).
     sock = socket.create_server((host, port), backlog=1024, reuse_port=False)
     # wait_for_workers=False: membership is elastic and nobody knows the world size up front.
     store = TCPStore(host, port, is_master=True, wait_for_workers=False, master_listen_fd=sock.fileno(), timeout=timedelta(seconds=900))

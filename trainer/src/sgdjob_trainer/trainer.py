@@ -123,7 +123,7 @@ class Trainer:
         self.stop_seen = False
         # Checkpoints, resume, emulated faults and SIGTERM; resumes here (collective) when a
         # checkpoint directory holds a good checkpoint.
-        self.recovery = Recovery(self)
+        self.recovery = Recovery(self.ctx, self.ctl, config.job_name, self.inbox)
         log.info(
             "job %s: world %d (restart %d), mode %s at step %d, model %s on %s, lr %.4g, %d steps, device %s",
             config.job_name,

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from e2e import podspec
+from devcluster import podspec
 
 Obj = dict[str, Any]
 

@@ -1,13 +1,13 @@
 """A local Kubernetes cluster on loopback: control plane with controllers + our node agent.
 
-    python -m e2e.cluster up      # starts it in the background, prints `export KUBECONFIG=...`
-    python -m e2e.cluster status  # is it up, where are its files
-    python -m e2e.cluster down    # stops everything it started; nothing is left running
+    python -m devcluster up      # starts it in the background, prints `export KUBECONFIG=...`
+    python -m devcluster status  # is it up, where are its files
+    python -m devcluster down    # stops everything it started; nothing is left running
 
 `up` starts a daemon (`serve`) in its own session that owns the cluster and writes a state file
 (pids, kubeconfig, workdir, the agent's process tag). `down` asks it to stop (SIGTERM), then kills
 whatever survived by pid and by tag and removes the files, so even a SIGKILLed daemon leaves nothing.
-Tests use LocalCluster directly (the `cluster` fixture in e2e/fixtures.py).
+Tests use LocalCluster directly (the `cluster` fixture in devcluster/pytest_plugin.py).
 """
 
 from __future__ import annotations
@@ -28,13 +28,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from e2e.controlplane import ControlPlane
-from e2e.kube import Kube
-from e2e.node_agent import NodeAgent, NodeSpec
-from e2e.proctree import alive, kill_tagged, reap_orphans
+from devcluster.controlplane import ControlPlane
+from devcluster.kube import Kube
+from devcluster.node_agent import NodeAgent, NodeSpec
+from devcluster.proctree import alive, kill_tagged, reap_orphans
 
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_STATE = Path(tempfile.gettempdir()) / "sgdjob-e2e-cluster" / "state.json"
+DEFAULT_STATE = Path(tempfile.gettempdir()) / "sgdjob-devcluster" / "state.json"
 GPU_LABEL = "nvidia.com/gpu.present"
 
 
@@ -158,14 +158,15 @@ def _up(args: argparse.Namespace) -> int:
     state = Path(args.state)
     info = _read_state(state)
     if info and alive(int(info["pid"])):
-        print(f"already up (pid {info['pid']}); take it down with: python -m e2e.cluster down", file=sys.stderr)
+        print(f"already up (pid {info['pid']}); take it down with: python -m devcluster down", file=sys.stderr)
         print(f"export KUBECONFIG={info['kubeconfig']}")
         return 0
     state.parent.mkdir(parents=True, exist_ok=True)
     state.unlink(missing_ok=True)
     ensure_assets()
     logfile = state.with_suffix(".log")
-    argv = [sys.executable, "-m", "e2e.cluster", "serve", "--state", str(state), "--gpu-nodes", str(args.gpu_nodes), "--cpu-nodes", str(args.cpu_nodes)]
+    argv = [sys.executable, "-m", "devcluster", "serve", "--state", str(state)]
+    argv += ["--gpu-nodes", str(args.gpu_nodes), "--cpu-nodes", str(args.cpu_nodes)]
     with open(logfile, "wb") as out:
         daemon = subprocess.Popen(argv, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + args.timeout
@@ -197,7 +198,7 @@ def _down(args: argparse.Namespace) -> int:
         while alive(pid) and time.monotonic() < deadline:
             time.sleep(0.2)
     # Whatever survived a crashed or stuck daemon: its own process, the plane's sessions, the pods.
-    expected = {pid: "e2e.cluster", **{int(p): name for name, p in info["pids"].items()}}
+    expected = {pid: "devcluster", **{int(p): name for name, p in info["pids"].items()}}
     for leftover, name in expected.items():
         if alive(leftover) and name in _cmdline(leftover):  # the pid is still ours, not reused
             with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -219,7 +220,11 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m e2e.cluster", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m devcluster",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("command", choices=["up", "down", "status", "serve"])
     parser.add_argument("--state", default=str(DEFAULT_STATE), help=f"state file (default {DEFAULT_STATE})")
     parser.add_argument("--gpu-nodes", type=int, default=4, help="nodes with one nvidia.com/gpu each (default 4)")
@@ -227,7 +232,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds `up` waits for the cluster")
     args = parser.parse_args(argv)
     return {"up": _up, "down": _down, "status": _status, "serve": _serve}[args.command](args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

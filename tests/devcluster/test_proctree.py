@@ -6,7 +6,7 @@ import os
 import subprocess
 import time
 
-from e2e.proctree import TAG_KEY, alive, kill_tagged, new_agent_tag, reap_orphans, tagged_pids
+from devcluster.proctree import TAG_KEY, alive, kill_tagged, new_agent_tag, reap_orphans, tagged_pids
 
 
 def _spawn(tag: str) -> subprocess.Popen[bytes]:

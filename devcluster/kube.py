@@ -1,4 +1,4 @@
-"""A small raw-JSON Kubernetes API client for the node agent and the e2e tests.
+"""A small raw-JSON Kubernetes API client for the node agent and the tests on the local cluster.
 
 Credentials come from the official client's kubeconfig loader; requests go straight through urllib3
 (thread-safe pools). Why not the generated API classes: the installed client (v37) validates every
@@ -45,7 +45,7 @@ class Kube:
         self.server = str(cfg.host).rstrip("/")
         self.port = urlparse(self.server).port or 443
         self.timeout = timeout
-        self.headers = {"Accept": "application/json", "User-Agent": "sgdjob-e2e-node-agent"}
+        self.headers = {"Accept": "application/json", "User-Agent": "sgdjob-devcluster-node-agent"}
         for key in ("BearerToken", "authorization"):  # the key's name differs between client versions
             auth = (cfg.api_key or {}).get(key)
             if auth:

@@ -7,7 +7,7 @@ Pods are the API's JSON (camelCase dicts), exactly what `kubectl get -o json` sh
 Paths: the agent never touches the host's real mount paths. Every volume lives in a per-pod folder,
 and each container's mountPaths are rewritten to those folders wherever they appear in its command,
 args, env values and workingDir (see `rewrite`). Paths inside files or compiled into libraries are not
-rewritten; e2e/README.md says what that means for pods.
+rewritten; devcluster/README.md says what that means for pods.
 """
 
 from __future__ import annotations
@@ -347,7 +347,7 @@ def render_hosts(pod: Obj, pod_ip: str, records: Iterable[Record]) -> str:
     ns = pod["metadata"]["namespace"]
     host, fqdn = pod_hostname(pod)
     lines = [
-        "# Kubernetes-managed hosts file (sgdjob e2e node agent; also stands in for cluster DNS).",
+        "# Kubernetes-managed hosts file (sgdjob devcluster node agent; also stands in for cluster DNS).",
         "127.0.0.1\tlocalhost",
         "::1\tlocalhost ip6-localhost ip6-loopback",
         f"{pod_ip}\t{fqdn} {host}" if fqdn != host else f"{pod_ip}\t{host}",

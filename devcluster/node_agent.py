@@ -2,13 +2,13 @@
 
 It registers Nodes (capacity incl. `nvidia.com/gpu`, Ready, heartbeats by Lease every few seconds and by
 status patch), watches Pods and Services of the whole cluster, and gives each pod bound to one of its
-nodes a PodRunner (e2e/pod_runner.py): a loopback IP of its own, a hosts file standing in for cluster
+nodes a PodRunner (devcluster/pod_runner.py): a loopback IP of its own, a hosts file standing in for cluster
 DNS, its volumes in a per-pod folder, and its containers as processes. `fail_node` emulates node loss.
 
 Pod containers run inside `unshare --mount --uts` with the pod's hosts file bind-mounted over
 /etc/hosts and the pod's hostname set; where that is impossible (no privileges) the agent says why in
 `isolation_error` and runs pods without it (DNS names then do not resolve). Every process is in its
-own process group, tagged (e2e/proctree.py) and killed on stop(), at interpreter exit, or when the
+own process group, tagged (devcluster/proctree.py) and killed on stop(), at interpreter exit, or when the
 parent dies (PR_SET_PDEATHSIG via setpriv).
 """
 
@@ -30,12 +30,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from e2e import podspec
-from e2e.kube import Kube, KubeError
-from e2e.pod_runner import PodRunner, RunnerConfig, now_iso
-from e2e.proctree import kill_tagged, new_agent_tag, tagged_pids
+from devcluster import podspec
+from devcluster.kube import Kube, KubeError
+from devcluster.pod_runner import CONTAINER_ID_SCHEME, PodRunner, RunnerConfig, now_iso
+from devcluster.proctree import kill_tagged, new_agent_tag, tagged_pids
 
-log = logging.getLogger("e2e.node_agent")
+log = logging.getLogger("devcluster.node_agent")
 Obj = dict[str, Any]
 _HOSTS_SCRIPT = 'mount --bind "$1" /etc/hosts && hostname "$2" && shift 2 && exec "$@"'
 
@@ -85,7 +85,7 @@ class NodeAgent:
         self.path = f"{bin_dir}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
         self.tag = new_agent_tag()
         # Pods get 127.<octet>.x.y (x >= 1), nodes 127.<octet>.0.n: one /16 per agent, away from
-        # 127.0.0.0/24 and from the Service range 127.96.0.0/16 of e2e/controlplane.py.
+        # 127.0.0.0/24 and from the Service range 127.96.0.0/16 of devcluster/controlplane.py.
         self.octet = net_octet or random.randint(1, 95)
         self.kube = Kube(kubeconfig, ca_file=ca_file)
         self.api_port = self.kube.port
@@ -188,13 +188,13 @@ class NodeAgent:
             "status": {
                 "capacity": cap,
                 "allocatable": cap,
-                "conditions": self._conditions("True", "KubeletReady", "sgdjob e2e node agent is posting ready status"),
+                "conditions": self._conditions("True", "KubeletReady", "sgdjob devcluster node agent is posting ready status"),
                 "addresses": [{"type": "InternalIP", "address": self.node_ip(node.name)}, {"type": "Hostname", "address": node.name}],
                 "daemonEndpoints": {"kubeletEndpoint": {"Port": 0}},
                 "nodeInfo": {
                     **dict.fromkeys(("machineID", "systemUUID", "bootID"), ""),
-                    **{"kernelVersion": os.uname().release, "osImage": "sgdjob e2e node agent (processes, no containers)"},
-                    **{"containerRuntimeVersion": "e2e://0", "kubeletVersion": "v1.20.2", "kubeProxyVersion": "v1.20.2"},
+                    **{"kernelVersion": os.uname().release, "osImage": "sgdjob devcluster node agent (processes, no containers)"},
+                    **{"containerRuntimeVersion": f"{CONTAINER_ID_SCHEME}0", "kubeletVersion": "v1.20.2", "kubeProxyVersion": "v1.20.2"},
                     **{"operatingSystem": "linux", "architecture": "amd64"},
                 },
             },

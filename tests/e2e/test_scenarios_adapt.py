@@ -18,9 +18,19 @@ from pathlib import Path
 
 import pytest
 
-from e2e.cluster import LocalCluster
-from e2e.helpers import Obj, OperatorProcess, apply, assert_children_gone, http_json, job_events, job_status, operator_namespace, sgdjob_manifest, wait_for, worker_pods
-from e2e.kube import Kube
+from devcluster.cluster import LocalCluster
+from devcluster.kube import Kube
+from devcluster.testing import Obj, apply, wait_for
+from tests.e2e.helpers import (
+    OperatorProcess,
+    assert_children_gone,
+    http_json,
+    job_events,
+    job_status,
+    operator_namespace,
+    sgdjob_manifest,
+    worker_pods,
+)
 
 pytestmark = [pytest.mark.k8s, pytest.mark.multiproc]
 

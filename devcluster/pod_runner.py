@@ -3,7 +3,7 @@
 A PodRunner is a thread: it writes the pod's volumes, runs init containers in order and then all
 containers, polls them (0.2 s), restarts them per restartPolicy with exponential backoff, and patches
 pods/status whenever what it would report changes. A container is ready while its process is alive
-and its readinessProbe (tcpSocket/httpGet, see e2e/probes.py) passes. See e2e/README.md.
+and its readinessProbe (tcpSocket/httpGet, see devcluster/probes.py) passes. See devcluster/README.md.
 """
 
 from __future__ import annotations
@@ -22,11 +22,13 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from e2e import podspec, probes
-from e2e.kube import Kube, KubeError, pod_path
-from e2e.proctree import TAG_KEY, kill_tagged
+from devcluster import podspec, probes
+from devcluster.kube import Kube, KubeError, pod_path
+from devcluster.proctree import TAG_KEY, kill_tagged
 
-log = logging.getLogger("e2e.node_agent")
+log = logging.getLogger("devcluster.node_agent")
+# A container's ID: this scheme and its main process's host pid (a kubelet's are `containerd://<id>`).
+CONTAINER_ID_SCHEME = "devcluster://"
 Obj = dict[str, Any]
 
 
@@ -228,7 +230,7 @@ class PodRunner(threading.Thread):
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # its own process group, like a container's PID 1
             )
-        c.started_at, c.started_mono, c.cid = now_iso(), time.monotonic(), f"e2e://{c.proc.pid}"
+        c.started_at, c.started_mono, c.cid = now_iso(), time.monotonic(), f"{CONTAINER_ID_SCHEME}{c.proc.pid}"
         c.state = {"running": {"startedAt": c.started_at}}
         probe = c.spec.get("readinessProbe")
         c.ready, c.next_probe = not probe, c.started_mono + float((probe or {}).get("initialDelaySeconds", 0))

@@ -1,7 +1,7 @@
 """Find and kill every process the node agent started, by an environment tag.
 
 Process groups are not enough: torchrun starts its workers in new sessions, and anything orphaned is
-reparented away from us. Every container process gets `SGDJOB_E2E_TAG=<agent>/<pod uid>/<container>/`
+reparented away from us. Every container process gets `SGDJOB_DEVCLUSTER_TAG=<agent>/<pod uid>/<container>/`
 in its environment, which children inherit, so /proc/<pid>/environ names the owner of each process
 like a cgroup would. Tags end in "/" so a prefix never matches a longer sibling name; the agent part
 starts with the agent's pid, so the processes of an agent that died without cleaning up are found.
@@ -16,7 +16,7 @@ import signal
 import time
 from pathlib import Path
 
-TAG_KEY = "SGDJOB_E2E_TAG"
+TAG_KEY = "SGDJOB_DEVCLUSTER_TAG"
 
 
 def new_agent_tag() -> str:

@@ -1,4 +1,5 @@
-"""Pytest fixtures for tiers that need a real API server; loaded by the root conftest.py.
+"""Pytest fixtures for tiers that need a real API server (`k8s`, `k8s_assets`) or the whole local cluster
+(`cluster`); a plugin, loaded by tests/conftest.py (`pytest_plugins = ["devcluster.pytest_plugin"]`).
 
 Without KUBEBUILDER_ASSETS these tiers skip with the reason; with SGDJOB_REQUIRE_K8S=1 (CI) a
 missing control plane is a failure instead, so CI can never pass by skipping them.
@@ -16,16 +17,14 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from e2e.controlplane import AssetsMissing, ControlPlane, assets_dir
+from devcluster.controlplane import AssetsMissing, ControlPlane, assets_dir
 
 if TYPE_CHECKING:  # imported in the fixture: unit-test runs need not load the Kubernetes client
-    from e2e.cluster import LocalCluster
-
-ROOT = Path(__file__).resolve().parent.parent
-CRD_FILE = ROOT / "crds" / "sgdjobs.sgdjob.dev.yaml"
+    from devcluster.cluster import LocalCluster
 
 
-def _require_assets() -> None:
+def require_assets() -> None:
+    """Skip the test without control-plane binaries (fail instead with SGDJOB_REQUIRE_K8S=1)."""
     try:
         assets_dir()
     except AssetsMissing as err:
@@ -37,7 +36,7 @@ def _require_assets() -> None:
 @pytest.fixture(scope="session")
 def k8s() -> Iterator[ControlPlane]:
     """etcd + kube-apiserver on free loopback ports, once per test session."""
-    _require_assets()
+    require_assets()
     plane = ControlPlane().start()
     try:
         yield plane
@@ -45,18 +44,10 @@ def k8s() -> Iterator[ControlPlane]:
         plane.stop()
 
 
-@pytest.fixture(scope="session")
-def k8s_crd(k8s: ControlPlane) -> ControlPlane:
-    """The control plane with the SGDJob CRD installed and established."""
-    k8s.kubectl("apply", "-f", str(CRD_FILE))
-    k8s.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/sgdjobs.sgdjob.dev")
-    return k8s
-
-
 @pytest.fixture
 def k8s_assets() -> Path:
     """The control-plane binaries, for tests that start their own cluster (same skip/fail rules)."""
-    _require_assets()
+    require_assets()
     return assets_dir()
 
 
@@ -70,9 +61,9 @@ def cluster() -> Iterator[LocalCluster]:
     (label nvidia.com/gpu.present=true) and node-4 without GPUs. Restart backoff and the deletion
     grace are capped low so tests stay fast. Teardown fails if any pod process outlived the agent.
     """
-    _require_assets()
-    from e2e.cluster import LocalCluster, default_nodes
-    from e2e.proctree import reap_orphans
+    require_assets()
+    from devcluster.cluster import LocalCluster, default_nodes
+    from devcluster.proctree import reap_orphans
 
     reap_orphans()  # pods of an earlier run that was SIGKILLed (only processes whose agent is gone)
 
@@ -89,11 +80,3 @@ def cluster() -> Iterator[LocalCluster]:
             signal.signal(signal.SIGTERM, restore)
     leftovers = local.agent.leftover_pids()
     assert not leftovers, f"pod processes outlived the node agent: {leftovers}"
-
-
-@pytest.fixture(scope="session")
-def cluster_crd(cluster: LocalCluster) -> LocalCluster:
-    """The local cluster with the SGDJob CRD installed and established."""
-    cluster.plane.kubectl("apply", "-f", str(CRD_FILE))
-    cluster.plane.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/sgdjobs.sgdjob.dev")
-    return cluster

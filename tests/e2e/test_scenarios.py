@@ -19,11 +19,11 @@ from pathlib import Path
 
 import pytest
 
-from e2e.cluster import LocalCluster
-from e2e.helpers import (
-    Obj,
+from devcluster.cluster import LocalCluster
+from devcluster.kube import Kube
+from devcluster.testing import Obj, apply, wait_for
+from tests.e2e.helpers import (
     OperatorProcess,
-    apply,
     assert_children_gone,
     get_job,
     http_json,
@@ -32,10 +32,8 @@ from e2e.helpers import (
     kubectl_table,
     operator_namespace,
     sgdjob_manifest,
-    wait_for,
     worker_pods,
 )
-from e2e.kube import Kube
 
 pytestmark = [pytest.mark.k8s, pytest.mark.multiproc]
 

@@ -1,4 +1,4 @@
-"""`python -m e2e.cluster up|down` as a person uses it: a cluster that runs pods, and nothing left after."""
+"""`python -m devcluster up|down` as a person uses it: a cluster that runs pods, and nothing left after."""
 
 from __future__ import annotations
 
@@ -9,17 +9,17 @@ from pathlib import Path
 
 import pytest
 
-from e2e.helpers import container_pid, phase_in, wait_for, wait_ready_namespace
-from e2e.kube import Kube, pod_path
-from e2e.proctree import alive, tagged_pids
+from devcluster.kube import Kube, pod_path
+from devcluster.proctree import alive, tagged_pids
+from devcluster.testing import container_pid, phase_in, wait_for, wait_ready_namespace
 
 pytestmark = pytest.mark.k8s
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_cluster_command_brings_a_cluster_up_and_leaves_nothing_behind(k8s_assets: Path, tmp_path: Path) -> None:
     state = tmp_path / "state.json"
-    cli = [sys.executable, "-m", "e2e.cluster"]
+    cli = [sys.executable, "-m", "devcluster"]
     up = subprocess.run([*cli, "up", "--state", str(state), "--gpu-nodes", "1", "--cpu-nodes", "0"], cwd=ROOT, capture_output=True, text=True, timeout=150, check=False)
     try:
         assert up.returncode == 0, up.stderr

@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 
-from e2e.cluster import LocalCluster
-from e2e.helpers import apply, container_pid, new_namespace, phase_in, script, wait_for
-from e2e.kube import Kube, pod_path
-from e2e.node_agent import NodeAgent, NodeSpec
-from e2e.proctree import alive, tagged_pids
+from devcluster.cluster import LocalCluster
+from devcluster.kube import Kube, pod_path
+from devcluster.node_agent import NodeAgent, NodeSpec
+from devcluster.proctree import alive, tagged_pids
+from devcluster.testing import apply, container_pid, new_namespace, phase_in, script, wait_for
 
 pytestmark = pytest.mark.k8s
 Obj = dict[str, Any]

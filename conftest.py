@@ -1,1 +1,0 @@
-pytest_plugins = ["e2e.fixtures"]

@@ -1,0 +1,63 @@
+"""Helpers for tests against the local cluster (devcluster/cluster.py): waiting, namespaces, applying
+manifests, reading pods."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import textwrap
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from devcluster.cluster import LocalCluster
+from devcluster.kube import Kube, pod_path
+from devcluster.pod_runner import CONTAINER_ID_SCHEME
+
+T = TypeVar("T")
+Obj = dict[str, Any]
+
+
+def wait_for(check: Callable[[], T | None], timeout: float, what: str) -> T:
+    """Poll `check` (0.2 s) until it returns something truthy; fail naming `what` after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def wait_ready_namespace(kube: Kube, ns: str) -> None:
+    """Pods are refused until the namespace's default ServiceAccount has its token (controller-made)."""
+    wait_for(lambda: (kube.get_or_none(f"/api/v1/namespaces/{ns}/serviceaccounts/default") or {}).get("secrets"), 30, f"default SA in {ns}")
+
+
+def new_namespace(kube: Kube, prefix: str) -> str:
+    """A fresh namespace, ready for pods."""
+    name = f"{prefix}-{secrets.token_hex(3)}"
+    kube.create("/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}})
+    wait_ready_namespace(kube, name)
+    return name
+
+
+def apply(cluster: LocalCluster, ns: str, manifest: str) -> None:
+    """`kubectl apply -n ns -f -` of a (dedented) YAML manifest."""
+    cluster.plane.kubectl("apply", "-n", ns, "-f", "-", input_text=textwrap.dedent(manifest))
+
+
+def phase_in(kube: Kube, ns: str, name: str, *phases: str) -> Obj | None:
+    """The pod when its phase is one of `phases`, else None."""
+    pod = kube.get_or_none(pod_path(ns, name))
+    return pod if pod and pod.get("status", {}).get("phase") in phases else None
+
+
+def container_pid(pod: Obj, index: int = 0) -> int:
+    """The host pid of a container's main process (the agent's containerID is `devcluster://<pid>`)."""
+    return int(pod["status"]["containerStatuses"][index]["containerID"].removeprefix(CONTAINER_ID_SCHEME))
+
+
+def script(body: str) -> str:
+    """A Python script as one YAML-safe JSON string (for `command: [python, -c, ...]`)."""
+    return json.dumps(textwrap.dedent(body))

@@ -1,1 +1,0 @@
-"""Local Kubernetes control plane, node agent and end-to-end scenarios for SGDJob."""

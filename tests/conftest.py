@@ -1,0 +1,38 @@
+"""Fixtures for every tier: the local cluster's plugin (devcluster/pytest_plugin.py: `k8s`, `k8s_assets`,
+`cluster`) and the SGDJob CRD installed on it (`k8s_crd`, `cluster_crd`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+
+from devcluster.controlplane import ControlPlane
+
+if TYPE_CHECKING:  # the plugin imports it in the fixture: unit-test runs need not load the Kubernetes client
+    from devcluster.cluster import LocalCluster
+
+pytest_plugins = ["devcluster.pytest_plugin"]
+
+CRD_FILE = Path(__file__).resolve().parent.parent / "crds" / "sgdjobs.sgdjob.dev.yaml"
+
+
+def install_crd(plane: ControlPlane) -> None:
+    """Apply the SGDJob CRD and wait until the API server serves it."""
+    plane.kubectl("apply", "-f", str(CRD_FILE))
+    plane.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/sgdjobs.sgdjob.dev")
+
+
+@pytest.fixture(scope="session")
+def k8s_crd(k8s: ControlPlane) -> ControlPlane:
+    """The control plane with the SGDJob CRD installed and established."""
+    install_crd(k8s)
+    return k8s
+
+
+@pytest.fixture(scope="session")
+def cluster_crd(cluster: LocalCluster) -> LocalCluster:
+    """The local cluster with the SGDJob CRD installed and established."""
+    install_crd(cluster.plane)
+    return cluster
