@@ -20,7 +20,18 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from bench.measure import SMOOTH_POINTS, SYSTEMS, TARGET_MULTIPLE, ddp_result, failed_result, markdown_table, ratios, sgdjob_result, target_checks, target_loss
+from bench.measure import (
+    SMOOTH_POINTS,
+    SYSTEMS,
+    TARGET_MULTIPLE,
+    ddp_result,
+    failed_result,
+    markdown_table,
+    ratios,
+    sgdjob_result,
+    target_checks,
+    target_loss,
+)
 from bench.plot import plot_results
 from bench.scenarios import SCENARIO_NAMES, BenchConfig, Scenario, bound, build_scenario, emulation, rank_speeds
 from bench.systems import RunRecord, run_ddp, run_sgdjob
@@ -79,7 +90,16 @@ def result_of(record: RunRecord, cfg: BenchConfig, scenario_bound: float, target
     return result
 
 
-def run_benchmark(cfg: BenchConfig, scenarios: Sequence[str], systems: Sequence[str], out: Path, *, timeout_s: float, quick: bool, log: Any = sys.stderr) -> dict[str, Any]:
+def run_benchmark(
+    cfg: BenchConfig,
+    scenarios: Sequence[str],
+    systems: Sequence[str],
+    out: Path,
+    *,
+    timeout_s: float,
+    quick: bool,
+    log: Any = sys.stderr,
+) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     target = target_loss(_noise_floor())
     started, wall0 = time.strftime("%Y-%m-%dT%H:%M:%S%z"), time.monotonic()
@@ -103,7 +123,11 @@ def run_benchmark(cfg: BenchConfig, scenarios: Sequence[str], systems: Sequence[
             record = run_system(cfg, scenario, system, out, timeout_s)
             result = result_of(record, cfg, bounds[name], target)
             entry["systems"][system] = result
-            print(f"         efficiency {result.get('efficiency')}, harness {record.harness_s:.0f}s{', ERROR ' + str(record.error) if record.error else ''}", file=log, flush=True)
+            print(
+                f"         efficiency {result.get('efficiency')}, harness {record.harness_s:.0f}s{', ERROR ' + str(record.error) if record.error else ''}",
+                file=log,
+                flush=True,
+            )
         entry["ratios"] = ratios(entry["systems"])
         results.append(entry)
     end_load = os.getloadavg() if hasattr(os, "getloadavg") else None
@@ -132,7 +156,11 @@ def run_benchmark(cfg: BenchConfig, scenarios: Sequence[str], systems: Sequence[
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.heterogeneity", description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="output directory")
-    parser.add_argument("--quick", action="store_true", help=f"{QUICK.steps} steps per run instead of {FULL.steps} (about 8 minutes on 2 idle cores)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"{QUICK.steps} steps per run instead of {FULL.steps} (about 8 minutes on 2 idle cores)",
+    )
     parser.add_argument("--steps", type=int, help="override the steps per run")
     parser.add_argument("--workers", type=int, help=f"override the worker count (default {FULL.workers})")
     parser.add_argument("--compute-seconds", type=float, help="override the emulated compute seconds per step")
@@ -141,7 +169,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds before one run is stopped")
     args = parser.parse_args(argv)
     cfg = QUICK if args.quick else FULL
-    overrides = {k: v for k, v in {"steps": args.steps, "workers": args.workers, "compute_seconds": args.compute_seconds}.items() if v is not None}
+    overrides = {
+        k: v
+        for k, v in {"steps": args.steps, "workers": args.workers, "compute_seconds": args.compute_seconds}.items()
+        if v is not None
+    }
     cfg = replace(cfg, **overrides)
     scenarios = [s for s in args.scenarios.split(",") if s]
     systems = [s for s in args.systems.split(",") if s]
@@ -162,7 +194,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "heterogeneity.json").write_text(json.dumps(doc, indent=2) + "\n")
     (args.out / "heterogeneity.md").write_text(header + table)
-    plot_results(doc["results"], args.out / "heterogeneity.png", f"SGDJob vs DDP, EMULATED heterogeneity, {cfg.workers} workers, {cfg.steps} steps ({meta['date']})")
+    plot_results(
+        doc["results"],
+        args.out / "heterogeneity.png",
+        f"SGDJob vs DDP, EMULATED heterogeneity, {cfg.workers} workers, {cfg.steps} steps ({meta['date']})",
+    )
     print(header + table)
     print(f"wrote {args.out / 'heterogeneity.json'}, {args.out / 'heterogeneity.md'}, {args.out / 'heterogeneity.png'}")
     return 0 if all(s.get("ok") for r in doc["results"] for s in r["systems"].values()) else 1

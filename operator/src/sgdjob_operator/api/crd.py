@@ -115,9 +115,26 @@ PRINTER_COLUMNS = [
     {"name": "Mode", "type": "string", "jsonPath": ".status.mode", "description": "Active synchronisation mode."},
     {"name": "Ready", "type": "string", "jsonPath": ".status.ready", "description": "Ready/desired worker pods."},
     {"name": "Step", "type": "integer", "jsonPath": ".status.step", "description": "Latest optimizer step."},
-    {"name": "Stragglers", "type": "integer", "jsonPath": ".status.stragglerCount", "description": "Ranks found slow now."},
-    {"name": "Target", "type": "string", "jsonPath": ".status.targetMode", "priority": 1, "description": "Mode being switched to."},
-    {"name": "Loss", "type": "number", "jsonPath": ".status.loss", "priority": 1, "description": "Latest training loss."},
+    {
+        "name": "Stragglers",
+        "type": "integer",
+        "jsonPath": ".status.stragglerCount",
+        "description": "Ranks found slow now.",
+    },
+    {
+        "name": "Target",
+        "type": "string",
+        "jsonPath": ".status.targetMode",
+        "priority": 1,
+        "description": "Mode being switched to.",
+    },
+    {
+        "name": "Loss",
+        "type": "number",
+        "jsonPath": ".status.loss",
+        "priority": 1,
+        "description": "Latest training loss.",
+    },
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]
 

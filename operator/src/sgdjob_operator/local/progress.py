@@ -91,7 +91,9 @@ def worker_from_status(status: WorkerStatus) -> WorkerView:
     )
 
 
-def summarize(results: Sequence[ScrapeResult], *, now: float, start: float, previous: ProgressFrame | None = None) -> ProgressFrame:
+def summarize(
+    results: Sequence[ScrapeResult], *, now: float, start: float, previous: ProgressFrame | None = None
+) -> ProgressFrame:
     """Fold one poll into a ProgressFrame. Workers that did not answer keep their last view (not fresh),
     so totals do not drop while a worker is briefly unreachable or after its server has closed."""
     seen: dict[int, WorkerView] = {w.rank: replace(w, fresh=False) for w in (previous.workers if previous else ())}
@@ -158,7 +160,9 @@ class PlainDisplay:
         self._info = info
         for line in info.notes:
             self._print(f"note: {line}")
-        self._print(f"sgdjob run {info.job}: {info.nodes} local node(s), {info.workers} worker process(es), mode {info.mode}, {info.steps} steps")
+        self._print(
+            f"sgdjob run {info.job}: {info.nodes} local node(s), {info.workers} worker process(es), mode {info.mode}, {info.steps} steps"
+        )
         self._print(f"output: {info.out_dir}")
 
     def update(self, snap: ProgressFrame) -> None:

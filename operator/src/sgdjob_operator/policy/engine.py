@@ -50,7 +50,11 @@ def evaluate(state: PolicyState, samples: Sequence[WorkerSample], job: JobView, 
     p = job.policy
     window = measure(state.ranks, samples, job.world_size)
     a = assess(window, state, p)
-    comm = job.comm if job.comm.gradient_bytes or not window.gradient_bytes else job.comm.with_gradient_bytes(window.gradient_bytes)
+    comm = (
+        job.comm
+        if job.comm.gradient_bytes or not window.gradient_bytes
+        else job.comm.with_gradient_bytes(window.gradient_bytes)
+    )
     jitter = jitter_coefficient(window, comm, state.jitter)
     base = PolicyState(
         ranks=a.ranks,
@@ -74,7 +78,9 @@ def evaluate(state: PolicyState, samples: Sequence[WorkerSample], job: JobView, 
     nodes = {r: (a.ranks[r].node if r in a.ranks else None) for r in speeds}
     pods = {r: (window.latest[r].pod if r in window.latest else None) for r in speeds}
     stale = [w.staleness for w in window.ranks.values() if w.mode == "async"]
-    ci = CostInputs(comm, jitter, p.staleness_penalty, job.average_every, job.hier_staleness, job.async_staleness, job.ps_shards)
+    ci = CostInputs(
+        comm, jitter, p.staleness_penalty, job.average_every, job.hier_staleness, job.async_staleness, job.ps_shards
+    )
     ctx = DecisionContext(health, job, speeds, nodes, pods, ci, sum(stale) / len(stale) if stale else None)
     current = predict_current(ctx)
     candidates = build(ctx)
@@ -132,7 +138,9 @@ def _choose(candidates: list[Candidate], current: Prediction, job: JobView, prev
     if not viable:
         return None
     best = max(viable, key=lambda c: c.prediction.useful)
-    favourites = [c for c in viable if c.preference > 0 and c.prediction.useful >= best.prediction.useful * (1 - c.preference)]
+    favourites = [
+        c for c in viable if c.preference > 0 and c.prediction.useful >= best.prediction.useful * (1 - c.preference)
+    ]
     if favourites:
         return max(favourites, key=lambda c: c.preference)
     for c in viable:

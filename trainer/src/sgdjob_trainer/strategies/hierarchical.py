@@ -82,7 +82,12 @@ class HierarchicalStrategy(Strategy):
                 ctx.group_cache[key] = dist.new_group(ranks=list(group))
             if ctx.info.rank in group:
                 self.group_pg = ctx.group_cache[key]
-        log.info("hierarchical: groups %s, model average every %d steps, at most %d rounds behind", self.groups, self.every, self.staleness)
+        log.info(
+            "hierarchical: groups %s, model average every %d steps, at most %d rounds behind",
+            self.groups,
+            self.every,
+            self.staleness,
+        )
         self.local_steps = 0
         self.outstanding: deque[tuple[dist.Work, torch.Tensor, torch.Tensor]] = deque()
         self.reset_optimizer()
@@ -118,7 +123,11 @@ class HierarchicalStrategy(Strategy):
         if self.local_steps % self.every == 0:
             snapshot = self.flat_params()
             # A stop travels with the round like the epoch: consumed at the same step everywhere.
-            tail = torch.tensor([float(offered_epoch), 1.0 if ctx.stopping.is_set() else 0.0], device=snapshot.device, dtype=snapshot.dtype)
+            tail = torch.tensor(
+                [float(offered_epoch), 1.0 if ctx.stopping.is_set() else 0.0],
+                device=snapshot.device,
+                dtype=snapshot.dtype,
+            )
             buf = torch.cat([snapshot / ctx.info.world_size, tail])
             work = dist.all_reduce(buf, async_op=True)
             assert work is not None
@@ -129,7 +138,15 @@ class HierarchicalStrategy(Strategy):
                 seen = max(seen, epoch)
                 stopping = stopping or stop
         age = len(self.outstanding) * self.every + self.local_steps % self.every
-        return StepResult(loss=loss, samples=samples if finite else 0, compute_s=compute, wait_s=wait, staleness=float(age), seen_epoch=seen, interrupted=stopping)
+        return StepResult(
+            loss=loss,
+            samples=samples if finite else 0,
+            compute_s=compute,
+            wait_s=wait,
+            staleness=float(age),
+            seen_epoch=seen,
+            interrupted=stopping,
+        )
 
     def checkpoint_weight(self) -> int:
         """Each group's lowest rank saves the group's model, weighted by the group's size."""
