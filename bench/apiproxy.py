@@ -139,7 +139,8 @@ class CountingProxy:
             "apiVersion: v1\nkind: Config\n"
             f"clusters:\n- name: proxied\n  cluster:\n    server: http://127.0.0.1:{self.port}\n"
             f"users:\n- name: admin\n  user:\n    token: {self.token}\n"
-            f"contexts:\n- name: proxied\n  context:\n    cluster: proxied\n    user: admin\n    namespace: {namespace}\n"
+            "contexts:\n- name: proxied\n  context:\n"
+            f"    cluster: proxied\n    user: admin\n    namespace: {namespace}\n"
             "current-context: proxied\n"
         )
         return path

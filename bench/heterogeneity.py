@@ -40,7 +40,8 @@ FULL = BenchConfig(workers=4, steps=1200)
 QUICK = BenchConfig(workers=4, steps=160)
 BOUND_DEFINITION = (
     "sum over workers of steps x batch / emulated compute seconds of that worker over the run's steps, "
-    "from the emulation config (not measured; real forward/backward CPU time excluded), the same for every system of a scenario"
+    "from the emulation config (not measured; real forward/backward CPU time excluded), "
+    "the same for every system of a scenario"
 )
 
 
@@ -124,7 +125,8 @@ def run_benchmark(
             result = result_of(record, cfg, bounds[name], target)
             entry["systems"][system] = result
             print(
-                f"         efficiency {result.get('efficiency')}, harness {record.harness_s:.0f}s{', ERROR ' + str(record.error) if record.error else ''}",
+                f"         efficiency {result.get('efficiency')}, harness {record.harness_s:.0f}s"
+                f"{', ERROR ' + str(record.error) if record.error else ''}",
                 file=log,
                 flush=True,
             )
@@ -142,11 +144,19 @@ def run_benchmark(
             "steps": cfg.steps,
             "workers": cfg.workers,
             "systems": list(systems),
-            "emulation": "EMULATED accelerator compute (per-rank sleep per step, see each scenario's emulation); real gloo exchange over loopback",
+            "emulation": (
+                "EMULATED accelerator compute (per-rank sleep per step, see each scenario's emulation); "
+                "real gloo exchange over loopback"
+            ),
             "bound_definition": BOUND_DEFINITION,
             "target_loss": target,
-            "target_definition": f"{TARGET_MULTIPLE:g} x SYNTHETIC_NOISE_FLOOR ({_noise_floor():g}); rank 0's batch loss, trailing mean of {SMOOTH_POINTS} points; seconds since training start",
-            "throughput_definition": "applied samples of all ranks / longest rank's training wall time (start-up excluded)",
+            "target_definition": (
+                f"{TARGET_MULTIPLE:g} x SYNTHETIC_NOISE_FLOOR ({_noise_floor():g}); rank 0's batch loss, "
+                f"trailing mean of {SMOOTH_POINTS} points; seconds since training start"
+            ),
+            "throughput_definition": (
+                "applied samples of all ranks / longest rank's training wall time (start-up excluded)"
+            ),
             "machine": meta_machine,
             "bench_wall_s": time.monotonic() - wall0,
         },
@@ -185,9 +195,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     table = markdown_table(doc["results"], bounds)
     meta = doc["metadata"]
     header = (
-        f"# Heterogeneity benchmark ({'quick' if args.quick else 'full'}{' with overrides ' + str(overrides) if overrides else ''}: {cfg.workers} workers, {cfg.steps} steps, {meta['date']})\n\n"
-        f"EMULATED compute: {cfg.compute_seconds:g} s/step x slowdown factor, jitter {cfg.jitter:g}; real gloo exchange on loopback. "
-        f"Machine: {meta['machine']['cpus']} CPUs, no GPU, load average {meta['machine']['load_average_at_start']} at start, "
+        f"# Heterogeneity benchmark ({'quick' if args.quick else 'full'}"
+        f"{' with overrides ' + str(overrides) if overrides else ''}: "
+        f"{cfg.workers} workers, {cfg.steps} steps, {meta['date']})\n\n"
+        f"EMULATED compute: {cfg.compute_seconds:g} s/step x slowdown factor, jitter {cfg.jitter:g}; "
+        "real gloo exchange on loopback. "
+        f"Machine: {meta['machine']['cpus']} CPUs, no GPU, "
+        f"load average {meta['machine']['load_average_at_start']} at start, "
         f"{meta['machine']['load_average_at_end']} at end. Bench wall {meta['bench_wall_s']:.0f}s. "
         f"Target loss {meta['target_loss']:g} ({meta['target_definition']}).\n\n"
     )

@@ -186,7 +186,10 @@ def _fmt(value: Any, spec: str, suffix: str = "") -> str:
 def markdown_table(results: Sequence[Mapping[str, Any]], bounds: Mapping[str, float]) -> str:
     """One row per scenario and system, then the ratios per scenario and the target checks."""
     lines = [
-        "| scenario | system | throughput (samples/s) | efficiency (of bound) | time to target (s) | final loss | modes |",
+        (
+            "| scenario | system | throughput (samples/s) | efficiency (of bound) "
+            "| time to target (s) | final loss | modes |"
+        ),
         "|---|---|---:|---:|---:|---:|---|",
     ]
     for r in results:
@@ -197,7 +200,8 @@ def markdown_table(results: Sequence[Mapping[str, Any]], bounds: Mapping[str, fl
                 continue
             modes = s.get("error") or " → ".join(s.get("modes", []))
             lines.append(
-                f"| {name} (bound {_fmt(bounds.get(name), '.0f')}) | {system} | {_fmt(s.get('throughput'), '.0f')} | {_fmt(s.get('efficiency'), '.2f')} "
+                f"| {name} (bound {_fmt(bounds.get(name), '.0f')}) | {system} "
+                f"| {_fmt(s.get('throughput'), '.0f')} | {_fmt(s.get('efficiency'), '.2f')} "
                 f"| {_fmt(s.get('time_to_target_s'), '.1f')} | {_fmt(s.get('final_loss'), '.4f')} | {modes} |"
             )
     lines += [
@@ -208,7 +212,8 @@ def markdown_table(results: Sequence[Mapping[str, Any]], bounds: Mapping[str, fl
     for r in results:
         q = r.get("ratios", {})
         lines.append(
-            f"| {r['scenario']} | {_fmt(q.get('auto_over_ddp_throughput'), '.2f', 'x')} | {_fmt(q.get('auto_over_best_static_throughput'), '.2f', 'x')} ({q.get('best_static') or '—'}) "
+            f"| {r['scenario']} | {_fmt(q.get('auto_over_ddp_throughput'), '.2f', 'x')} "
+            f"| {_fmt(q.get('auto_over_best_static_throughput'), '.2f', 'x')} ({q.get('best_static') or '—'}) "
             f"| {_fmt(q.get('auto_efficiency'), '.2f')} | {_fmt(q.get('auto_over_ddp_time_to_target'), '.2f', 'x')} |"
         )
     checks = target_checks(results)

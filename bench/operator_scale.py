@@ -300,13 +300,18 @@ def summary(doc: dict[str, Any]) -> str:
         return format(value, spec) if isinstance(value, int | float) else "—"
 
     return (
-        f"{doc['jobs']} SGDJobs x {doc['workers_per_job']} workers: all pods of {doc['jobs_with_all_pods']} jobs exist\n"
-        f"  per job, create -> all worker pods seen: p50 {f('pods_exist_p50_s')}s  p99 {f('pods_exist_p99_s')}s  max {f('pods_exist_max_s')}s; every job's pods after {f('all_pods_exist_s')}s\n"
-        f"  operator CPU: {f('operator_cpu_create_phase_s')}s for the create phase ({f('operator_cpu_per_job_ms', '.1f')} ms/job), "
+        f"{doc['jobs']} SGDJobs x {doc['workers_per_job']} workers: "
+        f"all pods of {doc['jobs_with_all_pods']} jobs exist\n"
+        f"  per job, create -> all worker pods seen: p50 {f('pods_exist_p50_s')}s  p99 {f('pods_exist_p99_s')}s  "
+        f"max {f('pods_exist_max_s')}s; every job's pods after {f('all_pods_exist_s')}s\n"
+        f"  operator CPU: {f('operator_cpu_create_phase_s')}s for the create phase "
+        f"({f('operator_cpu_per_job_ms', '.1f')} ms/job), "
         f"{f('operator_cpu_startup_s')}s start-up, {f('operator_cpu_cleanup_phase_s')}s clean-up\n"
-        f"  operator API requests: {f('operator_requests_per_job', '.1f')} per job ({doc['operator_requests_create_phase']} in the create phase); "
+        f"  operator API requests: {f('operator_requests_per_job', '.1f')} per job "
+        f"({doc['operator_requests_create_phase']} in the create phase); "
         f"apiserver_request_total delta (all clients) {f('apiserver_requests_create_phase_all_clients', '.0f')}\n"
-        f"  clean-up (delete every SGDJob; pods by the garbage collector): {f('cleanup_s')}s, complete: {doc['cleanup_complete']}, operator deleted {doc['operator_deleted_pods_itself']} pods itself\n"
+        f"  clean-up (delete every SGDJob; pods by the garbage collector): {f('cleanup_s')}s, "
+        f"complete: {doc['cleanup_complete']}, operator deleted {doc['operator_deleted_pods_itself']} pods itself\n"
         f"  machine: {doc['cpus']} CPUs, load average {doc['load_average']}"
     )
 

@@ -90,7 +90,8 @@ def build_scenario(name: str, cfg: BenchConfig) -> Scenario:
             hiccups.append({"rank": k % n, "factor": HICCUP_FACTOR, "startStep": start, "endStep": start + length})
         return Scenario(
             name,
-            f"{HICCUPS} hiccups of {length} steps, {HICCUP_FACTOR:g}x slower, each on one rank (round robin), at 15/35/55/75% of the run",
+            f"{HICCUPS} hiccups of {length} steps, {HICCUP_FACTOR:g}x slower, each on one rank (round robin), "
+            "at 15/35/55/75% of the run",
             tuple(hiccups),
             singletons,
         )

@@ -211,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
         summary["switches"] = switches
         for s in switches:
             print(
-                f"switch {s['fromMode']:>12} -> {s['toMode']:<12} at step {s['step']:>5}: pause {s['pauseS']:.3f} s (longest rank)"
+                f"switch {s['fromMode']:>12} -> {s['toMode']:<12} at step {s['step']:>5}: "
+                f"pause {s['pauseS']:.3f} s (longest rank)"
             )
     (args.out / "bench.json").write_text(json.dumps(summary, indent=1))
     return 0

@@ -171,7 +171,8 @@ class NodeAgent:
             self.isolation_error = f"per-pod /etc/hosts unavailable: {err}"
         if not self.isolation:
             log.warning(
-                "node agent: pods run WITHOUT their own /etc/hosts and hostname (cluster DNS names will not resolve): %s",
+                "node agent: pods run WITHOUT their own /etc/hosts and hostname "
+                "(cluster DNS names will not resolve): %s",
                 self.isolation_error,
             )
 

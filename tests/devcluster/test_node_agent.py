@@ -76,7 +76,8 @@ def test_pod_runs_to_completion_with_env_volumes_and_exit_code(cluster: LocalClu
         spec:
           restartPolicy: Never
           initContainers:
-          - {{name: init, image: busybox, command: [sh, -c, "echo init-ran > /scratch/init.txt"], volumeMounts: [{{name: scratch, mountPath: /scratch}}]}}
+          - {{name: init, image: busybox, command: [sh, -c, "echo init-ran > /scratch/init.txt"], \
+volumeMounts: [{{name: scratch, mountPath: /scratch}}]}}
           containers:
           - name: main
             image: ignored.example/python:3.11
@@ -178,7 +179,8 @@ def test_on_failure_restarts_with_backoff_until_success(cluster: LocalCluster, k
           containers:
           - name: main
             image: busybox
-            command: [sh, -c, 'n=$(cat /data/n 2>/dev/null || echo 0); echo $((n+1)) > /data/n; echo "run $n"; test "$n" -ge 2']
+            command: [sh, -c, 'n=$(cat /data/n 2>/dev/null || echo 0); \
+echo $((n+1)) > /data/n; echo "run $n"; test "$n" -ge 2']
             volumeMounts: [{name: data, mountPath: /data}]
           volumes: [{name: data, emptyDir: {}}]
         """,
@@ -265,7 +267,8 @@ def test_headless_service_names_resolve_to_pod_ips_inside_pods(cluster: LocalClu
     """)
     client = script(f"""
         import json, socket, time
-        names = ["server.peers.{ns}.svc.cluster.local", "server.peers.{ns}.svc", "server.peers", "peers.{ns}.svc", "peers"]
+        names = ["server.peers.{ns}.svc.cluster.local", "server.peers.{ns}.svc", "server.peers", \
+"peers.{ns}.svc", "peers"]
         deadline = time.time() + 40
         while True:  # like any client of cluster DNS: the name exists once the server is Ready
             try:
@@ -335,7 +338,8 @@ def test_headless_service_names_resolve_to_pod_ips_inside_pods(cluster: LocalClu
 STUBBORN = script("""
     import signal, subprocess, time
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # only SIGKILL after the grace period ends this
-    child = subprocess.Popen(["sleep", "300"], start_new_session=True)  # escapes the process group, like torchrun workers
+    child = subprocess.Popen(["sleep", "300"], start_new_session=True)  # escapes the process group, \
+like torchrun workers
     print(child.pid, flush=True)
     time.sleep(300)
 """)

@@ -35,7 +35,8 @@ def main() -> int:
     )
     state: dict[str, Any] = {"rank": rank, "localRank": local_rank, "worldSize": int(os.environ["WORLD_SIZE"]),
                              "node": os.environ["NODE_NAME"], "mode": config["mode"], "step": 0, "samples": 0,
-                             "computeSeconds": 0.0, "commWaitSeconds": 0.0, "loss": 1.0, "done": False, "startTime": time.time()}  # fmt: skip
+                             "computeSeconds": 0.0, "commWaitSeconds": 0.0, "loss": 1.0, "done": False,
+                             "startTime": time.time()}  # fmt: skip
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:

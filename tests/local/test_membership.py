@@ -40,7 +40,8 @@ def test_a_node_bound_straggler_is_replaced_by_a_worker_on_a_new_node(run_exampl
     assert max(speeds) < 1.3 * min(speeds), speeds
     assert report["final_loss"] < report["initial_loss"]
     print(
-        f"replace: efficiency {report['efficiency']:.2f} after the change, replaced at {change['time_s']:.1f}s, restart {report['resumes'][0]['restartSeconds']:.1f}s"
+        f"replace: efficiency {report['efficiency']:.2f} after the change, replaced at {change['time_s']:.1f}s, "
+        f"restart {report['resumes'][0]['restartSeconds']:.1f}s"
     )
 
 

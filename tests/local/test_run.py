@@ -57,7 +57,8 @@ RUNNER = textwrap.dedent(
     from sgdjob_operator.local.progress import PlainDisplay
     from sgdjob_operator.local.runner import RunOptions, run_local
     job = load_jobs(Path(sys.argv[1]))[0]
-    options = RunOptions(out_dir=Path(sys.argv[2]), trainer_module=sys.argv[3], poll_interval_s=0.3, stop_grace_s=3.0, failure_grace_s=3.0)
+    options = RunOptions(out_dir=Path(sys.argv[2]), trainer_module=sys.argv[3], poll_interval_s=0.3, \
+stop_grace_s=3.0, failure_grace_s=3.0)
     sys.exit(asyncio.run(run_local(job, options, PlainDisplay(every_s=0.0))).exit_code)
     """
 )
@@ -150,7 +151,8 @@ def test_process_set_kills_term_ignoring_workers_and_escaped_grandchildren(tmp_p
             """
             import signal, subprocess, sys, time
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            child = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"],
+            child = subprocess.Popen([sys.executable, "-c", "import signal, time; \
+signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"],
                                      start_new_session=True)
             print(child.pid, flush=True)
             time.sleep(600)

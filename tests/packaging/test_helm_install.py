@@ -1,6 +1,7 @@
-"""`helm install`, `helm upgrade`, `helm uninstall` of the chart on the local cluster (devcluster): the operator pod runs
-through the node agent with in-cluster config (its ServiceAccount's token Secret, mounted by the
-admission plugin) under exactly the chart's RBAC, and reconciles a one-worker SGDJob to Succeeded.
+"""`helm install`, `helm upgrade`, `helm uninstall` of the chart on the local cluster (devcluster): the
+operator pod runs through the node agent with in-cluster config (its ServiceAccount's token Secret,
+mounted by the admission plugin) under exactly the chart's RBAC, and reconciles a one-worker SGDJob
+to Succeeded.
 
 Every API request the operator pod makes goes through a recording proxy (its
 `KUBERNETES_SERVICE_PORT` points there), so the test also derives what the code calls, kopf's own

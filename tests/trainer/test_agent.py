@@ -31,10 +31,10 @@ def _launch(workdir: Path, training: dict[str, Any], max_restarts: int) -> subpr
         "training": {"batchSize": 16, "seed": 1, **training},
     }
     (workdir / "run.json").write_text(json.dumps(config))
-    env = {**os.environ, "SGDJOB_REPORT_DIR": str(workdir / "report"), "SGDJOB_METRICS_HOST": "127.0.0.1", "SGDJOB_METRICS_PORT": "0",
-           "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # fmt: skip
-    cmd = [sys.executable, "-m", "sgdjob_trainer.agent", "--standalone", f"--nproc-per-node={WORLD}", f"--max-restarts={max_restarts}",
-           "-m", "sgdjob_trainer", "--config", str(workdir / "run.json")]  # fmt: skip
+    env = {**os.environ, "SGDJOB_REPORT_DIR": str(workdir / "report"), "SGDJOB_METRICS_HOST": "127.0.0.1",
+           "SGDJOB_METRICS_PORT": "0", "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # fmt: skip
+    cmd = [sys.executable, "-m", "sgdjob_trainer.agent", "--standalone", f"--nproc-per-node={WORLD}",
+           f"--max-restarts={max_restarts}", "-m", "sgdjob_trainer", "--config", str(workdir / "run.json")]  # fmt: skip
     return subprocess.Popen(cmd, stdout=(workdir / "log.txt").open("wb"), stderr=subprocess.STDOUT, env=env)
 
 

@@ -205,7 +205,10 @@ def test_a_checkpoint_dir_belongs_to_one_job(tmp_path: Path) -> None:
     claim_dir(root, "resnet-a", rank=3)  # the same job again (a restart, or deleted and applied again)
     with pytest.raises(
         CheckpointDirInUse,
-        match=r"training.checkpoint.dir .* holds the checkpoints of job 'resnet-a', not of 'resnet-b': give each job its own",
+        match=(
+            r"training.checkpoint.dir .* holds the checkpoints of job 'resnet-a', "
+            r"not of 'resnet-b': give each job its own"
+        ),
     ):
         claim_dir(root, "resnet-b", rank=0)
     assert json.loads((root / "job.json").read_text()) == {"job": "resnet-a"}

@@ -77,7 +77,8 @@ def _levers() -> dict[str, Any]:
 
 def _child(rank: int, world: int, port: int, out: str, ckpt: str, steps: int, levers: bool) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), SGDJOB_METRICS_PORT="0", SGDJOB_METRICS_HOST="127.0.0.1")  # fmt: skip
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), SGDJOB_METRICS_PORT="0",
+                      SGDJOB_METRICS_HOST="127.0.0.1")  # fmt: skip
     torch.set_num_threads(1)
     trainer = Trainer(_config(steps, ckpt))
     resumed = trainer.state.step
@@ -128,7 +129,8 @@ def test_world_4_3_4_resumes_with_the_lr_rule_and_each_sample_once(phases: list[
             assert ranks[0]["initial"] == pytest.approx(previous_final, rel=1e-5)
         previous_final = ranks[0]["final"]
         print(
-            f"world {world}: steps {start}->{steps}, loss {ranks[0]['initial']:.4f} -> {ranks[0]['final']:.4f}, stalls ms",
+            f"world {world}: steps {start}->{steps}, "
+            f"loss {ranks[0]['initial']:.4f} -> {ranks[0]['final']:.4f}, stalls ms",
             [round(s * 1e3, 2) for s in ranks[0]["stalls"]],
         )
     expected = 16 * sum(world * (steps - (PHASES[i - 1][1] if i else 0)) for i, (world, steps) in enumerate(PHASES))

@@ -58,8 +58,8 @@ def _launch(config: dict[str, Any], workdir: Path, max_restarts: int = 1) -> sub
         "OMP_NUM_THREADS": "1",
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",  # see sgdjob_trainer.recovery
     }
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}", f"--max-restarts={max_restarts}",
-           "-m", "sgdjob_trainer", "--config", str(workdir / "run.json")]  # fmt: skip
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
+           f"--max-restarts={max_restarts}", "-m", "sgdjob_trainer", "--config", str(workdir / "run.json")]  # fmt: skip
     return subprocess.Popen(cmd, stdout=(workdir / "log.txt").open("wb"), stderr=subprocess.STDOUT, env=env)
 
 

@@ -24,8 +24,9 @@ EMULATION = {"computeSeconds": 0.05, "jitter": 0.0, "slowdowns": [{"rank": 1, "f
 
 
 def rank_doc(rank: int, samples: int, compute: float, wait: float, wall: float, **kw: Any) -> dict[str, Any]:
-    doc = {"rank": rank, "node": f"local-{rank}", "step": samples // 32, "samples": samples, "computeSeconds": compute,
-           "commWaitSeconds": wait, "wallSeconds": wall, "initialLoss": 2.0 + rank, "finalLoss": 0.5 + rank}  # fmt: skip
+    doc = {"rank": rank, "node": f"local-{rank}", "step": samples // 32, "samples": samples,
+           "computeSeconds": compute, "commWaitSeconds": wait, "wallSeconds": wall, "initialLoss": 2.0 + rank,
+           "finalLoss": 0.5 + rank}  # fmt: skip
     doc.update(kw)
     return doc
 
@@ -45,8 +46,9 @@ def test_report_figures_follow_the_definitions() -> None:
     assert (report["initial_loss"], report["final_loss"]) == (2.5, 1.0)
     assert report["steps"] == 100 and report["samples"] == 4800
     assert [r["rank"] for r in report["per_rank"]] == [0, 1]
-    assert report["per_rank"][1] == {"rank": 1, "node": "local-1", "speed_samples_per_s": pytest.approx(1600 / 15.0), "compute_s": 15.0,
-                                     "wait_s": 0.5, "samples": 1600, "steps": 50, "wall_s": 15.5, "final_loss": 1.5}  # fmt: skip
+    assert report["per_rank"][1] == {"rank": 1, "node": "local-1", "speed_samples_per_s": pytest.approx(1600 / 15.0),
+                                     "compute_s": 15.0, "wait_s": 0.5, "samples": 1600, "steps": 50, "wall_s": 15.5,
+                                     "final_loss": 1.5}  # fmt: skip
     assert report["mode_timeline"] == [{"time_s": 0.0, "step": 0, "mode": "async", "reason": "start"}]
     assert report["emulation"] == EMULATION and report["missing_ranks"] == [] and report["diverged_ranks"] == []
     assert report["loss_history"] == [[0, 2.0], [99, 0.5]]
@@ -93,8 +95,9 @@ def test_mode_timeline_always_starts_with_the_start_mode() -> None:
 
 
 def status_result(rank: int, samples: int, compute: float, **kw: Any) -> ScrapeResult:
-    status = {"rank": rank, "node": f"local-{rank}", "step": samples // 32, "samples": samples, "computeSeconds": compute,
-              "commWaitSeconds": 0.0, "loss": 1.0 + rank, "mode": "sync", "done": False}  # fmt: skip
+    status = {"rank": rank, "node": f"local-{rank}", "step": samples // 32, "samples": samples,
+              "computeSeconds": compute, "commWaitSeconds": 0.0, "loss": 1.0 + rank, "mode": "sync",
+              "done": False}  # fmt: skip
     status.update(kw)
     return ScrapeResult(Endpoint(f"http://127.0.0.1:{9400 + rank}"), 0.0, status=WorkerStatus.model_validate(status))
 
@@ -152,8 +155,9 @@ def test_resolve_mode_prefers_the_flag_and_starts_auto_synchronous() -> None:
 
 
 def test_plan_launch_builds_one_torchrun_agent_per_node(tmp_path: Path) -> None:
-    plan = plan_launch(job(), SyncMode.HIERARCHICAL, tmp_path, rdzv_port=29555, metrics_bases=[30000, 30010, 30020], token="tok",
-                       python="/py", base_env={"PATH": "/bin", "OMP_NUM_THREADS": "2", "SGDJOB_METRICS_PORT": "1"})  # fmt: skip
+    plan = plan_launch(job(), SyncMode.HIERARCHICAL, tmp_path, rdzv_port=29555, metrics_bases=[30000, 30010, 30020],
+                       token="tok", python="/py",
+                       base_env={"PATH": "/bin", "OMP_NUM_THREADS": "2", "SGDJOB_METRICS_PORT": "1"})  # fmt: skip
     assert plan.world_size == 6 and [a.node for a in plan.agents] == ["local-0", "local-1", "local-2"]
     a0, a1, _ = plan.agents
     assert a0.argv[:3] == ("/py", "-m", "sgdjob_trainer.agent")

@@ -193,7 +193,10 @@ class Checkpoint(CamelModel):
         str | None,
         Field(
             max_length=4096,
-            description="Checkpoint directory, shared by all workers (a shared volume in a cluster). Omit to disable checkpoints.",
+            description=(
+                "Checkpoint directory, shared by all workers (a shared volume in a cluster). "
+                "Omit to disable checkpoints."
+            ),
         ),
     ] = None
     interval_steps: Annotated[
@@ -228,7 +231,10 @@ class LrPolicy(CamelModel):
     schedule: Annotated[
         LrSchedule,
         Field(
-            description="Decay after warmup: constant, cosine (to minFactor at the last step) or step (x gamma every stepSize steps)."
+            description=(
+                "Decay after warmup: constant, cosine (to minFactor at the last step) "
+                "or step (x gamma every stepSize steps)."
+            )
         ),
     ] = LrSchedule.CONSTANT
     step_size: Annotated[
@@ -282,13 +288,18 @@ class AsyncConfig(CamelModel):
         Field(
             ge=0,
             le=100_000,
-            description="Oldest gradient applied, in steps others took since its pull; staler ones are dropped. Omit: unbounded (ASP).",
+            description=(
+                "Oldest gradient applied, in steps others took since its pull; staler ones are dropped. "
+                "Omit: unbounded (ASP)."
+            ),
         ),
     ] = 8
     staleness_lr: Annotated[
         StalenessLr,
         Field(
-            description="Learning-rate damping by a gradient's staleness s: none, inverse (1/(1+s)) or sqrt (1/sqrt(1+s))."
+            description=(
+                "Learning-rate damping by a gradient's staleness s: none, inverse (1/(1+s)) or sqrt (1/sqrt(1+s))."
+            )
         ),
     ] = StalenessLr.SQRT
     shards: Annotated[
@@ -350,7 +361,9 @@ class TrainingConfig(CamelModel):
         Field(
             ge=1,
             le=1024,
-            description="Micro-batches of batchSize accumulated per optimizer step (samples per step = batchSize x this).",
+            description=(
+                "Micro-batches of batchSize accumulated per optimizer step (samples per step = batchSize x this)."
+            ),
         ),
     ] = 1
     precision: Annotated[
@@ -360,7 +373,10 @@ class TrainingConfig(CamelModel):
     compression: Annotated[
         Compression,
         Field(
-            description="Gradient compression of the synchronous allreduce (sync mode and inside hierarchical groups): none or bf16."
+            description=(
+                "Gradient compression of the synchronous allreduce "
+                "(sync mode and inside hierarchical groups): none or bf16."
+            )
         ),
     ] = Compression.NONE
     hierarchical: Annotated[
@@ -377,7 +393,9 @@ class TrainingConfig(CamelModel):
         list[Fault],
         Field(
             max_length=64,
-            description="Emulated crashes (a rank exits abruptly), for tests and benchmarks of recovery. None unless given.",
+            description=(
+                "Emulated crashes (a rank exits abruptly), for tests and benchmarks of recovery. None unless given."
+            ),
         ),
     ] = []
 

@@ -101,7 +101,8 @@ class TrainerServer:
             self.httpd = _Server((host, port), handler)
         except OSError as err:
             raise RuntimeError(
-                f"cannot serve /metrics on {host}:{port} ({err}); choose another SGDJOB_METRICS_PORT or training.metricsPort"
+                f"cannot serve /metrics on {host}:{port} ({err}); "
+                "choose another SGDJOB_METRICS_PORT or training.metricsPort"
             ) from err
         self.httpd.daemon_threads = True
         self.port = int(self.httpd.server_address[1])

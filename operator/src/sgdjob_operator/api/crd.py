@@ -178,7 +178,10 @@ def build_crd() -> dict[str, Any]:
                     "schema": {
                         "openAPIV3Schema": {
                             "type": "object",
-                            "description": "An elastic PyTorch training job that adapts its synchronisation (sync, hierarchical, async) to its workers' measured speed.",
+                            "description": (
+                                "An elastic PyTorch training job that adapts its synchronisation "
+                                "(sync, hierarchical, async) to its workers' measured speed."
+                            ),
                             "required": ["spec"],
                             "properties": {
                                 "apiVersion": {"type": "string", "description": "sgdjob.dev/v1alpha1"},

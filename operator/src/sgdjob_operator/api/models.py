@@ -78,7 +78,9 @@ class PolicySpec(CamelModel):
         Field(
             ge=1.0,
             le=100.0,
-            description="A straggler recovers when its ratio falls below this factor (hysteresis; below stragglerThreshold).",
+            description=(
+                "A straggler recovers when its ratio falls below this factor (hysteresis; below stragglerThreshold)."
+            ),
         ),
     ] = 1.2
     persistence_intervals: Annotated[
@@ -113,7 +115,8 @@ class PolicySpec(CamelModel):
         if self.recover_threshold >= self.straggler_threshold:
             raise cross_field_error(
                 "recoverThreshold",
-                f"recoverThreshold ({self.recover_threshold}) must be below stragglerThreshold ({self.straggler_threshold}) so a straggler cannot flap",
+                f"recoverThreshold ({self.recover_threshold}) must be below "
+                f"stragglerThreshold ({self.straggler_threshold}) so a straggler cannot flap",
             )
         if len(set(self.allowed_actions)) != len(self.allowed_actions):
             raise cross_field_error("allowedActions", "list each action at most once")
@@ -141,7 +144,10 @@ class RunPolicy(CamelModel):
     ] = False
 
 
-POD_TEMPLATE_DESCRIPTION = "Worker PodTemplateSpec (image, resources incl. nvidia.com/gpu, nodeSelector, tolerations, volumes). The operator merges its command, env and ports into the first container."
+POD_TEMPLATE_DESCRIPTION = (
+    "Worker PodTemplateSpec (image, resources incl. nvidia.com/gpu, nodeSelector, tolerations, volumes). "
+    "The operator merges its command, env and ports into the first container."
+)
 
 
 class SGDJobSpec(CamelModel):
@@ -195,12 +201,14 @@ class SGDJobSpec(CamelModel):
         if self.min_workers > self.replicas:
             raise cross_field_error(
                 "minReplicas",
-                f"minReplicas ({self.min_workers}) must be <= replicas ({self.replicas}): lower minReplicas or raise replicas",
+                f"minReplicas ({self.min_workers}) must be <= replicas ({self.replicas}): "
+                "lower minReplicas or raise replicas",
             )
         if self.max_workers < self.replicas:
             raise cross_field_error(
                 "maxReplicas",
-                f"maxReplicas ({self.max_workers}) must be >= replicas ({self.replicas}): raise maxReplicas or lower replicas",
+                f"maxReplicas ({self.max_workers}) must be >= replicas ({self.replicas}): "
+                "raise maxReplicas or lower replicas",
             )
         if Action.RESCALE in self.policy.allowed_actions and self.min_workers == self.max_workers:
             raise cross_field_error(
@@ -283,7 +291,10 @@ class ControllerState(CamelModel):
         str | None,
         Field(
             max_length=1_000_000,
-            description="The policy core's state between evaluations, as JSON text (the API server would drop nulls inside arrays).",
+            description=(
+                "The policy core's state between evaluations, as JSON text "
+                "(the API server would drop nulls inside arrays)."
+            ),
         ),
     ] = None
     last_change_time: Annotated[

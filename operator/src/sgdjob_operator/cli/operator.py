@@ -51,7 +51,10 @@ import click
     "--service-account-dir",
     type=click.Path(file_okay=False),
     default=None,
-    help="In-cluster credentials from this folder (token, ca.crt) instead of /var/run/secrets/kubernetes.io/serviceaccount.",
+    help=(
+        "In-cluster credentials from this folder (token, ca.crt) "
+        "instead of /var/run/secrets/kubernetes.io/serviceaccount."
+    ),
 )
 @click.option("--verbose", "-v", is_flag=True, help="Debug logging.")
 def operator(

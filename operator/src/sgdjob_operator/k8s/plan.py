@@ -76,7 +76,10 @@ def _count_failures(plan: Plan, spec: SGDJobSpec, ws: Sequence[PodView], now: fl
             infra = pod.reason in INFRA_REASONS
             if not infra:
                 st.restarts += 1
-            detail = f"worker pod {pod.name} failed (exit code {pod.exit_code}, {pod.reason or 'Error'}){': ' + pod.message if pod.message else ''}"
+            detail = (
+                f"worker pod {pod.name} failed (exit code {pod.exit_code}, {pod.reason or 'Error'})"
+                f"{': ' + pod.message if pod.message else ''}"
+            )
             budget = (
                 "not counted: infrastructure"
                 if infra
@@ -89,7 +92,8 @@ def _count_failures(plan: Plan, spec: SGDJobSpec, ws: Sequence[PodView], now: fl
                         st,
                         Phase.FAILED,
                         "BackoffLimitExceeded",
-                        f"{st.restarts} worker failures exceed backoffLimit {spec.run_policy.backoff_limit}; last: {detail}",
+                        f"{st.restarts} worker failures exceed backoffLimit {spec.run_policy.backoff_limit}; "
+                        f"last: {detail}",
                         now,
                     )
                 )

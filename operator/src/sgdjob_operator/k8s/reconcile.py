@@ -168,7 +168,10 @@ async def _monitor(
         bad = (
             ""
             if result.accepted
-            else f"POST {obs.control.url}/control epoch {command.epoch}: {result.error or f'HTTP {result.status} {result.body[:200]}'}"
+            else (
+                f"POST {obs.control.url}/control epoch {command.epoch}: "
+                f"{result.error or f'HTTP {result.status} {result.body[:200]}'}"
+            )
         )
         events += await _once(rt, ref, "ControlPushFailed", bad)
     if outcome.config_changed:

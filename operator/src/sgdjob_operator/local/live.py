@@ -44,7 +44,8 @@ class RichDisplay:
         for line in info.notes:
             self.console.print(f"[yellow]note:[/] {line}")
         self.console.print(
-            f"[bold]sgdjob run {info.job}[/]: {info.nodes} local node(s), {info.workers} worker process(es), mode {info.mode}, {info.steps} steps"
+            f"[bold]sgdjob run {info.job}[/]: {info.nodes} local node(s), {info.workers} worker process(es), "
+            f"mode {info.mode}, {info.steps} steps"
         )
         self.console.print(f"output: {info.out_dir}")
         self._live = Live(Text("starting workers ..."), console=self.console, refresh_per_second=4, transient=False)
@@ -60,7 +61,8 @@ class RichDisplay:
         loss = f"{snap.loss:.4f}" if snap.loss is not None else "-"
         head = Text.assemble(
             ("mode ", "dim"), (snap.mode, "bold cyan"), ("   step ", "dim"), (f"{snap.step}/{total}", "bold"),
-            ("   loss ", "dim"), (loss, "bold"), ("   samples/s ", "dim"), (rate, "bold"), (f" vs bound {bound:,.0f}{eff}", "dim"),
+            ("   loss ", "dim"), (loss, "bold"), ("   samples/s ", "dim"), (rate, "bold"),
+            (f" vs bound {bound:,.0f}{eff}", "dim"),
             ("   ETA ", "dim"), (f"{eta:.0f}s" if eta is not None else "-", "bold"),
         )  # fmt: skip
         table = Table(expand=True, box=None, pad_edge=False)

@@ -115,7 +115,11 @@ def progress_line(snap: ProgressFrame, total_steps: int, expected_workers: int) 
     """One plain progress line."""
     loss = f"{snap.loss:.4f}" if snap.loss is not None else "n/a"
     rate = f"{snap.samples_per_s:.1f}" if snap.samples_per_s is not None else "n/a"
-    return f"[{snap.elapsed_s:6.1f}s] step {snap.step}/{total_steps}  loss {loss}  samples/s {rate} (bound {snap.bound_per_s:.1f})  mode {snap.mode}  workers {snap.reachable}/{expected_workers}"
+    return (
+        f"[{snap.elapsed_s:6.1f}s] step {snap.step}/{total_steps}  loss {loss}  "
+        f"samples/s {rate} (bound {snap.bound_per_s:.1f})  mode {snap.mode}  "
+        f"workers {snap.reachable}/{expected_workers}"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,7 +165,8 @@ class PlainDisplay:
         for line in info.notes:
             self._print(f"note: {line}")
         self._print(
-            f"sgdjob run {info.job}: {info.nodes} local node(s), {info.workers} worker process(es), mode {info.mode}, {info.steps} steps"
+            f"sgdjob run {info.job}: {info.nodes} local node(s), {info.workers} worker process(es), "
+            f"mode {info.mode}, {info.steps} steps"
         )
         self._print(f"output: {info.out_dir}")
 

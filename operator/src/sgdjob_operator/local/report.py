@@ -199,9 +199,13 @@ def summary_lines(report: Mapping[str, Any]) -> list[str]:
 
     emulation = report.get("emulation")
     lines = [
-        f"mode {report.get('mode')}  workers {report.get('workers')}  steps {report.get('steps')}  wall {fmt(report.get('wall_s'), '.1f')}s",
+        (
+            f"mode {report.get('mode')}  workers {report.get('workers')}  steps {report.get('steps')}  "
+            f"wall {fmt(report.get('wall_s'), '.1f')}s"
+        ),
         f"throughput {fmt(report.get('throughput_samples_per_s'), '.1f')} samples/s  "
-        f"bound {fmt(report.get('bound_samples_per_s'), '.1f')} samples/s  efficiency {fmt(report.get('efficiency'), '.2f')}",
+        f"bound {fmt(report.get('bound_samples_per_s'), '.1f')} samples/s  "
+        f"efficiency {fmt(report.get('efficiency'), '.2f')}",
         f"loss {fmt(report.get('initial_loss'), '.4f')} -> {fmt(report.get('final_loss'), '.4f')}"
         + (
             f"  (DIVERGED: non-finite loss on ranks {report['diverged_ranks']})" if report.get("diverged_ranks") else ""
@@ -210,7 +214,8 @@ def summary_lines(report: Mapping[str, Any]) -> list[str]:
     ]
     for r in report.get("per_rank", []):
         lines.append(
-            f"  rank {r['rank']} ({r['node']}): {r['speed_samples_per_s']:.1f} samples/s when busy, compute {r['compute_s']:.1f}s wait {r['wait_s']:.1f}s, {r['samples']} samples in {r['steps']} steps"
+            f"  rank {r['rank']} ({r['node']}): {r['speed_samples_per_s']:.1f} samples/s when busy, "
+            f"compute {r['compute_s']:.1f}s wait {r['wait_s']:.1f}s, {r['samples']} samples in {r['steps']} steps"
         )
     if report.get("restarts"):
         lines.append(

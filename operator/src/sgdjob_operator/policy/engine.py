@@ -92,7 +92,10 @@ def evaluate(state: PolicyState, samples: Sequence[WorkerSample], job: JobView, 
     streak = state.candidate_streak + 1 if chosen.key == state.candidate else 1
     waiting = replace(base, candidate=chosen.key, candidate_streak=streak)
     gain = _gain(chosen.prediction, current)
-    what = f"{chosen.prediction.label} predicts {chosen.prediction.useful:.4g} useful samples/s vs {current.useful:.4g} now ({gain:+.0%})"
+    what = (
+        f"{chosen.prediction.label} predicts {chosen.prediction.useful:.4g} useful samples/s "
+        f"vs {current.useful:.4g} now ({gain:+.0%})"
+    )
     if job.in_flight:
         # Persistence starts over once the change has landed: no cooldown starts, no streak grows.
         held = chosen.make(f"{health.summary}; {what}", round(gain, 4))
@@ -153,9 +156,15 @@ def _keep_reason(health: JobHealth, current: Prediction, candidates: list[Candid
     if health.shape is Shape.HOMOGENEOUS:
         return f"{health.summary}; nothing to change"
     if not candidates:
-        return f"{health.summary}; no allowed action applies (allowedActions: {', '.join(a.value for a in job.policy.allowed_actions) or 'none'})"
+        return (
+            f"{health.summary}; no allowed action applies "
+            f"(allowedActions: {', '.join(a.value for a in job.policy.allowed_actions) or 'none'})"
+        )
     best = max(candidates, key=lambda c: c.prediction.useful)
-    return f"{health.summary}; best alternative {best.prediction.label} predicts {_gain(best.prediction, current):+.0%} (a change needs {job.policy.switch_margin:+.0%} and must repay its pause)"
+    return (
+        f"{health.summary}; best alternative {best.prediction.label} predicts {_gain(best.prediction, current):+.0%} "
+        f"(a change needs {job.policy.switch_margin:+.0%} and must repay its pause)"
+    )
 
 
 def _forget_replaced(ranks: Mapping[int, RankState], decision: Decision, ctx: DecisionContext) -> dict[int, RankState]:

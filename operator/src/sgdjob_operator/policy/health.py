@@ -223,7 +223,10 @@ def _summary(
     if shape is Shape.SINGLE_STRAGGLER:
         worst = max((h for h in table.values() if h.flagged), key=lambda h: h.ratio, default=None)
         if worst is not None:
-            return f"single straggler: rank {worst.rank} on {worst.node or 'an unknown node'} is {worst.ratio:.2f}x slower than the median"
+            return (
+                f"single straggler: rank {worst.rank} on {worst.node or 'an unknown node'} "
+                f"is {worst.ratio:.2f}x slower than the median"
+            )
     if shape is Shape.CLUSTERS:
         parts = [
             f"{len(c)} ranks at {median([table[r].speed for r in c if r in table] or [0.0]):.4g}/s" for c in clusters

@@ -8,10 +8,10 @@ world, and consumes the result `staleness` rounds later by applying
 `params += (average - snapshot) / (1 + staleness)`, keeping its own progress since the snapshot.
 The damping matters: a full correction that is s rounds old drives the groups' disagreement d by
 d[t+1] = d[t] - d[t-s], which oscillates and grows for s >= 2 (spectral radius 1.15 at s=2, and
-the run diverges); with 1/(1+s) the radius stays below 1 (0.84 at s=2, 0.96 at s=8). A round's allreduce completes only when every group
-reached that round, so a fast group runs at most `staleness` rounds ahead of the slowest and then
-waits; a slow group never stalls a fast one beyond that bound. staleness 0 is plain periodic
-model averaging.
+the run diverges); with 1/(1+s) the radius stays below 1 (0.84 at s=2, 0.96 at s=8). A round's
+allreduce completes only when every group reached that round, so a fast group runs at most
+`staleness` rounds ahead of the slowest and then waits; a slow group never stalls a fast one
+beyond that bound. staleness 0 is plain periodic model averaging.
 
 Control: rank 0 adds its pending command epoch to each round's buffer; a round is consumed at the
 same step number by every rank (round r at boundary r + staleness), so all ranks see the epoch

@@ -21,10 +21,11 @@ gradient may be) without that. `staleness: null` applies everything (ASP).
 End of an async phase: shard 0 raises `stop` when any worker's push completes step `steps`
 (the job's steps are the fastest worker's, per TrainingConfig.steps); every worker stops at its
 next reply. Control epochs travel the same way (rank 0's pending epoch in every shard-0 reply), and
-so do a graceful stop (`interrupt`, raised by any worker's push flagged `stopping`) and checkpoint requests (`checkpoint_request`: the step
-of the checkpoint every worker must write its part of). The learning rate follows the schedule by
-the pushing worker's step (`lr_factor`). Checkpoints: `snapshot()` gives a host's shards and
-`restore()` puts them back after `load()` when a resumed job re-enters async mode.
+so do a graceful stop (`interrupt`, raised by any worker's push flagged `stopping`) and checkpoint
+requests (`checkpoint_request`: the step of the checkpoint every worker must write its part of).
+The learning rate follows the schedule by the pushing worker's step (`lr_factor`). Checkpoints:
+`snapshot()` gives a host's shards and `restore()` puts them back after `load()` when a resumed
+job re-enters async mode.
 
 Limits: each shard is one Python thread serialising its pushes (measured on the quickstart MLP,
 4 processes on a loaded 2-core machine: about 3 ms per exchange for a remote worker, 0.4 ms for
