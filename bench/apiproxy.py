@@ -70,8 +70,17 @@ class CountingProxy:
         session: aiohttp.ClientSession = request.app["session"]
         response = web.StreamResponse(status=499)
         try:
-            async with session.request(request.method, self.upstream + request.path_qs, headers=headers, data=body or None, timeout=aiohttp.ClientTimeout(total=None, sock_connect=10)) as upstream:
-                response = web.StreamResponse(status=upstream.status, headers={k: v for k, v in upstream.headers.items() if k.lower() not in HOP_HEADERS})
+            async with session.request(
+                request.method,
+                self.upstream + request.path_qs,
+                headers=headers,
+                data=body or None,
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
+            ) as upstream:
+                response = web.StreamResponse(
+                    status=upstream.status,
+                    headers={k: v for k, v in upstream.headers.items() if k.lower() not in HOP_HEADERS},
+                )
                 await response.prepare(request)
                 async for chunk in upstream.content.iter_any():
                     await response.write(chunk)
@@ -82,7 +91,9 @@ class CountingProxy:
 
     async def _start(self) -> None:
         app = web.Application(client_max_size=64 * 1024 * 1024)
-        app["session"] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=False, limit=0), auto_decompress=False)
+        app["session"] = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(ssl=False, limit=0), auto_decompress=False
+        )
         app.router.add_route("*", "/{tail:.*}", self._handle)
         self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)  # open watches are cut, not awaited
         await self._runner.setup()
@@ -128,7 +139,8 @@ class CountingProxy:
             "apiVersion: v1\nkind: Config\n"
             f"clusters:\n- name: proxied\n  cluster:\n    server: http://127.0.0.1:{self.port}\n"
             f"users:\n- name: admin\n  user:\n    token: {self.token}\n"
-            f"contexts:\n- name: proxied\n  context:\n    cluster: proxied\n    user: admin\n    namespace: {namespace}\n"
+            "contexts:\n- name: proxied\n  context:\n"
+            f"    cluster: proxied\n    user: admin\n    namespace: {namespace}\n"
             "current-context: proxied\n"
         )
         return path

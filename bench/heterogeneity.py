@@ -20,7 +20,18 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from bench.measure import SMOOTH_POINTS, SYSTEMS, TARGET_MULTIPLE, ddp_result, failed_result, markdown_table, ratios, sgdjob_result, target_checks, target_loss
+from bench.measure import (
+    SMOOTH_POINTS,
+    SYSTEMS,
+    TARGET_MULTIPLE,
+    ddp_result,
+    failed_result,
+    markdown_table,
+    ratios,
+    sgdjob_result,
+    target_checks,
+    target_loss,
+)
 from bench.plot import plot_results
 from bench.scenarios import SCENARIO_NAMES, BenchConfig, Scenario, bound, build_scenario, emulation, rank_speeds
 from bench.systems import RunRecord, run_ddp, run_sgdjob
@@ -29,7 +40,8 @@ FULL = BenchConfig(workers=4, steps=1200)
 QUICK = BenchConfig(workers=4, steps=160)
 BOUND_DEFINITION = (
     "sum over workers of steps x batch / emulated compute seconds of that worker over the run's steps, "
-    "from the emulation config (not measured; real forward/backward CPU time excluded), the same for every system of a scenario"
+    "from the emulation config (not measured; real forward/backward CPU time excluded), "
+    "the same for every system of a scenario"
 )
 
 
@@ -79,7 +91,16 @@ def result_of(record: RunRecord, cfg: BenchConfig, scenario_bound: float, target
     return result
 
 
-def run_benchmark(cfg: BenchConfig, scenarios: Sequence[str], systems: Sequence[str], out: Path, *, timeout_s: float, quick: bool, log: Any = sys.stderr) -> dict[str, Any]:
+def run_benchmark(
+    cfg: BenchConfig,
+    scenarios: Sequence[str],
+    systems: Sequence[str],
+    out: Path,
+    *,
+    timeout_s: float,
+    quick: bool,
+    log: Any = sys.stderr,
+) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     target = target_loss(_noise_floor())
     started, wall0 = time.strftime("%Y-%m-%dT%H:%M:%S%z"), time.monotonic()
@@ -103,7 +124,12 @@ def run_benchmark(cfg: BenchConfig, scenarios: Sequence[str], systems: Sequence[
             record = run_system(cfg, scenario, system, out, timeout_s)
             result = result_of(record, cfg, bounds[name], target)
             entry["systems"][system] = result
-            print(f"         efficiency {result.get('efficiency')}, harness {record.harness_s:.0f}s{', ERROR ' + str(record.error) if record.error else ''}", file=log, flush=True)
+            print(
+                f"         efficiency {result.get('efficiency')}, harness {record.harness_s:.0f}s"
+                f"{', ERROR ' + str(record.error) if record.error else ''}",
+                file=log,
+                flush=True,
+            )
         entry["ratios"] = ratios(entry["systems"])
         results.append(entry)
     end_load = os.getloadavg() if hasattr(os, "getloadavg") else None
@@ -118,11 +144,19 @@ def run_benchmark(cfg: BenchConfig, scenarios: Sequence[str], systems: Sequence[
             "steps": cfg.steps,
             "workers": cfg.workers,
             "systems": list(systems),
-            "emulation": "EMULATED accelerator compute (per-rank sleep per step, see each scenario's emulation); real gloo exchange over loopback",
+            "emulation": (
+                "EMULATED accelerator compute (per-rank sleep per step, see each scenario's emulation); "
+                "real gloo exchange over loopback"
+            ),
             "bound_definition": BOUND_DEFINITION,
             "target_loss": target,
-            "target_definition": f"{TARGET_MULTIPLE:g} x SYNTHETIC_NOISE_FLOOR ({_noise_floor():g}); rank 0's batch loss, trailing mean of {SMOOTH_POINTS} points; seconds since training start",
-            "throughput_definition": "applied samples of all ranks / longest rank's training wall time (start-up excluded)",
+            "target_definition": (
+                f"{TARGET_MULTIPLE:g} x SYNTHETIC_NOISE_FLOOR ({_noise_floor():g}); rank 0's batch loss, "
+                f"trailing mean of {SMOOTH_POINTS} points; seconds since training start"
+            ),
+            "throughput_definition": (
+                "applied samples of all ranks / longest rank's training wall time (start-up excluded)"
+            ),
             "machine": meta_machine,
             "bench_wall_s": time.monotonic() - wall0,
         },
@@ -132,7 +166,11 @@ def run_benchmark(cfg: BenchConfig, scenarios: Sequence[str], systems: Sequence[
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.heterogeneity", description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="output directory")
-    parser.add_argument("--quick", action="store_true", help=f"{QUICK.steps} steps per run instead of {FULL.steps} (about 8 minutes on 2 idle cores)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"{QUICK.steps} steps per run instead of {FULL.steps} (about 8 minutes on 2 idle cores)",
+    )
     parser.add_argument("--steps", type=int, help="override the steps per run")
     parser.add_argument("--workers", type=int, help=f"override the worker count (default {FULL.workers})")
     parser.add_argument("--compute-seconds", type=float, help="override the emulated compute seconds per step")
@@ -141,7 +179,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds before one run is stopped")
     args = parser.parse_args(argv)
     cfg = QUICK if args.quick else FULL
-    overrides = {k: v for k, v in {"steps": args.steps, "workers": args.workers, "compute_seconds": args.compute_seconds}.items() if v is not None}
+    overrides = {
+        k: v
+        for k, v in {"steps": args.steps, "workers": args.workers, "compute_seconds": args.compute_seconds}.items()
+        if v is not None
+    }
     cfg = replace(cfg, **overrides)
     scenarios = [s for s in args.scenarios.split(",") if s]
     systems = [s for s in args.systems.split(",") if s]
@@ -153,16 +195,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     table = markdown_table(doc["results"], bounds)
     meta = doc["metadata"]
     header = (
-        f"# Heterogeneity benchmark ({'quick' if args.quick else 'full'}{' with overrides ' + str(overrides) if overrides else ''}: {cfg.workers} workers, {cfg.steps} steps, {meta['date']})\n\n"
-        f"EMULATED compute: {cfg.compute_seconds:g} s/step x slowdown factor, jitter {cfg.jitter:g}; real gloo exchange on loopback. "
-        f"Machine: {meta['machine']['cpus']} CPUs, no GPU, load average {meta['machine']['load_average_at_start']} at start, "
+        f"# Heterogeneity benchmark ({'quick' if args.quick else 'full'}"
+        f"{' with overrides ' + str(overrides) if overrides else ''}: "
+        f"{cfg.workers} workers, {cfg.steps} steps, {meta['date']})\n\n"
+        f"EMULATED compute: {cfg.compute_seconds:g} s/step x slowdown factor, jitter {cfg.jitter:g}; "
+        "real gloo exchange on loopback. "
+        f"Machine: {meta['machine']['cpus']} CPUs, no GPU, "
+        f"load average {meta['machine']['load_average_at_start']} at start, "
         f"{meta['machine']['load_average_at_end']} at end. Bench wall {meta['bench_wall_s']:.0f}s. "
         f"Target loss {meta['target_loss']:g} ({meta['target_definition']}).\n\n"
     )
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "heterogeneity.json").write_text(json.dumps(doc, indent=2) + "\n")
     (args.out / "heterogeneity.md").write_text(header + table)
-    plot_results(doc["results"], args.out / "heterogeneity.png", f"SGDJob vs DDP, EMULATED heterogeneity, {cfg.workers} workers, {cfg.steps} steps ({meta['date']})")
+    plot_results(
+        doc["results"],
+        args.out / "heterogeneity.png",
+        f"SGDJob vs DDP, EMULATED heterogeneity, {cfg.workers} workers, {cfg.steps} steps ({meta['date']})",
+    )
     print(header + table)
     print(f"wrote {args.out / 'heterogeneity.json'}, {args.out / 'heterogeneity.md'}, {args.out / 'heterogeneity.png'}")
     return 0 if all(s.get("ok") for r in doc["results"] for s in r["systems"].values()) else 1

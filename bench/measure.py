@@ -104,14 +104,23 @@ def ddp_result(docs: Sequence[Mapping[str, Any]], bound: float, target: float, e
         "final_loss": sum(finals) / len(finals) if finals else None,
         "wall_s": wall,
         # Emulated seconds only (ddp_baseline counts the sleep), so this is the config bound measured.
-        "measured_bound": sum(int(d.get("samples") or 0) / c for d in docs if (c := computes.get(int(d.get("rank", -1)), 0.0)) > 0),
+        "measured_bound": sum(
+            int(d.get("samples") or 0) / c for d in docs if (c := computes.get(int(d.get("rank", -1)), 0.0)) > 0
+        ),
         "modes": ["ddp"],
         "ok": len(docs) == expected,
     }
 
 
 def failed_result(error: str) -> dict[str, Any]:
-    return {"throughput": None, "efficiency": None, "time_to_target_s": None, "final_loss": None, "ok": False, "error": error}
+    return {
+        "throughput": None,
+        "efficiency": None,
+        "time_to_target_s": None,
+        "final_loss": None,
+        "ok": False,
+        "error": error,
+    }
 
 
 def _ratio(a: Any, b: Any) -> float | None:
@@ -123,7 +132,9 @@ def _ratio(a: Any, b: Any) -> float | None:
 def ratios(systems: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
     """auto against DDP and against the best static mode of the same scenario (by throughput)."""
     auto, ddp = systems.get("auto", {}), systems.get("ddp", {})
-    statics = {m: systems[m]["throughput"] for m in STATIC if isinstance(systems.get(m, {}).get("throughput"), int | float)}
+    statics = {
+        m: systems[m]["throughput"] for m in STATIC if isinstance(systems.get(m, {}).get("throughput"), int | float)
+    }
     best = max(statics, key=lambda m: statics[m]) if statics else None
     return {
         "auto_over_ddp_throughput": _ratio(auto.get("throughput"), ddp.get("throughput")),
@@ -151,9 +162,20 @@ def target_checks(results: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
             _check("one-straggler: auto / DDP time to target", r.get("auto_over_ddp_time_to_target"), "<=", 0.7),
         ]
     if "homogeneous" in by_name:
-        checks.append(_check("homogeneous: auto / DDP throughput", by_name["homogeneous"].get("auto_over_ddp_throughput"), ">=", 0.97))
+        checks.append(
+            _check(
+                "homogeneous: auto / DDP throughput", by_name["homogeneous"].get("auto_over_ddp_throughput"), ">=", 0.97
+            )
+        )
     if "bimodal" in by_name:
-        checks.append(_check("bimodal: auto / best static throughput", by_name["bimodal"].get("auto_over_best_static_throughput"), ">=", 0.95))
+        checks.append(
+            _check(
+                "bimodal: auto / best static throughput",
+                by_name["bimodal"].get("auto_over_best_static_throughput"),
+                ">=",
+                0.95,
+            )
+        )
     return checks
 
 
@@ -164,7 +186,10 @@ def _fmt(value: Any, spec: str, suffix: str = "") -> str:
 def markdown_table(results: Sequence[Mapping[str, Any]], bounds: Mapping[str, float]) -> str:
     """One row per scenario and system, then the ratios per scenario and the target checks."""
     lines = [
-        "| scenario | system | throughput (samples/s) | efficiency (of bound) | time to target (s) | final loss | modes |",
+        (
+            "| scenario | system | throughput (samples/s) | efficiency (of bound) "
+            "| time to target (s) | final loss | modes |"
+        ),
         "|---|---|---:|---:|---:|---:|---|",
     ]
     for r in results:
@@ -175,14 +200,20 @@ def markdown_table(results: Sequence[Mapping[str, Any]], bounds: Mapping[str, fl
                 continue
             modes = s.get("error") or " → ".join(s.get("modes", []))
             lines.append(
-                f"| {name} (bound {_fmt(bounds.get(name), '.0f')}) | {system} | {_fmt(s.get('throughput'), '.0f')} | {_fmt(s.get('efficiency'), '.2f')} "
+                f"| {name} (bound {_fmt(bounds.get(name), '.0f')}) | {system} "
+                f"| {_fmt(s.get('throughput'), '.0f')} | {_fmt(s.get('efficiency'), '.2f')} "
                 f"| {_fmt(s.get('time_to_target_s'), '.1f')} | {_fmt(s.get('final_loss'), '.4f')} | {modes} |"
             )
-    lines += ["", "| scenario | auto/DDP throughput | auto/best static (which) | auto efficiency | auto/DDP time to target |", "|---|---:|---:|---:|---:|"]
+    lines += [
+        "",
+        "| scenario | auto/DDP throughput | auto/best static (which) | auto efficiency | auto/DDP time to target |",
+        "|---|---:|---:|---:|---:|",
+    ]
     for r in results:
         q = r.get("ratios", {})
         lines.append(
-            f"| {r['scenario']} | {_fmt(q.get('auto_over_ddp_throughput'), '.2f', 'x')} | {_fmt(q.get('auto_over_best_static_throughput'), '.2f', 'x')} ({q.get('best_static') or '—'}) "
+            f"| {r['scenario']} | {_fmt(q.get('auto_over_ddp_throughput'), '.2f', 'x')} "
+            f"| {_fmt(q.get('auto_over_best_static_throughput'), '.2f', 'x')} ({q.get('best_static') or '—'}) "
             f"| {_fmt(q.get('auto_efficiency'), '.2f')} | {_fmt(q.get('auto_over_ddp_time_to_target'), '.2f', 'x')} |"
         )
     checks = target_checks(results)

@@ -88,7 +88,12 @@ def job_doc(name: str, namespace: str, workers: int) -> dict[str, Any]:
         "apiVersion": f"{GROUP}/{VERSION}",
         "kind": "SGDJob",
         "metadata": {"name": name, "namespace": namespace},
-        "spec": {"replicas": workers, "nprocPerNode": 1, "mode": "auto", "training": {"model": "mlp", "dataset": "synthetic", "steps": 1000}},
+        "spec": {
+            "replicas": workers,
+            "nprocPerNode": 1,
+            "mode": "auto",
+            "training": {"model": "mlp", "dataset": "synthetic", "steps": 1000},
+        },
     }
 
 
@@ -131,7 +136,9 @@ class PodWatch:
                     pod = event["object"]
                     if event["type"] == "ADDED":
                         with self.lock:
-                            self.seen.setdefault(pod.metadata.name, (pod.metadata.labels.get(LABEL_JOB, ""), time.monotonic()))
+                            self.seen.setdefault(
+                                pod.metadata.name, (pod.metadata.labels.get(LABEL_JOB, ""), time.monotonic())
+                            )
                     if self.stop_flag.is_set():
                         return
             except Exception:  # a dropped watch is resumed; the first-seen times stay
@@ -171,8 +178,21 @@ def run(out: Path, jobs: int, workers: int, timeout_s: float) -> dict[str, Any]:
         core, custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
         kubeconfig = proxy.kubeconfig(out / "operator-kubeconfig")
         log = (out / "operator.log").open("wb")
-        argv = [str(Path(sys.executable).parent / "sgdjob"), "operator", "--namespace", ns, "--kubeconfig", str(kubeconfig)]
-        op = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+        argv = [
+            str(Path(sys.executable).parent / "sgdjob"),
+            "operator",
+            "--namespace",
+            ns,
+            "--kubeconfig",
+            str(kubeconfig),
+        ]
+        op = subprocess.Popen(
+            argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            start_new_session=True,
+        )
         time.sleep(8)  # let it log in, list and settle; its start-up CPU is reported apart
         if op.poll() is not None:
             raise RuntimeError(f"the operator exited with {op.returncode}; see {out / 'operator.log'}")
@@ -184,7 +204,12 @@ def run(out: Path, jobs: int, workers: int, timeout_s: float) -> dict[str, Any]:
         t0 = time.monotonic()
         for i in range(jobs):
             name = f"scale-{i:03d}"
-            _retry(lambda n=name: custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, job_doc(n, ns, workers)), t0 + timeout_s)
+            _retry(
+                lambda n=name: custom.create_namespaced_custom_object(
+                    GROUP, VERSION, ns, PLURAL, job_doc(n, ns, workers)
+                ),
+                t0 + timeout_s,
+            )
             created[name] = time.monotonic()
         create_calls_s = time.monotonic() - t0
         deadline = t0 + timeout_s
@@ -196,7 +221,11 @@ def run(out: Path, jobs: int, workers: int, timeout_s: float) -> dict[str, Any]:
                 break
             if time.monotonic() - reported > 10:
                 reported = time.monotonic()
-                print(f"[{reported - t0:5.0f}s] {done}/{len(created)} jobs have all {workers} worker pods", file=sys.stderr, flush=True)
+                print(
+                    f"[{reported - t0:5.0f}s] {done}/{len(created)} jobs have all {workers} worker pods",
+                    file=sys.stderr,
+                    flush=True,
+                )
             time.sleep(0.2)
         seen = watcher.per_job()
         latencies = {n: max(seen[n]) - created[n] for n in created if len(seen.get(n, [])) >= workers}
@@ -245,7 +274,8 @@ def run(out: Path, jobs: int, workers: int, timeout_s: float) -> dict[str, Any]:
             "cleanup_left": {"sgdjobs": jobs_left, "pods": pods_left},
             "operator_cpu_cleanup_phase_s": cpu2 - cpu1,
             "operator_requests_cleanup_phase": {f"{v} {r}": c for (v, r), c in cleanup_requests.most_common()},
-            "operator_deleted_pods_itself": cleanup_requests.get(("delete", "pods"), 0) + cleanup_requests.get(("deletecollection", "pods"), 0),
+            "operator_deleted_pods_itself": cleanup_requests.get(("delete", "pods"), 0)
+            + cleanup_requests.get(("deletecollection", "pods"), 0),
             "load_average": list(os.getloadavg()),
             "cpus": os.cpu_count(),
         }
@@ -270,13 +300,18 @@ def summary(doc: dict[str, Any]) -> str:
         return format(value, spec) if isinstance(value, int | float) else "—"
 
     return (
-        f"{doc['jobs']} SGDJobs x {doc['workers_per_job']} workers: all pods of {doc['jobs_with_all_pods']} jobs exist\n"
-        f"  per job, create -> all worker pods seen: p50 {f('pods_exist_p50_s')}s  p99 {f('pods_exist_p99_s')}s  max {f('pods_exist_max_s')}s; every job's pods after {f('all_pods_exist_s')}s\n"
-        f"  operator CPU: {f('operator_cpu_create_phase_s')}s for the create phase ({f('operator_cpu_per_job_ms', '.1f')} ms/job), "
+        f"{doc['jobs']} SGDJobs x {doc['workers_per_job']} workers: "
+        f"all pods of {doc['jobs_with_all_pods']} jobs exist\n"
+        f"  per job, create -> all worker pods seen: p50 {f('pods_exist_p50_s')}s  p99 {f('pods_exist_p99_s')}s  "
+        f"max {f('pods_exist_max_s')}s; every job's pods after {f('all_pods_exist_s')}s\n"
+        f"  operator CPU: {f('operator_cpu_create_phase_s')}s for the create phase "
+        f"({f('operator_cpu_per_job_ms', '.1f')} ms/job), "
         f"{f('operator_cpu_startup_s')}s start-up, {f('operator_cpu_cleanup_phase_s')}s clean-up\n"
-        f"  operator API requests: {f('operator_requests_per_job', '.1f')} per job ({doc['operator_requests_create_phase']} in the create phase); "
+        f"  operator API requests: {f('operator_requests_per_job', '.1f')} per job "
+        f"({doc['operator_requests_create_phase']} in the create phase); "
         f"apiserver_request_total delta (all clients) {f('apiserver_requests_create_phase_all_clients', '.0f')}\n"
-        f"  clean-up (delete every SGDJob; pods by the garbage collector): {f('cleanup_s')}s, complete: {doc['cleanup_complete']}, operator deleted {doc['operator_deleted_pods_itself']} pods itself\n"
+        f"  clean-up (delete every SGDJob; pods by the garbage collector): {f('cleanup_s')}s, "
+        f"complete: {doc['cleanup_complete']}, operator deleted {doc['operator_deleted_pods_itself']} pods itself\n"
         f"  machine: {doc['cpus']} CPUs, load average {doc['load_average']}"
     )
 

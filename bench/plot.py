@@ -28,7 +28,9 @@ def plot_results(results: Sequence[Mapping[str, Any]], path: Path, title: str) -
     for i, system in enumerate(SYSTEMS):
         xs = [j + (i - (len(SYSTEMS) - 1) / 2) * width for j in range(len(names))]
         eff_ax.bar(xs, [_value(r, system, "efficiency") for r in results], width, label=system, color=COLORS[system])
-        ttt_ax.bar(xs, [_value(r, system, "time_to_target_s") for r in results], width, label=system, color=COLORS[system])
+        ttt_ax.bar(
+            xs, [_value(r, system, "time_to_target_s") for r in results], width, label=system, color=COLORS[system]
+        )
     eff_ax.set_ylabel("throughput / bound (Σ per-worker speeds)")
     eff_ax.set_ylim(0, 1.05)
     eff_ax.axhline(1.0, color="black", linewidth=0.5)

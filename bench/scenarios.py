@@ -67,7 +67,12 @@ def build_scenario(name: str, cfg: BenchConfig) -> Scenario:
     if name == "one-straggler":
         last = n - 1
         fast = tuple(range(last))
-        return Scenario(name, f"rank {last} is {STRAGGLER_FACTOR:g}x slower for the whole run", ({"rank": last, "factor": STRAGGLER_FACTOR},), (fast, (last,)))
+        return Scenario(
+            name,
+            f"rank {last} is {STRAGGLER_FACTOR:g}x slower for the whole run",
+            ({"rank": last, "factor": STRAGGLER_FACTOR},),
+            (fast, (last,)),
+        )
     if name == "bimodal":
         half = n // 2
         slow = tuple(range(n - half, n))
@@ -83,13 +88,23 @@ def build_scenario(name: str, cfg: BenchConfig) -> Scenario:
         for k in range(HICCUPS):
             start = int(steps * (0.15 + 0.2 * k))
             hiccups.append({"rank": k % n, "factor": HICCUP_FACTOR, "startStep": start, "endStep": start + length})
-        return Scenario(name, f"{HICCUPS} hiccups of {length} steps, {HICCUP_FACTOR:g}x slower, each on one rank (round robin), at 15/35/55/75% of the run", tuple(hiccups), singletons)
+        return Scenario(
+            name,
+            f"{HICCUPS} hiccups of {length} steps, {HICCUP_FACTOR:g}x slower, each on one rank (round robin), "
+            "at 15/35/55/75% of the run",
+            tuple(hiccups),
+            singletons,
+        )
     raise ValueError(f"unknown scenario {name!r}; known: {', '.join(SCENARIO_NAMES)}")
 
 
 def emulation(cfg: BenchConfig, scenario: Scenario) -> dict[str, Any]:
     """The `training.emulation` document of every run of the scenario."""
-    return {"computeSeconds": cfg.compute_seconds, "jitter": cfg.jitter, "slowdowns": [dict(s) for s in scenario.slowdowns]}
+    return {
+        "computeSeconds": cfg.compute_seconds,
+        "jitter": cfg.jitter,
+        "slowdowns": [dict(s) for s in scenario.slowdowns],
+    }
 
 
 def training(cfg: BenchConfig, scenario: Scenario, *, hierarchical_groups: bool) -> dict[str, Any]:
@@ -131,7 +146,12 @@ def job_doc(cfg: BenchConfig, scenario: Scenario, mode: str) -> dict[str, Any]:
 
 def ddp_run_config(cfg: BenchConfig, scenario: Scenario) -> dict[str, Any]:
     """The run-config file bench.ddp_baseline reads (`--config`)."""
-    return {"jobName": f"bench-{scenario.name}-ddp", "mode": "sync", "referenceWorldSize": cfg.workers, "training": training(cfg, scenario, hierarchical_groups=False)}
+    return {
+        "jobName": f"bench-{scenario.name}-ddp",
+        "mode": "sync",
+        "referenceWorldSize": cfg.workers,
+        "training": training(cfg, scenario, hierarchical_groups=False),
+    }
 
 
 def rank_factor(slowdowns: tuple[dict[str, Any], ...], rank: int, step: int) -> float:

@@ -43,12 +43,28 @@ def run_ddp(cfg: BenchConfig, scenario: Scenario, out_dir: Path, timeout_s: floa
         stale.unlink()
     config = out_dir / "run-config.json"
     config.write_text(json.dumps(ddp_run_config(cfg, scenario), indent=2) + "\n")
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cfg.workers}", "-m", "bench.ddp_baseline", "--config", str(config)]
-    env = {**os.environ, "SGDJOB_REPORT_DIR": str(out_dir), "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+    argv = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={cfg.workers}",
+        "-m",
+        "bench.ddp_baseline",
+        "--config",
+        str(config),
+    ]
+    env = {
+        **os.environ,
+        "SGDJOB_REPORT_DIR": str(out_dir),
+        "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p),
+    }
     start = time.monotonic()
     with (out_dir / "torchrun.log").open("w") as log:
         try:
-            proc = subprocess.run(argv, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s, check=False)
+            proc = subprocess.run(
+                argv, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s, check=False
+            )
             code: int | None = proc.returncode
         except subprocess.TimeoutExpired:
             code = None
@@ -64,7 +80,10 @@ def run_ddp(cfg: BenchConfig, scenario: Scenario, out_dir: Path, timeout_s: floa
 
 def write_job(cfg: BenchConfig, scenario: Scenario, mode: str, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(f"# EMULATED compute: {scenario.name} ({scenario.description}); written by bench.heterogeneity\n" + yaml.safe_dump(job_doc(cfg, scenario, mode), sort_keys=False))
+    path.write_text(
+        f"# EMULATED compute: {scenario.name} ({scenario.description}); written by bench.heterogeneity\n"
+        + yaml.safe_dump(job_doc(cfg, scenario, mode), sort_keys=False)
+    )
     return path
 
 
@@ -79,7 +98,11 @@ def run_sgdjob(cfg: BenchConfig, scenario: Scenario, mode: str, out_dir: Path, t
     job = load_jobs(job_path)[0]
     start = time.monotonic()
     with (out_dir / "progress.log").open("w") as log:
-        outcome = asyncio.run(run_local(job, RunOptions(out_dir=out_dir, mode=mode, timeout_s=timeout_s), PlainDisplay(stream=log, every_s=5.0)))
+        outcome = asyncio.run(
+            run_local(
+                job, RunOptions(out_dir=out_dir, mode=mode, timeout_s=timeout_s), PlainDisplay(stream=log, every_s=5.0)
+            )
+        )
     harness = time.monotonic() - start
     error = None if outcome.exit_code == 0 else outcome.message.splitlines()[0]
     return RunRecord(mode, out_dir, harness, report=outcome.report, error=error)

@@ -68,15 +68,32 @@ def _port_free(port: int) -> bool:
     return True
 
 
-def launch(config: dict[str, Any], workdir: Path, nproc: int = 4, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+def launch(
+    config: dict[str, Any], workdir: Path, nproc: int = 4, env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
     """Start torchrun with this RunConfig; reports go to workdir/report, logs to workdir/log.txt."""
     workdir.mkdir(parents=True, exist_ok=True)
     path = workdir / "run.json"
     path.write_text(json.dumps(config))
-    full_env = {**os.environ, "SGDJOB_REPORT_DIR": str(workdir / "report"), "SGDJOB_METRICS_HOST": "127.0.0.1", **(env or {})}
+    full_env = {
+        **os.environ,
+        "SGDJOB_REPORT_DIR": str(workdir / "report"),
+        "SGDJOB_METRICS_HOST": "127.0.0.1",
+        **(env or {}),
+    }
     if "SGDJOB_METRICS_PORT" not in (env or {}):
         full_env.pop("SGDJOB_METRICS_PORT", None)  # the config's metricsPort, not an inherited one
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "sgdjob_trainer", "--config", str(path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "sgdjob_trainer",
+        "--config",
+        str(path),
+    ]
     log = (workdir / "log.txt").open("wb")
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env)
 
@@ -105,7 +122,9 @@ def statuses(base_port: int, nproc: int) -> list[dict[str, Any]] | None:
         return None
 
 
-def wait_status(base_port: int, nproc: int, predicate: Any, timeout: float, proc: subprocess.Popen[bytes] | None = None) -> list[dict[str, Any]]:
+def wait_status(
+    base_port: int, nproc: int, predicate: Any, timeout: float, proc: subprocess.Popen[bytes] | None = None
+) -> list[dict[str, Any]]:
     """Poll every rank's /status until predicate(list of status) holds."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -168,10 +187,14 @@ def run_switches(steps: int, out: Path) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.trainer_modes", description="Sync vs hierarchical vs async, side by side.")
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.trainer_modes", description="Sync vs hierarchical vs async, side by side."
+    )
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--out", type=Path, default=Path("/tmp/sgdjob-bench"))
-    parser.add_argument("--modes", nargs="+", default=["sync", "hierarchical", "async"], choices=["sync", "hierarchical", "async"])
+    parser.add_argument(
+        "--modes", nargs="+", default=["sync", "hierarchical", "async"], choices=["sync", "hierarchical", "async"]
+    )
     parser.add_argument("--switches", action="store_true", help="also measure the six switch pauses")
     args = parser.parse_args(argv)
     results = {mode: run_mode(mode, args.steps, args.out) for mode in args.modes}
@@ -179,13 +202,18 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'mode':<13}{'samples/s':>11}{'bound':>9}{'efficiency':>12}{'vs sync':>9}{'final loss':>12}{'wall s':>8}")
     for mode, f in results.items():
         ratio = f["throughput"] / results["sync"]["throughput"] if "sync" in results else float("nan")
-        print(f"{mode:<13}{f['throughput']:>11.1f}{f['bound']:>9.1f}{f['efficiency']:>12.3f}{ratio:>9.2f}{f['final_loss']:>12.4f}{f['wall_s']:>8.1f}")
+        print(
+            f"{mode:<13}{f['throughput']:>11.1f}{f['bound']:>9.1f}{f['efficiency']:>12.3f}{ratio:>9.2f}{f['final_loss']:>12.4f}{f['wall_s']:>8.1f}"
+        )
     summary: dict[str, Any] = {"modes": results}
     if args.switches:
         switches = run_switches(400, args.out)
         summary["switches"] = switches
         for s in switches:
-            print(f"switch {s['fromMode']:>12} -> {s['toMode']:<12} at step {s['step']:>5}: pause {s['pauseS']:.3f} s (longest rank)")
+            print(
+                f"switch {s['fromMode']:>12} -> {s['toMode']:<12} at step {s['step']:>5}: "
+                f"pause {s['pauseS']:.3f} s (longest rank)"
+            )
     (args.out / "bench.json").write_text(json.dumps(summary, indent=1))
     return 0
 

@@ -87,7 +87,9 @@ class LocalCluster:
         while time.monotonic() < deadline:
             ok = set()
             for node in kube.get("/api/v1/nodes")["items"]:
-                ready = any(c["type"] == "Ready" and c["status"] == "True" for c in node["status"].get("conditions", []))
+                ready = any(
+                    c["type"] == "Ready" and c["status"] == "True" for c in node["status"].get("conditions", [])
+                )
                 tainted = any(t["key"].startswith("node.kubernetes.io/") for t in node["spec"].get("taints") or [])
                 if ready and not tainted:
                     ok.add(node["metadata"]["name"])
@@ -107,7 +109,9 @@ def ensure_assets() -> None:
     """For people: find the binaries via ../shared/k8s/install.sh when KUBEBUILDER_ASSETS is unset."""
     installer = ROOT.parent / "shared" / "k8s" / "install.sh"
     if not os.environ.get("KUBEBUILDER_ASSETS") and installer.is_file():
-        os.environ["KUBEBUILDER_ASSETS"] = subprocess.run([str(installer)], capture_output=True, text=True, check=True).stdout.strip()
+        os.environ["KUBEBUILDER_ASSETS"] = subprocess.run(
+            [str(installer)], capture_output=True, text=True, check=True
+        ).stdout.strip()
 
 
 def _read_state(path: Path) -> dict[str, Any] | None:
@@ -168,16 +172,24 @@ def _up(args: argparse.Namespace) -> int:
     argv = [sys.executable, "-m", "devcluster", "serve", "--state", str(state)]
     argv += ["--gpu-nodes", str(args.gpu_nodes), "--cpu-nodes", str(args.cpu_nodes)]
     with open(logfile, "wb") as out:
-        daemon = subprocess.Popen(argv, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        daemon = subprocess.Popen(
+            argv, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
     deadline = time.monotonic() + args.timeout
     while time.monotonic() < deadline:
         info = _read_state(state)
         if info:
-            print(f"# local cluster up: nodes {', '.join(info['nodes'])}; logs and pod folders under {info['workdir']}", file=sys.stderr)
+            print(
+                f"# local cluster up: nodes {', '.join(info['nodes'])}; logs and pod folders under {info['workdir']}",
+                file=sys.stderr,
+            )
             print(f"export KUBECONFIG={info['kubeconfig']}")
             return 0
         if daemon.poll() is not None:
-            print(f"cluster failed to start (exit {daemon.returncode}); log {logfile}:\n{logfile.read_text()[-3000:]}", file=sys.stderr)
+            print(
+                f"cluster failed to start (exit {daemon.returncode}); log {logfile}:\n{logfile.read_text()[-3000:]}",
+                file=sys.stderr,
+            )
             return 1
         time.sleep(0.3)
     daemon.terminate()

@@ -32,7 +32,9 @@ def assets_dir() -> Path:
     """The folder of control-plane binaries, or AssetsMissing with how to get them."""
     value = os.environ.get("KUBEBUILDER_ASSETS", "")
     if not value:
-        raise AssetsMissing('KUBEBUILDER_ASSETS is not set: run `export KUBEBUILDER_ASSETS="$(../shared/k8s/install.sh)"`')
+        raise AssetsMissing(
+            'KUBEBUILDER_ASSETS is not set: run `export KUBEBUILDER_ASSETS="$(../shared/k8s/install.sh)"`'
+        )
     path = Path(value)
     missing = [name for name in REQUIRED if not (path / name).is_file()]
     if missing:
@@ -68,7 +70,9 @@ class ControlPlane:
     def kubeconfig(self) -> Path:
         return self.workdir / "kubeconfig"
 
-    def kubectl(self, *args: str, check: bool = True, input_text: str | None = None) -> subprocess.CompletedProcess[str]:
+    def kubectl(
+        self, *args: str, check: bool = True, input_text: str | None = None
+    ) -> subprocess.CompletedProcess[str]:
         """Run the real kubectl against this plane."""
         result = subprocess.run(
             [str(self.bin / "kubectl"), "--kubeconfig", str(self.kubeconfig), *args],
@@ -91,7 +95,11 @@ class ControlPlane:
         wd = self.workdir
         (wd / "certs").mkdir(parents=True, exist_ok=True)
         subprocess.run(["openssl", "genrsa", "-out", str(wd / "sa.key"), "2048"], check=True, capture_output=True)
-        subprocess.run(["openssl", "rsa", "-in", str(wd / "sa.key"), "-pubout", "-out", str(wd / "sa.pub")], check=True, capture_output=True)
+        subprocess.run(
+            ["openssl", "rsa", "-in", str(wd / "sa.key"), "-pubout", "-out", str(wd / "sa.pub")],
+            check=True,
+            capture_output=True,
+        )
         (wd / "tokens.csv").write_text(f"{self.token},admin,admin,system:masters\n")
         etcd_client, etcd_peer = free_port(), free_port()
         self.api_port = free_port()

@@ -50,7 +50,9 @@ class Kube:
             auth = (cfg.api_key or {}).get(key)
             if auth:
                 prefix = (cfg.api_key_prefix or {}).get(key)
-                self.headers["Authorization"] = f"{prefix} {auth}" if prefix else (auth if " " in auth else f"Bearer {auth}")
+                self.headers["Authorization"] = (
+                    f"{prefix} {auth}" if prefix else (auth if " " in auth else f"Bearer {auth}")
+                )
                 break
         verify = bool(cfg.verify_ssl or ca_file)
         if not verify:
@@ -68,14 +70,24 @@ class Kube:
         query = {k: v for k, v in (params or {}).items() if v is not None}
         return self.server + path + ("?" + urlencode(query) if query else "")
 
-    def request(self, method: str, path: str, body: Any = None, *, params: dict[str, Any] | None = None, content_type: str = "application/json") -> Obj:
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        params: dict[str, Any] | None = None,
+        content_type: str = "application/json",
+    ) -> Obj:
         headers = dict(self.headers)
         data = None
         if body is not None:
             headers["Content-Type"] = content_type
             data = json.dumps(body).encode()
         try:
-            resp = self.pool.request(method, self._url(path, params), body=data, headers=headers, timeout=self.timeout, retries=False)
+            resp = self.pool.request(
+                method, self._url(path, params), body=data, headers=headers, timeout=self.timeout, retries=False
+            )
         except urllib3.exceptions.HTTPError as err:
             raise KubeError(0, method, path, str(err)) from err
         text = resp.data.decode(errors="replace")
@@ -110,10 +122,22 @@ class Kube:
 
     def watch(self, path: str, resource_version: str, timeout_seconds: int = 5) -> Iterator[Obj]:
         """Events ({"type", "object"}) from `resource_version` on, until the server ends the watch."""
-        params = {"watch": "1", "resourceVersion": resource_version, "timeoutSeconds": timeout_seconds, "allowWatchBookmarks": "true"}
+        params = {
+            "watch": "1",
+            "resourceVersion": resource_version,
+            "timeoutSeconds": timeout_seconds,
+            "allowWatchBookmarks": "true",
+        }
         timeout = urllib3.Timeout(connect=5.0, read=timeout_seconds + 10.0)
         try:
-            resp = self.pool.request("GET", self._url(path, params), headers=self.headers, preload_content=False, timeout=timeout, retries=False)
+            resp = self.pool.request(
+                "GET",
+                self._url(path, params),
+                headers=self.headers,
+                preload_content=False,
+                timeout=timeout,
+                retries=False,
+            )
         except urllib3.exceptions.HTTPError as err:
             raise KubeError(0, "WATCH", path, str(err)) from err
         try:

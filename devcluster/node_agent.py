@@ -120,7 +120,11 @@ class NodeAgent:
         atexit.register(self.stop)
         for node in self.nodes.values():
             self._register(node)
-        for target, name in ((self._heartbeats, "heartbeats"), (self._watch_pods, "watch-pods"), (self._watch_services, "watch-services")):
+        for target, name in (
+            (self._heartbeats, "heartbeats"),
+            (self._watch_pods, "watch-pods"),
+            (self._watch_services, "watch-services"),
+        ):
             threading.Thread(target=target, name=f"agent-{name}", daemon=True).start()  # daemons: they end with _stop
         return self
 
@@ -146,14 +150,31 @@ class NodeAgent:
         probe = self.workdir / "hosts-probe"
         probe.write_text("127.0.0.1 localhost\n127.1.2.3 sgdjob-probe\n")
         try:
-            argv = [*self._namespaces(), "/bin/sh", "-c", _HOSTS_SCRIPT, "sh", str(probe), "sgdjob-probe", "getent", "hosts", "sgdjob-probe"]
+            argv = [
+                *self._namespaces(),
+                "/bin/sh",
+                "-c",
+                _HOSTS_SCRIPT,
+                "sh",
+                str(probe),
+                "sgdjob-probe",
+                "getent",
+                "hosts",
+                "sgdjob-probe",
+            ]
             done = subprocess.run(argv, capture_output=True, text=True, timeout=10, check=False)
             self.isolation = done.returncode == 0 and "127.1.2.3" in done.stdout
-            self.isolation_error = "" if self.isolation else f"`{' '.join(argv[:6])}` failed: {done.stderr.strip() or done.stdout.strip()}"
+            self.isolation_error = (
+                "" if self.isolation else f"`{' '.join(argv[:6])}` failed: {done.stderr.strip() or done.stdout.strip()}"
+            )
         except (OSError, subprocess.TimeoutExpired) as err:
             self.isolation_error = f"per-pod /etc/hosts unavailable: {err}"
         if not self.isolation:
-            log.warning("node agent: pods run WITHOUT their own /etc/hosts and hostname (cluster DNS names will not resolve): %s", self.isolation_error)
+            log.warning(
+                "node agent: pods run WITHOUT their own /etc/hosts and hostname "
+                "(cluster DNS names will not resolve): %s",
+                self.isolation_error,
+            )
 
     def _namespaces(self) -> list[str]:
         user = [] if os.geteuid() == 0 else ["--map-root-user"]  # a user namespace lets non-root mount
@@ -172,12 +193,41 @@ class NodeAgent:
 
     def _conditions(self, ready: str, reason: str, message: str) -> list[Obj]:
         ts = now_iso()
-        quiet = [("MemoryPressure", "KubeletHasSufficientMemory"), ("DiskPressure", "KubeletHasNoDiskPressure"), ("PIDPressure", "KubeletHasSufficientPID")]
-        conds = [{"type": t, "status": "False", "reason": r, "message": "", "lastHeartbeatTime": ts, "lastTransitionTime": ts} for t, r in quiet]
-        return [*conds, {"type": "Ready", "status": ready, "reason": reason, "message": message, "lastHeartbeatTime": ts, "lastTransitionTime": ts}]
+        quiet = [
+            ("MemoryPressure", "KubeletHasSufficientMemory"),
+            ("DiskPressure", "KubeletHasNoDiskPressure"),
+            ("PIDPressure", "KubeletHasSufficientPID"),
+        ]
+        conds = [
+            {
+                "type": t,
+                "status": "False",
+                "reason": r,
+                "message": "",
+                "lastHeartbeatTime": ts,
+                "lastTransitionTime": ts,
+            }
+            for t, r in quiet
+        ]
+        return [
+            *conds,
+            {
+                "type": "Ready",
+                "status": ready,
+                "reason": reason,
+                "message": message,
+                "lastHeartbeatTime": ts,
+                "lastTransitionTime": ts,
+            },
+        ]
 
     def _register(self, node: NodeSpec) -> None:
-        labels = {"kubernetes.io/hostname": node.name, "kubernetes.io/os": "linux", "kubernetes.io/arch": "amd64", **node.labels}
+        labels = {
+            "kubernetes.io/hostname": node.name,
+            "kubernetes.io/os": "linux",
+            "kubernetes.io/arch": "amd64",
+            **node.labels,
+        }
         cap = node.capacity()
         self.runner_cfg.allocatable.update(cap)  # resourceFieldRef defaults; all nodes alike but GPUs
         body: Obj = {
@@ -188,13 +238,25 @@ class NodeAgent:
             "status": {
                 "capacity": cap,
                 "allocatable": cap,
-                "conditions": self._conditions("True", "KubeletReady", "sgdjob devcluster node agent is posting ready status"),
-                "addresses": [{"type": "InternalIP", "address": self.node_ip(node.name)}, {"type": "Hostname", "address": node.name}],
+                "conditions": self._conditions(
+                    "True", "KubeletReady", "sgdjob devcluster node agent is posting ready status"
+                ),
+                "addresses": [
+                    {"type": "InternalIP", "address": self.node_ip(node.name)},
+                    {"type": "Hostname", "address": node.name},
+                ],
                 "daemonEndpoints": {"kubeletEndpoint": {"Port": 0}},
                 "nodeInfo": {
                     **dict.fromkeys(("machineID", "systemUUID", "bootID"), ""),
-                    **{"kernelVersion": os.uname().release, "osImage": "sgdjob devcluster node agent (processes, no containers)"},
-                    **{"containerRuntimeVersion": f"{CONTAINER_ID_SCHEME}0", "kubeletVersion": "v1.20.2", "kubeProxyVersion": "v1.20.2"},
+                    **{
+                        "kernelVersion": os.uname().release,
+                        "osImage": "sgdjob devcluster node agent (processes, no containers)",
+                    },
+                    **{
+                        "containerRuntimeVersion": f"{CONTAINER_ID_SCHEME}0",
+                        "kubeletVersion": "v1.20.2",
+                        "kubeProxyVersion": "v1.20.2",
+                    },
                     **{"operatingSystem": "linux", "architecture": "amd64"},
                 },
             },
@@ -217,7 +279,10 @@ class NodeAgent:
         except KubeError as err:
             if err.status != 404:
                 raise
-            self.kube.create(leases, {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": {"name": name}, "spec": spec})
+            self.kube.create(
+                leases,
+                {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": {"name": name}, "spec": spec},
+            )
 
     def _heartbeats(self) -> None:
         beat = 0
@@ -228,8 +293,17 @@ class NodeAgent:
             for name in live:
                 try:
                     self._renew_lease(name)
-                    if beat % 2 == 0:  # leases are the heartbeat; status every other beat, like a kubelet's slower report
-                        self.kube.patch(f"/api/v1/nodes/{name}/status", {"status": {"conditions": self._conditions("True", "KubeletReady", "posting ready status")}})
+                    if (
+                        beat % 2 == 0
+                    ):  # leases are the heartbeat; status every other beat, like a kubelet's slower report
+                        self.kube.patch(
+                            f"/api/v1/nodes/{name}/status",
+                            {
+                                "status": {
+                                    "conditions": self._conditions("True", "KubeletReady", "posting ready status")
+                                }
+                            },
+                        )
                 except Exception as err:  # keep beating; the API server may be restarting
                     if not self._stop.is_set():
                         log.warning("heartbeat for %s failed: %s", name, err)
@@ -257,7 +331,10 @@ class NodeAgent:
             self._dead.discard(name)
             for uid in [uid for uid, r in self._runners.items() if r.node == name]:
                 self._release(self._runners.pop(uid))
-        self.kube.patch(f"/api/v1/nodes/{name}/status", {"status": {"conditions": self._conditions("True", "KubeletReady", "posting ready status")}})
+        self.kube.patch(
+            f"/api/v1/nodes/{name}/status",
+            {"status": {"conditions": self._conditions("True", "KubeletReady", "posting ready status")}},
+        )
         self._renew_lease(name)
         for pod in self.kube.get("/api/v1/pods", fieldSelector=f"spec.nodeName={name}")["items"]:
             self._on_pod("ADDED", pod)
@@ -298,7 +375,10 @@ class NodeAgent:
 
     def _new_runner(self, pod: Obj) -> PodRunner:
         node = pod["spec"]["nodeName"]
-        want = sum(int(podspec.quantity(((c.get("resources") or {}).get("limits") or {}).get("nvidia.com/gpu", 0))) for c in pod["spec"]["containers"])
+        want = sum(
+            int(podspec.quantity(((c.get("resources") or {}).get("limits") or {}).get("nvidia.com/gpu", 0)))
+            for c in pod["spec"]["containers"]
+        )
         free = self._gpus_free[node]
         gpus, self._gpus_free[node] = free[:want], free[want:]
         meta = pod["metadata"]

@@ -86,7 +86,9 @@ class PodRunner(threading.Thread):
         self.node = pod["spec"]["nodeName"]
         self.policy = pod["spec"].get("restartPolicy", "Always")
         self.tag = f"{cfg.tag}{self.uid}/"
-        self.ctrs = [Ctr(c, True) for c in pod["spec"].get("initContainers") or []] + [Ctr(c, False) for c in pod["spec"]["containers"]]
+        self.ctrs = [Ctr(c, True) for c in pod["spec"].get("initContainers") or []] + [
+            Ctr(c, False) for c in pod["spec"]["containers"]
+        ]
         self.volumes: dict[str, Path] = {}
         self.phase = "Pending"
         self.finished = threading.Event()
@@ -139,7 +141,12 @@ class PodRunner(threading.Thread):
     @staticmethod
     def finalize_pod(kube: Kube, meta: Obj) -> None:
         """Delete the pod object with grace 0 (what a kubelet does once its containers are gone)."""
-        opts = {"apiVersion": "v1", "kind": "DeleteOptions", "gracePeriodSeconds": 0, "preconditions": {"uid": meta["uid"]}}
+        opts = {
+            "apiVersion": "v1",
+            "kind": "DeleteOptions",
+            "gracePeriodSeconds": 0,
+            "preconditions": {"uid": meta["uid"]},
+        }
         with contextlib.suppress(KubeError):  # gone already, or a new pod of that name (uid precondition)
             kube.delete(pod_path(meta["namespace"], meta["name"]), opts)
 
@@ -149,7 +156,14 @@ class PodRunner(threading.Thread):
         self._publish()
         while self._stop_req is None:
             try:
-                self.volumes = podspec.write_volumes(self.pod, self.dir / "volumes", self._lookup, self._token, (self.pod_ip, self.host_ip), self.cfg.allocatable)
+                self.volumes = podspec.write_volumes(
+                    self.pod,
+                    self.dir / "volumes",
+                    self._lookup,
+                    self._token,
+                    (self.pod_ip, self.host_ip),
+                    self.cfg.allocatable,
+                )
                 return True
             except (podspec.Missing, podspec.Unsupported, KubeError) as err:
                 self._event("FailedMount", f"MountVolume failed: {err}", "Warning")
@@ -171,7 +185,9 @@ class PodRunner(threading.Thread):
                 probe = c.spec.get("readinessProbe")
                 if c.proc is not None and probe and now >= c.next_probe:
                     c.ready = probes.check(probe, c.spec, self.pod_ip)
-                    c.next_probe = now + min(float(probe.get("periodSeconds", 10)), 1.0)  # period capped: tests wait less
+                    c.next_probe = now + min(
+                        float(probe.get("periodSeconds", 10)), 1.0
+                    )  # period capped: tests wait less
             self.phase = self._phase()
             self._publish()
             if self.phase in ("Succeeded", "Failed"):
@@ -201,11 +217,15 @@ class PodRunner(threading.Thread):
             "KUBERNETES_PORT": f"tcp://127.0.0.1:{self.cfg.api_port}",
             **self.cfg.extra_env,
         }
-        if self.gpus and int(podspec.quantity(((c.spec.get("resources") or {}).get("limits") or {}).get("nvidia.com/gpu", 0))):
+        if self.gpus and int(
+            podspec.quantity(((c.spec.get("resources") or {}).get("limits") or {}).get("nvidia.com/gpu", 0))
+        ):
             base["NVIDIA_VISIBLE_DEVICES"] = ",".join(map(str, self.gpus))  # what the device plugin injects
         try:
             table = podspec.mounts(c.spec, self.volumes)
-            user = podspec.container_env(self.pod, c.spec, self._lookup, self.pod_ip, self.host_ip, self.cfg.allocatable, base)
+            user = podspec.container_env(
+                self.pod, c.spec, self._lookup, self.pod_ip, self.host_ip, self.cfg.allocatable, base
+            )
             env = {**base, **{k: podspec.rewrite(v, table) for k, v in user.items()}, TAG_KEY: f"{self.tag}{c.name}/"}
             argv = podspec.resolve_argv(c.spec, env, table, env["PATH"])
             cwd = podspec.working_dir(c.spec, table, self.dir / "rootfs")
@@ -240,7 +260,12 @@ class PodRunner(threading.Thread):
         code = rc if rc >= 0 else 128 - rc
         # A container's PID 1 exiting tears down its PID namespace: nothing it started survives it.
         kill_tagged(f"{self.tag}{c.name}/")
-        term: Obj = {"exitCode": code, "reason": reason or ("Completed" if code == 0 else "Error"), "startedAt": c.started_at, "finishedAt": now_iso()}
+        term: Obj = {
+            "exitCode": code,
+            "reason": reason or ("Completed" if code == 0 else "Error"),
+            "startedAt": c.started_at,
+            "finishedAt": now_iso(),
+        }
         if c.cid:
             term["containerID"] = c.cid
         if rc < 0:
@@ -259,7 +284,12 @@ class PodRunner(threading.Thread):
         delay = min(self.cfg.backoff_base * 2**c.backoff_n, self.cfg.backoff_cap)
         c.backoff_n += 1
         c.last_state, c.next_start = {"terminated": term}, time.monotonic() + delay
-        c.state = {"waiting": {"reason": "CrashLoopBackOff", "message": f"back-off {delay:g}s restarting failed container={c.name} pod={self.pod_name}"}}
+        c.state = {
+            "waiting": {
+                "reason": "CrashLoopBackOff",
+                "message": f"back-off {delay:g}s restarting failed container={c.name} pod={self.pod_name}",
+            }
+        }
         self._event("BackOff", f"Back-off {delay:g}s restarting failed container {c.name} (exit {code})", "Warning")
 
     def _terminate(self, grace: float) -> None:
@@ -299,11 +329,23 @@ class PodRunner(threading.Thread):
         if prev is None or prev[0] != status:
             self._transitions[kind] = prev = (status, now_iso())
         # reason None deletes a stale one: conditions are strategic-merged by type.
-        return {"type": kind, "status": status, "lastProbeTime": None, "lastTransitionTime": prev[1], "reason": None if ok else reason}
+        return {
+            "type": kind,
+            "status": status,
+            "lastProbeTime": None,
+            "lastTransitionTime": prev[1],
+            "reason": None if ok else reason,
+        }
 
     def _container_status(self, c: Ctr) -> Obj:
         image = c.spec.get("image", "")
-        out: Obj = {"name": c.name, "image": image, "imageID": "", "ready": c.ready and "running" in c.state, "restartCount": c.restarts}
+        out: Obj = {
+            "name": c.name,
+            "image": image,
+            "imageID": "",
+            "ready": c.ready and "running" in c.state,
+            "restartCount": c.restarts,
+        }
         out.update(state=c.state, lastState=c.last_state, started="running" in c.state)
         if c.cid:
             out["containerID"] = c.cid
@@ -322,7 +364,9 @@ class PodRunner(threading.Thread):
             "startTime": self._start_time,
             "conditions": [
                 self._condition("PodScheduled", True, ""),
-                self._condition("Initialized", all(c.done and c.exit_code == 0 for c in inits), "ContainersNotInitialized"),
+                self._condition(
+                    "Initialized", all(c.done and c.exit_code == 0 for c in inits), "ContainersNotInitialized"
+                ),
                 self._condition("ContainersReady", ready, done_reason),
                 self._condition("Ready", ready, done_reason),
             ],
@@ -334,7 +378,9 @@ class PodRunner(threading.Thread):
             return
         try:
             # The uid in the patch is a precondition: a new pod of the same name is never touched.
-            self.cfg.kube.patch(pod_path(self.ns, self.pod_name) + "/status", {"metadata": {"uid": self.uid}, "status": status})
+            self.cfg.kube.patch(
+                pod_path(self.ns, self.pod_name) + "/status", {"metadata": {"uid": self.uid}, "status": status}
+            )
             self._sent = status
         except KubeError as err:
             if err.status in (404, 409):
@@ -356,7 +402,9 @@ class PodRunner(threading.Thread):
         }
         sa = self.pod["spec"].get("serviceAccountName") or "default"
         body = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": spec}
-        return str(self.cfg.kube.create(f"/api/v1/namespaces/{self.ns}/serviceaccounts/{sa}/token", body)["status"]["token"])
+        return str(
+            self.cfg.kube.create(f"/api/v1/namespaces/{self.ns}/serviceaccounts/{sa}/token", body)["status"]["token"]
+        )
 
     def _event(self, reason: str, message: str, kind: str = "Normal") -> None:
         """A kubelet-style Event on the pod, for `kubectl describe pod`; never fails the runner."""
@@ -365,7 +413,13 @@ class PodRunner(threading.Thread):
             "apiVersion": "v1",
             "kind": "Event",
             "metadata": {"name": f"{self.pod_name}.{uuid.uuid4().hex[:12]}", "namespace": self.ns},
-            "involvedObject": {"kind": "Pod", "apiVersion": "v1", "name": self.pod_name, "namespace": self.ns, "uid": self.uid},
+            "involvedObject": {
+                "kind": "Pod",
+                "apiVersion": "v1",
+                "name": self.pod_name,
+                "namespace": self.ns,
+                "uid": self.uid,
+            },
             "reason": reason,
             "message": message,
             "type": kind,

@@ -130,7 +130,15 @@ def _key(lookup: Lookup, kind: str, ref: Obj) -> str | None:
     raise Missing(f"{kind} {ref['name']!r} key {ref['key']!r}" if obj is not None else f"{kind} {ref['name']!r}")
 
 
-def container_env(pod: Obj, container: Obj, lookup: Lookup, pod_ip: str, host_ip: str, allocatable: dict[str, str], base: dict[str, str]) -> dict[str, str]:
+def container_env(
+    pod: Obj,
+    container: Obj,
+    lookup: Lookup,
+    pod_ip: str,
+    host_ip: str,
+    allocatable: dict[str, str],
+    base: dict[str, str],
+) -> dict[str, str]:
     """envFrom, then env (later wins, `$(VAR)` sees earlier values), over the agent's `base`."""
     env: dict[str, str] = {}
     for src in container.get("envFrom") or []:
@@ -178,7 +186,9 @@ def _items(data: dict[str, bytes], spec: Obj, what: str) -> dict[str, tuple[byte
     return out
 
 
-def _source_files(source: Obj, pod: Obj, lookup: Lookup, token: TokenFn, ips: tuple[str, str], allocatable: dict[str, str]) -> dict[str, tuple[bytes, int | None]]:
+def _source_files(
+    source: Obj, pod: Obj, lookup: Lookup, token: TokenFn, ips: tuple[str, str], allocatable: dict[str, str]
+) -> dict[str, tuple[bytes, int | None]]:
     """The files of one volume source (a configMap, secret, downwardAPI or projected source)."""
     for field, kind, name_key in (("configMap", "configmap", "name"), ("secret", "secret", "secretName")):
         if field in source:
@@ -197,7 +207,11 @@ def _source_files(source: Obj, pod: Obj, lookup: Lookup, token: TokenFn, ips: tu
                 value = field_value(pod, item["fieldRef"]["fieldPath"], *ips)
             else:
                 ref = item["resourceFieldRef"]
-                ctr = next(c for c in pod["spec"]["containers"] if c["name"] == ref.get("containerName", pod["spec"]["containers"][0]["name"]))
+                ctr = next(
+                    c
+                    for c in pod["spec"]["containers"]
+                    if c["name"] == ref.get("containerName", pod["spec"]["containers"][0]["name"])
+                )
                 value = resource_value(ctr, ref, allocatable)
             out[item["path"]] = (value.encode(), item.get("mode"))
         return out
@@ -207,7 +221,9 @@ def _source_files(source: Obj, pod: Obj, lookup: Lookup, token: TokenFn, ips: tu
     raise Unsupported(f"volume source {sorted(source)}")
 
 
-def write_volumes(pod: Obj, root: Path, lookup: Lookup, token: TokenFn, ips: tuple[str, str], allocatable: dict[str, str]) -> dict[str, Path]:
+def write_volumes(
+    pod: Obj, root: Path, lookup: Lookup, token: TokenFn, ips: tuple[str, str], allocatable: dict[str, str]
+) -> dict[str, Path]:
     """Materialize the pod's volumes under `root/<volume>`; returns volume name -> folder.
 
     Written once at pod start, like a kubelet's first sync; later ConfigMap/Secret edits are not

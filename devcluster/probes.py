@@ -29,13 +29,17 @@ def check(probe: Obj, container: Obj, pod_ip: str, timeout: float = 1.0) -> bool
     try:
         if "tcpSocket" in probe:
             spec = probe["tcpSocket"]
-            with socket.create_connection((spec.get("host") or pod_ip, _port(spec["port"], container)), timeout=timeout):
+            with socket.create_connection(
+                (spec.get("host") or pod_ip, _port(spec["port"], container)), timeout=timeout
+            ):
                 return True
         if "httpGet" in probe:
             spec = probe["httpGet"]
             host, port = spec.get("host") or pod_ip, _port(spec["port"], container)
             if spec.get("scheme", "HTTP").upper() == "HTTPS":
-                conn: http.client.HTTPConnection = http.client.HTTPSConnection(host, port, timeout=timeout, context=ssl._create_unverified_context())
+                conn: http.client.HTTPConnection = http.client.HTTPSConnection(
+                    host, port, timeout=timeout, context=ssl._create_unverified_context()
+                )
             else:
                 conn = http.client.HTTPConnection(host, port, timeout=timeout)
             try:

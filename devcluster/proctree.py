@@ -32,7 +32,9 @@ def _tags() -> dict[int, str]:
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
-            tag = next((v[len(needle) :] for v in (entry / "environ").read_bytes().split(b"\0") if v.startswith(needle)), None)
+            tag = next(
+                (v[len(needle) :] for v in (entry / "environ").read_bytes().split(b"\0") if v.startswith(needle)), None
+            )
             if tag is not None and _state(entry) != "Z":
                 found[int(entry.name)] = tag.decode(errors="replace")
         except OSError:

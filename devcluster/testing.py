@@ -31,7 +31,11 @@ def wait_for(check: Callable[[], T | None], timeout: float, what: str) -> T:
 
 def wait_ready_namespace(kube: Kube, ns: str) -> None:
     """Pods are refused until the namespace's default ServiceAccount has its token (controller-made)."""
-    wait_for(lambda: (kube.get_or_none(f"/api/v1/namespaces/{ns}/serviceaccounts/default") or {}).get("secrets"), 30, f"default SA in {ns}")
+    wait_for(
+        lambda: (kube.get_or_none(f"/api/v1/namespaces/{ns}/serviceaccounts/default") or {}).get("secrets"),
+        30,
+        f"default SA in {ns}",
+    )
 
 
 def new_namespace(kube: Kube, prefix: str) -> str:

@@ -10,9 +10,29 @@ from typing import Any
 import pytest
 
 from bench.apiproxy import classify
-from bench.measure import SYSTEMS, curve_from_ddp, curve_from_report, ddp_result, markdown_table, ratios, sgdjob_result, smoothed, target_checks, time_to_target
+from bench.measure import (
+    SYSTEMS,
+    curve_from_ddp,
+    curve_from_report,
+    ddp_result,
+    markdown_table,
+    ratios,
+    sgdjob_result,
+    smoothed,
+    target_checks,
+    time_to_target,
+)
 from bench.operator_scale import percentile
-from bench.scenarios import SCENARIO_NAMES, BenchConfig, bound, build_scenario, ddp_run_config, job_doc, rank_factor, rank_speeds
+from bench.scenarios import (
+    SCENARIO_NAMES,
+    BenchConfig,
+    bound,
+    build_scenario,
+    ddp_run_config,
+    job_doc,
+    rank_factor,
+    rank_speeds,
+)
 from sgdjob_operator.api.validation import validate_job
 from sgdjob_trainer.wire.launch import RunConfig
 
@@ -36,7 +56,14 @@ def test_curves_from_both_report_formats() -> None:
 
 def test_ddp_and_sgdjob_results_use_the_same_definitions() -> None:
     docs = [
-        {"rank": 0, "samples": 320, "wallSeconds": 2.0, "computeSeconds": 0.5, "finalLoss": 0.02, "lossCurve": [[0.5 * i, i, 0.01] for i in range(1, 10)]},
+        {
+            "rank": 0,
+            "samples": 320,
+            "wallSeconds": 2.0,
+            "computeSeconds": 0.5,
+            "finalLoss": 0.02,
+            "lossCurve": [[0.5 * i, i, 0.01] for i in range(1, 10)],
+        },
         {"rank": 1, "samples": 320, "wallSeconds": 4.0, "computeSeconds": 1.5, "finalLoss": 0.04},
     ]
     ddp = ddp_result(docs, bound=400.0, target=0.03, expected=2)
@@ -67,14 +94,20 @@ def test_bound_and_scenarios_follow_the_emulator_rule() -> None:
     assert build_scenario("bimodal", cfg).groups == ((0, 1), (2, 3))
     assert build_scenario("homogeneous", cfg).groups == ((0,), (1,), (2,), (3,))  # no classes: periodic averaging
     transient = build_scenario("transient", cfg)
-    assert rank_factor(transient.slowdowns, 0, 15) == 4.0 and rank_factor(transient.slowdowns, 0, 14) == 1.0 and rank_factor(transient.slowdowns, 0, 20) == 1.0
+    assert (
+        rank_factor(transient.slowdowns, 0, 15) == 4.0
+        and rank_factor(transient.slowdowns, 0, 14) == 1.0
+        and rank_factor(transient.slowdowns, 0, 20) == 1.0
+    )
     assert 3 * 640.0 < bound(cfg, transient) < 4 * 640.0
     for name in SCENARIO_NAMES:
         scenario = build_scenario(name, cfg)
         for mode in ("sync", "hierarchical", "async", "auto"):
             job = validate_job(job_doc(cfg, scenario, mode))  # every job file is a valid SGDJob
             # DDP's layout: one node (one torchrun agent) of 4 workers, none added or removed
-            assert job.spec.replicas == job.spec.min_workers == job.spec.max_workers == 1 and job.spec.nproc_per_node == 4
+            assert (
+                job.spec.replicas == job.spec.min_workers == job.spec.max_workers == 1 and job.spec.nproc_per_node == 4
+            )
             if mode == "hierarchical":
                 assert job.spec.training.hierarchical.groups == [list(g) for g in scenario.groups]
         run = RunConfig.model_validate(ddp_run_config(cfg, scenario))
@@ -82,7 +115,16 @@ def test_bound_and_scenarios_follow_the_emulator_rule() -> None:
 
 
 def _systems(**throughputs: float | None) -> dict[str, dict[str, Any]]:
-    return {k: {"throughput": v, "efficiency": None if v is None else v / 1000, "time_to_target_s": 10.0 if k == "ddp" else 6.0, "final_loss": 0.02, "modes": [k]} for k, v in throughputs.items()}
+    return {
+        k: {
+            "throughput": v,
+            "efficiency": None if v is None else v / 1000,
+            "time_to_target_s": 10.0 if k == "ddp" else 6.0,
+            "final_loss": 0.02,
+            "modes": [k],
+        }
+        for k, v in throughputs.items()
+    }
 
 
 def test_ratios_targets_and_table() -> None:
@@ -94,7 +136,11 @@ def test_ratios_targets_and_table() -> None:
     assert q["auto_over_ddp_time_to_target"] == pytest.approx(0.6)
     results = [
         {"scenario": "one-straggler", "systems": straggler, "ratios": q},
-        {"scenario": "homogeneous", "systems": _systems(ddp=1000.0, auto=None), "ratios": ratios(_systems(ddp=1000.0, auto=None))},
+        {
+            "scenario": "homogeneous",
+            "systems": _systems(ddp=1000.0, auto=None),
+            "ratios": ratios(_systems(ddp=1000.0, auto=None)),
+        },
     ]
     checks = {c["target"]: c["met"] for c in target_checks(results)}
     assert checks["one-straggler: auto efficiency (of the bound)"] is True  # 0.88
@@ -113,7 +159,10 @@ def test_operator_scale_helpers() -> None:
     assert percentile([3.0], 99) == 3.0
     assert classify("GET", "/api/v1/namespaces/ns/pods", {"watch": "true"}) == ("watch", "pods")
     assert classify("POST", "/api/v1/namespaces/ns/pods", {}) == ("create", "pods")
-    assert classify("PATCH", "/apis/sgdjob.dev/v1alpha1/namespaces/ns/sgdjobs/a/status", {}) == ("patch", "sgdjobs/status")
+    assert classify("PATCH", "/apis/sgdjob.dev/v1alpha1/namespaces/ns/sgdjobs/a/status", {}) == (
+        "patch",
+        "sgdjobs/status",
+    )
     assert classify("GET", "/api/v1/namespaces/ns", {}) == ("get", "namespaces")
     assert classify("DELETE", "/api/v1/namespaces/ns/pods/p", {}) == ("delete", "pods")
 
@@ -124,7 +173,22 @@ def test_tiny_run_of_every_system(tmp_path: Path) -> None:
     from bench.heterogeneity import main
 
     out = tmp_path / "bench"
-    code = main(["--out", str(out), "--workers", "2", "--steps", "24", "--compute-seconds", "0.01", "--scenarios", "one-straggler", "--timeout", "240"])
+    code = main(
+        [
+            "--out",
+            str(out),
+            "--workers",
+            "2",
+            "--steps",
+            "24",
+            "--compute-seconds",
+            "0.01",
+            "--scenarios",
+            "one-straggler",
+            "--timeout",
+            "240",
+        ]
+    )
     doc = json.loads((out / "heterogeneity.json").read_text())
     assert [r["scenario"] for r in doc["results"]] == ["one-straggler"]
     systems = doc["results"][0]["systems"]

@@ -76,7 +76,8 @@ def test_pod_runs_to_completion_with_env_volumes_and_exit_code(cluster: LocalClu
         spec:
           restartPolicy: Never
           initContainers:
-          - {{name: init, image: busybox, command: [sh, -c, "echo init-ran > /scratch/init.txt"], volumeMounts: [{{name: scratch, mountPath: /scratch}}]}}
+          - {{name: init, image: busybox, command: [sh, -c, "echo init-ran > /scratch/init.txt"], \
+volumeMounts: [{{name: scratch, mountPath: /scratch}}]}}
           containers:
           - name: main
             image: ignored.example/python:3.11
@@ -121,14 +122,38 @@ def test_pod_runs_to_completion_with_env_volumes_and_exit_code(cluster: LocalClu
     assert status["phase"] == "Succeeded", (status, report)
     terminated = status["containerStatuses"][0]["state"]["terminated"]
     assert (terminated["exitCode"], terminated["reason"]) == (0, "Completed")
-    assert {c["type"]: c["status"] for c in status["conditions"]} == {"PodScheduled": "True", "Initialized": "True", "ContainersReady": "False", "Ready": "False"}
+    assert {c["type"]: c["status"] for c in status["conditions"]} == {
+        "PodScheduled": "True",
+        "Initialized": "True",
+        "ContainersReady": "False",
+        "Ready": "False",
+    }
     assert status["podIP"].startswith("127.") and status["podIP"] != status["hostIP"]
     env = report["env"]
     assert env["POD_NAME"] == "envcheck" and env["POD_NAMESPACE"] == ns and env["POD_UID"] == meta["uid"]
-    assert (env["NODE_NAME"], env["POD_IP"], env["HOST_IP"]) == (pod["spec"]["nodeName"], status["podIP"], status["hostIP"])
-    assert (env["SECRET_TOKEN"], env["GREETING"], env["CFG_mode"], env["DERIVED"], env["CPU_LIMIT"]) == ("s3cret", "hello", "sync", "envcheck-hello", "2")
-    assert (env["KUBERNETES_SERVICE_HOST"], env["KUBERNETES_SERVICE_PORT"]) == ("127.0.0.1", str(cluster.plane.api_port))
-    assert (report["greeting_file"], report["secret_file"], report["sa_namespace"], report["scratch"], report["init"]) == ("hello", "s3cret", ns, "written", "init-ran")
+    assert (env["NODE_NAME"], env["POD_IP"], env["HOST_IP"]) == (
+        pod["spec"]["nodeName"],
+        status["podIP"],
+        status["hostIP"],
+    )
+    assert (env["SECRET_TOKEN"], env["GREETING"], env["CFG_mode"], env["DERIVED"], env["CPU_LIMIT"]) == (
+        "s3cret",
+        "hello",
+        "sync",
+        "envcheck-hello",
+        "2",
+    )
+    assert (env["KUBERNETES_SERVICE_HOST"], env["KUBERNETES_SERVICE_PORT"]) == (
+        "127.0.0.1",
+        str(cluster.plane.api_port),
+    )
+    assert (
+        report["greeting_file"],
+        report["secret_file"],
+        report["sa_namespace"],
+        report["scratch"],
+        report["init"],
+    ) == ("hello", "s3cret", ns, "written", "init-ran")
     assert status["initContainerStatuses"][0]["state"]["terminated"]["reason"] == "Completed"
     # `python` is this checkout's venv interpreter; mount paths in args/env/workingDir point into the pod folder.
     assert report["exe"] == str(Path(sys.executable).parent / "python")
@@ -154,13 +179,17 @@ def test_on_failure_restarts_with_backoff_until_success(cluster: LocalCluster, k
           containers:
           - name: main
             image: busybox
-            command: [sh, -c, 'n=$(cat /data/n 2>/dev/null || echo 0); echo $((n+1)) > /data/n; echo "run $n"; test "$n" -ge 2']
+            command: [sh, -c, 'n=$(cat /data/n 2>/dev/null || echo 0); \
+echo $((n+1)) > /data/n; echo "run $n"; test "$n" -ge 2']
             volumeMounts: [{name: data, mountPath: /data}]
           volumes: [{name: data, emptyDir: {}}]
         """,
     )
     seen_backoff = wait_for(
-        lambda: any((c.get("state") or {}).get("waiting", {}).get("reason") == "CrashLoopBackOff" for c in (kube.get(pod_path(ns, "flaky"))["status"].get("containerStatuses") or [])),
+        lambda: any(
+            (c.get("state") or {}).get("waiting", {}).get("reason") == "CrashLoopBackOff"
+            for c in (kube.get(pod_path(ns, "flaky"))["status"].get("containerStatuses") or [])
+        ),
         30,
         "CrashLoopBackOff",
     )
@@ -189,19 +218,38 @@ def test_gpu_pods_schedule_onto_gpu_nodes_only(cluster: LocalCluster, kube: Kube
         for i in range(5)
     )
     apply(cluster, ns, pods)
-    gpu_nodes = {n["metadata"]["name"] for n in kube.get("/api/v1/nodes", labelSelector="nvidia.com/gpu.present=true")["items"]}
+    gpu_nodes = {
+        n["metadata"]["name"] for n in kube.get("/api/v1/nodes", labelSelector="nvidia.com/gpu.present=true")["items"]
+    }
     assert len(gpu_nodes) == 4
 
     def placed() -> tuple[list[Obj], list[Obj]] | None:
         items = kube.get(pod_path(ns), labelSelector="app=gpu")["items"]
         running = [p for p in items if p["status"].get("phase") == "Running"]
-        refused = [p for p in items if any(c["type"] == "PodScheduled" and c.get("reason") == "Unschedulable" for c in p["status"].get("conditions", []))]
+        refused = [
+            p
+            for p in items
+            if any(
+                c["type"] == "PodScheduled" and c.get("reason") == "Unschedulable"
+                for c in p["status"].get("conditions", [])
+            )
+        ]
         return (running, refused) if len(running) == 4 and len(refused) == 1 else None
 
     running, refused = wait_for(placed, 60, "4 GPU pods running and 1 unschedulable")
     assert {p["spec"]["nodeName"] for p in running} == gpu_nodes  # one per GPU node, none on node-4
-    assert "nvidia.com/gpu" in next(c["message"] for c in refused[0]["status"]["conditions"] if c["type"] == "PodScheduled")
-    logs = wait_for(lambda: [cluster.agent.logs(ns, p["metadata"]["name"]).strip() for p in running if cluster.agent.logs(ns, p["metadata"]["name"])], 20, "GPU pods' output")
+    assert "nvidia.com/gpu" in next(
+        c["message"] for c in refused[0]["status"]["conditions"] if c["type"] == "PodScheduled"
+    )
+    logs = wait_for(
+        lambda: [
+            cluster.agent.logs(ns, p["metadata"]["name"]).strip()
+            for p in running
+            if cluster.agent.logs(ns, p["metadata"]["name"])
+        ],
+        20,
+        "GPU pods' output",
+    )
     assert logs == ["gpus=0"] * 4  # the device plugin's env: each node's only GPU
     cluster.plane.kubectl("delete", "pods", "-n", ns, "-l", "app=gpu", "--wait=false")
     wait_for(lambda: not kube.get(pod_path(ns), labelSelector="app=gpu")["items"], 30, "GPU pods to be gone")
@@ -219,7 +267,8 @@ def test_headless_service_names_resolve_to_pod_ips_inside_pods(cluster: LocalClu
     """)
     client = script(f"""
         import json, socket, time
-        names = ["server.peers.{ns}.svc.cluster.local", "server.peers.{ns}.svc", "server.peers", "peers.{ns}.svc", "peers"]
+        names = ["server.peers.{ns}.svc.cluster.local", "server.peers.{ns}.svc", "server.peers", \
+"peers.{ns}.svc", "peers"]
         deadline = time.time() + 40
         while True:  # like any client of cluster DNS: the name exists once the server is Ready
             try:
@@ -289,7 +338,8 @@ def test_headless_service_names_resolve_to_pod_ips_inside_pods(cluster: LocalClu
 STUBBORN = script("""
     import signal, subprocess, time
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # only SIGKILL after the grace period ends this
-    child = subprocess.Popen(["sleep", "300"], start_new_session=True)  # escapes the process group, like torchrun workers
+    child = subprocess.Popen(["sleep", "300"], start_new_session=True)  # escapes the process group, \
+like torchrun workers
     print(child.pid, flush=True)
     time.sleep(300)
 """)
@@ -316,14 +366,25 @@ def test_deleting_a_pod_kills_all_its_processes_and_finalizes_it(cluster: LocalC
 
     def ready_pods() -> list[Obj]:
         items = kube.get(pod_path(ns), labelSelector="app=stubborn")["items"]
-        return [p for p in items if not p["metadata"].get("deletionTimestamp") and any(c["type"] == "Ready" and c["status"] == "True" for c in p["status"].get("conditions", []))]
+        return [
+            p
+            for p in items
+            if not p["metadata"].get("deletionTimestamp")
+            and any(c["type"] == "Ready" and c["status"] == "True" for c in p["status"].get("conditions", []))
+        ]
 
     first = wait_for(ready_pods, 60, "the Deployment's pod to be Ready")[0]
     name, uid = first["metadata"]["name"], first["metadata"]["uid"]
     child = int(wait_for(lambda: cluster.agent.logs(ns, name).strip(), 20, "the child's pid"))
     main = container_pid(first)
     assert alive(main) and alive(child) and len(tagged_pids(f"{cluster.agent.tag}{uid}/")) == 2
-    wait_for(lambda: kube.get("/apis/apps/v1/namespaces/" + ns + "/deployments/stubborn")["status"].get("readyReplicas") == 1, 30, "readyReplicas=1")
+    wait_for(
+        lambda: (
+            kube.get("/apis/apps/v1/namespaces/" + ns + "/deployments/stubborn")["status"].get("readyReplicas") == 1
+        ),
+        30,
+        "readyReplicas=1",
+    )
 
     started = time.monotonic()
     kube.delete(pod_path(ns, name))
@@ -331,17 +392,29 @@ def test_deleting_a_pod_kills_all_its_processes_and_finalizes_it(cluster: LocalC
     assert time.monotonic() - started >= 0.9  # SIGTERM was ignored: SIGKILL came after the 1 s grace
     assert not alive(main) and not alive(child) and not tagged_pids(f"{cluster.agent.tag}{uid}/")
 
-    second = wait_for(lambda: [p for p in ready_pods() if p["metadata"]["uid"] != uid], 60, "the ReplicaSet's replacement")[0]
+    second = wait_for(
+        lambda: [p for p in ready_pods() if p["metadata"]["uid"] != uid], 60, "the ReplicaSet's replacement"
+    )[0]
     assert second["status"]["podIP"] != first["status"]["podIP"]
     cluster.plane.kubectl("delete", "deployment", "stubborn", "-n", ns, "--wait=false")
-    wait_for(lambda: not kube.get(pod_path(ns), labelSelector="app=stubborn")["items"], 60, "garbage collection of the pods")
+    wait_for(
+        lambda: not kube.get(pod_path(ns), labelSelector="app=stubborn")["items"], 60, "garbage collection of the pods"
+    )
     assert not tagged_pids(f"{cluster.agent.tag}{second['metadata']['uid']}/")
 
 
-def test_node_loss_and_no_process_outlives_the_agent(cluster: LocalCluster, kube: Kube, ns: str, tmp_path: Path) -> None:
+def test_node_loss_and_no_process_outlives_the_agent(
+    cluster: LocalCluster, kube: Kube, ns: str, tmp_path: Path
+) -> None:
     # A second agent with a tainted node of its own, so no other test's pod lands there.
     taint = {"key": "sgdjob.dev/spare", "value": "true", "effect": "NoSchedule"}
-    spare = NodeAgent(cluster.kubeconfig, [NodeSpec("spare-0", taints=(taint,))], tmp_path / "spare", grace_cap=1.0, ca_file=cluster.ca_file).start()
+    spare = NodeAgent(
+        cluster.kubeconfig,
+        [NodeSpec("spare-0", taints=(taint,))],
+        tmp_path / "spare",
+        grace_cap=1.0,
+        ca_file=cluster.ca_file,
+    ).start()
     try:
         apply(
             cluster,

@@ -20,17 +20,53 @@ SGDJOBS = "/apis/sgdjob.dev/v1alpha1/namespaces/{ns}/sgdjobs"
 LABEL_JOB = "sgdjob.dev/job-name"
 
 
-def sgdjob_manifest(name: str, *, steps: int, checkpoint_dir: str, replicas: int = 3, min_replicas: int = 2, max_replicas: int = 3, mode: str = "auto", **extra: Any) -> str:
+def sgdjob_manifest(
+    name: str,
+    *,
+    steps: int,
+    checkpoint_dir: str,
+    replicas: int = 3,
+    min_replicas: int = 2,
+    max_replicas: int = 3,
+    mode: str = "auto",
+    **extra: Any,
+) -> str:
     """A small quickstart-shaped SGDJob as JSON (valid YAML for kubectl): emulated compute, one GPU per
     worker (so the scheduler spreads workers over the GPU nodes), checkpoints in `checkpoint_dir`.
     `extra` keys: `emulation` (merged into training.emulation), `policy`, `template` (replace), `training` (merged)."""
     emulation = {"computeSeconds": 0.02, **extra.get("emulation", {})}
-    training = {"model": "mlp", "dataset": "synthetic", "batchSize": 16, "steps": steps, "checkpoint": {"dir": checkpoint_dir, "intervalSteps": 50}, "emulation": emulation}
+    training = {
+        "model": "mlp",
+        "dataset": "synthetic",
+        "batchSize": 16,
+        "steps": steps,
+        "checkpoint": {"dir": checkpoint_dir, "intervalSteps": 50},
+        "emulation": emulation,
+    }
     training.update(extra.get("training", {}))
-    policy = {"intervalSeconds": 2, "persistenceIntervals": 2, "cooldownSeconds": 10, "allowedActions": [], **extra.get("policy", {})}
-    template = extra.get("template") or {"spec": {"containers": [{"name": "trainer", "resources": {"limits": {"nvidia.com/gpu": 1}}}]}}
-    spec = {"replicas": replicas, "minReplicas": min_replicas, "maxReplicas": max_replicas, "nprocPerNode": 1, "mode": mode, "training": training, "policy": policy, "template": template}
-    return json.dumps({"apiVersion": "sgdjob.dev/v1alpha1", "kind": "SGDJob", "metadata": {"name": name}, "spec": spec}, indent=1)
+    policy = {
+        "intervalSeconds": 2,
+        "persistenceIntervals": 2,
+        "cooldownSeconds": 10,
+        "allowedActions": [],
+        **extra.get("policy", {}),
+    }
+    template = extra.get("template") or {
+        "spec": {"containers": [{"name": "trainer", "resources": {"limits": {"nvidia.com/gpu": 1}}}]}
+    }
+    spec = {
+        "replicas": replicas,
+        "minReplicas": min_replicas,
+        "maxReplicas": max_replicas,
+        "nprocPerNode": 1,
+        "mode": mode,
+        "training": training,
+        "policy": policy,
+        "template": template,
+    }
+    return json.dumps(
+        {"apiVersion": "sgdjob.dev/v1alpha1", "kind": "SGDJob", "metadata": {"name": name}, "spec": spec}, indent=1
+    )
 
 
 def get_job(kube: Kube, ns: str, name: str) -> Obj | None:
@@ -49,7 +85,9 @@ def worker_pods(kube: Kube, ns: str, job: str) -> list[Obj]:
 
 def job_events(kube: Kube, ns: str, name: str) -> list[Obj]:
     """Events about the SGDJob (what `kubectl describe sgdjob` lists), oldest first."""
-    items = kube.get(f"/api/v1/namespaces/{ns}/events", fieldSelector=f"involvedObject.kind=SGDJob,involvedObject.name={name}")["items"]
+    items = kube.get(
+        f"/api/v1/namespaces/{ns}/events", fieldSelector=f"involvedObject.kind=SGDJob,involvedObject.name={name}"
+    )["items"]
     return sorted(items, key=lambda e: str(e.get("lastTimestamp") or e.get("eventTime") or ""))
 
 
@@ -85,7 +123,10 @@ def assert_children_gone(kube: Kube, ns: str, job: str, timeout: float = 90) -> 
     """Pods (by label), Service, Secret and ConfigMap of `job` all deleted (the operator and the GC)."""
 
     def left() -> list[str]:
-        out = [f"pod/{p['metadata']['name']}" for p in kube.get(f"/api/v1/namespaces/{ns}/pods", labelSelector=f"sgdjob.dev/job-name={job}")["items"]]
+        out = [
+            f"pod/{p['metadata']['name']}"
+            for p in kube.get(f"/api/v1/namespaces/{ns}/pods", labelSelector=f"sgdjob.dev/job-name={job}")["items"]
+        ]
         for plural, name in (("services", job), ("secrets", f"{job}-control"), ("configmaps", f"{job}-config")):
             if kube.get_or_none(f"/api/v1/namespaces/{ns}/{plural}/{name}") is not None:
                 out.append(f"{plural}/{name}")
@@ -104,9 +145,24 @@ class OperatorProcess:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> OperatorProcess:
-        argv = [str(Path(sys.executable).parent / "sgdjob"), "operator", "--namespace", self.namespace, "--kubeconfig", str(self.kubeconfig), "--resync", "3"]
+        argv = [
+            str(Path(sys.executable).parent / "sgdjob"),
+            "operator",
+            "--namespace",
+            self.namespace,
+            "--kubeconfig",
+            str(self.kubeconfig),
+            "--resync",
+            "3",
+        ]
         with open(self.log, "ab") as out:  # the child keeps its own descriptor
-            self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+            self.proc = subprocess.Popen(
+                argv,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                start_new_session=True,
+            )
         return self
 
     def _signal(self, sig: signal.Signals, wait: float) -> None:

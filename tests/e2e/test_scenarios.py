@@ -95,7 +95,11 @@ def advances(e: Env, past: int, timeout: float, what: str) -> int:
 @pytest.fixture(scope="module")
 def quick(env: Env) -> str:
     apply(env.cluster, env.ns, sgdjob_manifest(JOB, steps=STEPS, checkpoint_dir=str(env.tmp / "checkpoints")))
-    wait_for(lambda: job_status(env.kube, env.ns, JOB).get("phase") == "Running" and step(env) > 0, START_TIMEOUT, "quick Running with steps")
+    wait_for(
+        lambda: job_status(env.kube, env.ns, JOB).get("phase") == "Running" and step(env) > 0,
+        START_TIMEOUT,
+        "quick Running with steps",
+    )
     return JOB
 
 
@@ -118,18 +122,36 @@ def test_7_bad_sgdjobs_are_refused_naming_the_field(env: Env, quick: str) -> Non
     for field, manifest in (
         ("spec.mode", sgdjob_manifest("bad-mode", steps=10, checkpoint_dir=ckpt, mode="turbo")),
         ("spec.replicas", sgdjob_manifest("bad-replicas", steps=10, checkpoint_dir=ckpt, replicas=0, min_replicas=1)),
-        ("spec.training.batchSize", sgdjob_manifest("bad-batch", steps=10, checkpoint_dir=ckpt, training={"batchSize": 0})),
+        (
+            "spec.training.batchSize",
+            sgdjob_manifest("bad-batch", steps=10, checkpoint_dir=ckpt, training={"batchSize": 0}),
+        ),
     ):
         result = env.cluster.plane.kubectl("apply", "-n", env.ns, "-f", "-", input_text=manifest, check=False)
         assert result.returncode != 0 and field in result.stderr, (field, result.stderr)
-    assert [j["metadata"]["name"] for j in env.kube.get(f"/apis/sgdjob.dev/v1alpha1/namespaces/{env.ns}/sgdjobs")["items"]] == [quick]
+    assert [
+        j["metadata"]["name"] for j in env.kube.get(f"/apis/sgdjob.dev/v1alpha1/namespaces/{env.ns}/sgdjobs")["items"]
+    ] == [quick]
 
     # The schema cannot compare fields; the operator does, and fails the job naming the field.
-    apply(env.cluster, env.ns, sgdjob_manifest("bad-bounds", steps=10, checkpoint_dir=ckpt, replicas=2, min_replicas=3, max_replicas=3))
-    st = wait_for(lambda: (s := job_status(env.kube, env.ns, "bad-bounds")).get("phase") == "Failed" and s, 60, "bad-bounds Failed")
+    apply(
+        env.cluster,
+        env.ns,
+        sgdjob_manifest("bad-bounds", steps=10, checkpoint_dir=ckpt, replicas=2, min_replicas=3, max_replicas=3),
+    )
+    st = wait_for(
+        lambda: (s := job_status(env.kube, env.ns, "bad-bounds")).get("phase") == "Failed" and s,
+        60,
+        "bad-bounds Failed",
+    )
     failed = next(c for c in st["conditions"] if c["type"] == "Failed")
-    assert failed["status"] == "True" and failed["reason"] == "InvalidSpec" and "minReplicas" in failed["message"], failed
-    assert any(ev["reason"] == "InvalidSpec" and "minReplicas" in ev["message"] for ev in job_events(env.kube, env.ns, "bad-bounds"))
+    assert failed["status"] == "True" and failed["reason"] == "InvalidSpec" and "minReplicas" in failed["message"], (
+        failed
+    )
+    assert any(
+        ev["reason"] == "InvalidSpec" and "minReplicas" in ev["message"]
+        for ev in job_events(env.kube, env.ns, "bad-bounds")
+    )
     (row,) = [r for r in kubectl_table(env.cluster, "sgdjobs", "-n", env.ns) if r["NAME"] == "bad-bounds"]
     assert row["PHASE"] == "Failed"
     assert not worker_pods(env.kube, env.ns, "bad-bounds")
@@ -145,7 +167,10 @@ def lost_steps(e: Env, pods: list[Obj]) -> list[int]:
     """What the resumed rank 0 logs: `restart: N steps lost (reached R, resumed at C)`."""
     found = []
     for pod in pods:
-        found += [int(n) for n in re.findall(r"restart: (\d+) steps lost", e.cluster.agent.logs(e.ns, str(pod["metadata"]["name"])))]
+        found += [
+            int(n)
+            for n in re.findall(r"restart: (\d+) steps lost", e.cluster.agent.logs(e.ns, str(pod["metadata"]["name"])))
+        ]
     return found
 
 
@@ -154,14 +179,22 @@ def test_4_losing_worker_0_recovers_from_the_checkpoint(env: Env, quick: str) ->
     old = uids(worker_pods(env.kube, env.ns, quick))
     at_loss = step(env)
     env.cluster.plane.kubectl("delete", "pod", f"{quick}-worker-0", "-n", env.ns, "--wait=false")
-    pods = wait_for(lambda: running_workers(env, 3, world=True, not_uid=old[f"{quick}-worker-0"]), RECOVER_TIMEOUT, "worker-0 replaced and a world of 3 again")
-    assert {n: u for n, u in uids(pods).items() if n != f"{quick}-worker-0"} == {n: u for n, u in old.items() if n != f"{quick}-worker-0"}, "only worker-0 replaced"
+    pods = wait_for(
+        lambda: running_workers(env, 3, world=True, not_uid=old[f"{quick}-worker-0"]),
+        RECOVER_TIMEOUT,
+        "worker-0 replaced and a world of 3 again",
+    )
+    assert {n: u for n, u in uids(pods).items() if n != f"{quick}-worker-0"} == {
+        n: u for n, u in old.items() if n != f"{quick}-worker-0"
+    }, "only worker-0 replaced"
     advances(env, at_loss + 10, RECOVER_TIMEOUT, "training goes on after the loss")
     lost = wait_for(lambda: lost_steps(env, pods), 30, "the resumed rank 0's restart report")
     # Checkpoints are written in the background: a loss right after a checkpoint step, while that
     # checkpoint is still being written, falls back to the previous one. So the bound is one
     # interval plus the steps of one in-flight write, which is well under another interval here.
-    assert all(n <= 2 * CHECKPOINT_INTERVAL for n in lost), f"lost steps {lost} > interval {CHECKPOINT_INTERVAL} + one in-flight write"
+    assert all(n <= 2 * CHECKPOINT_INTERVAL for n in lost), (
+        f"lost steps {lost} > interval {CHECKPOINT_INTERVAL} + one in-flight write"
+    )
     wait_for(lambda: job_status(env.kube, env.ns, quick).get("phase") == "Running", 60, "phase Running again")
 
 
@@ -171,13 +204,17 @@ def test_6_kubectl_scale_changes_the_world_size(env: Env, quick: str) -> None:
     pods = wait_for(lambda: running_workers(env, 2, world=True), RECOVER_TIMEOUT, "a world of 2 workers")
     assert sorted(uids(pods)) == [f"{quick}-worker-0", f"{quick}-worker-1"]
     advances(env, at_scale + 10, RECOVER_TIMEOUT, "training goes on at 2 workers")
-    st = wait_for(lambda: (s := job_status(env.kube, env.ns, quick)).get("ready") == "2/2" and s, 60, "status ready 2/2")
+    st = wait_for(
+        lambda: (s := job_status(env.kube, env.ns, quick)).get("ready") == "2/2" and s, 60, "status ready 2/2"
+    )
     assert st["replicas"] == 2 and (get_job(env.kube, env.ns, quick) or {})["spec"]["replicas"] == 2
 
 
 def test_5_operator_crash_and_restart_creates_no_duplicates(env: Env, quick: str) -> None:
     st = job_status(env.kube, env.ns, quick)
-    assert st["phase"] == "Running" and int(st["step"]) < STEPS, "the job must still be running to test a mid-job operator crash"
+    assert st["phase"] == "Running" and int(st["step"]) < STEPS, (
+        "the job must still be running to test a mid-job operator crash"
+    )
     every = f"/api/v1/namespaces/{env.ns}/pods"
     before = uids(env.kube.get(every)["items"])
     decisions = st.get("decisions") or []
@@ -191,7 +228,9 @@ def test_5_operator_crash_and_restart_creates_no_duplicates(env: Env, quick: str
 
 
 def test_1_5_job_finishes_succeeded(env: Env, quick: str) -> None:
-    st = wait_for(lambda: (s := job_status(env.kube, env.ns, quick)).get("phase") == "Succeeded" and s, 600, f"{quick} Succeeded")
+    st = wait_for(
+        lambda: (s := job_status(env.kube, env.ns, quick)).get("phase") == "Succeeded" and s, 600, f"{quick} Succeeded"
+    )
     assert any(c["type"] == "Succeeded" and c["status"] == "True" for c in st["conditions"])
     pods = worker_pods(env.kube, env.ns, quick)
     assert [p["metadata"]["name"] for p in pods] == [f"{quick}-worker-0", f"{quick}-worker-1"]

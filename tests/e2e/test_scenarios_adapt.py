@@ -38,7 +38,13 @@ START_TIMEOUT = 240.0
 RECOVER_TIMEOUT = 240.0
 INTERVAL, PERSISTENCE = 2, 2
 # Noise guard: flag a rank only at 2.5x the median; the emulated stragglers are 6x.
-POLICY = {"intervalSeconds": INTERVAL, "persistenceIntervals": PERSISTENCE, "cooldownSeconds": 30, "stragglerThreshold": 2.5, "recoverThreshold": 1.5}
+POLICY = {
+    "intervalSeconds": INTERVAL,
+    "persistenceIntervals": PERSISTENCE,
+    "cooldownSeconds": 30,
+    "stragglerThreshold": 2.5,
+    "recoverThreshold": 1.5,
+}
 
 
 @dataclass
@@ -59,7 +65,11 @@ def env(cluster_crd: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> 
 
 def live_workers(e: Env, job: str, n: int) -> list[Obj] | None:
     pods = [p for p in worker_pods(e.kube, e.ns, job) if not p["metadata"].get("deletionTimestamp")]
-    return pods if len(pods) == n and all(p["status"].get("phase") == "Running" and p["status"].get("podIP") for p in pods) else None
+    return (
+        pods
+        if len(pods) == n and all(p["status"].get("phase") == "Running" and p["status"].get("podIP") for p in pods)
+        else None
+    )
 
 
 @dataclass
@@ -82,7 +92,12 @@ class Meter:
         if not all(docs):
             return None
         ok = [d for d in docs if d]
-        r = Reading(time.monotonic(), sum(int(d["samples"]) for d in ok), max(int(d["step"]) for d in ok), frozenset(str(d["mode"]) for d in ok))
+        r = Reading(
+            time.monotonic(),
+            sum(int(d["samples"]) for d in ok),
+            max(int(d["step"]) for d in ok),
+            frozenset(str(d["mode"]) for d in ok),
+        )
         self.readings.append(r)
         return r
 
@@ -98,28 +113,46 @@ class Meter:
     def rate(self, start: float, end: float) -> float:
         """Samples/s between the first reading at or after `start` and the last at or before `end`."""
         window = [r for r in self.readings if start <= r.time <= end]
-        assert len(window) >= 2 and window[-1].time - window[0].time >= 1.0, f"too few readings in [{start:.1f}, {end:.1f}]"
+        assert len(window) >= 2 and window[-1].time - window[0].time >= 1.0, (
+            f"too few readings in [{start:.1f}, {end:.1f}]"
+        )
         return (window[-1].samples - window[0].samples) / (window[-1].time - window[0].time)
 
 
 def test_2_straggler_mid_run_switches_mode_and_throughput_rises(env: Env) -> None:
     job, onset_step = "strag", 150
     slow = {"rank": 2, "factor": 6.0, "startStep": onset_step}
-    manifest = sgdjob_manifest(job, steps=100_000, checkpoint_dir=str(env.tmp / job), emulation={"computeSeconds": 0.04, "slowdowns": [slow]}, policy={**POLICY, "allowedActions": ["switchMode"]})
+    manifest = sgdjob_manifest(
+        job,
+        steps=100_000,
+        checkpoint_dir=str(env.tmp / job),
+        emulation={"computeSeconds": 0.04, "slowdowns": [slow]},
+        policy={**POLICY, "allowedActions": ["switchMode"]},
+    )
     apply(env.cluster, env.ns, manifest)
     pods = wait_for(lambda: live_workers(env, job, 3), START_TIMEOUT, f"{job}: 3 running workers")
     meter = Meter([f"http://{p['status']['podIP']}:9400/status" for p in pods])
     first = meter.until(lambda r: r.step > 0, START_TIMEOUT, f"{job} training")
-    assert first.step < onset_step, f"training reached step {first.step} before the test saw it start; raise the onset step"
+    assert first.step < onset_step, (
+        f"training reached step {first.step} before the test saw it start; raise the onset step"
+    )
     onset = meter.until(lambda r: r.step >= onset_step, 120, f"{job} at step {onset_step}")
-    assert onset.modes == {"sync"} and not job_status(env.kube, env.ns, job).get("decisions"), "no change before the straggler appears"
+    assert onset.modes == {"sync"} and not job_status(env.kube, env.ns, job).get("decisions"), (
+        "no change before the straggler appears"
+    )
     # Until every worker runs async: the switch, as the workers see it.
     switched = meter.until(lambda r: r.modes == {"async"}, 60, f"{job} switched to async")
     bound = (PERSISTENCE + 2) * INTERVAL + 15  # detection window + persistence + a pass + slack for a loaded machine
-    assert switched.time - onset.time <= bound, f"switch {switched.time - onset.time:.1f}s after the onset, bound {bound}s"
-    st = wait_for(lambda: (s := job_status(env.kube, env.ns, job)).get("mode") == "async" and s, 30, "status.mode async")
+    assert switched.time - onset.time <= bound, (
+        f"switch {switched.time - onset.time:.1f}s after the onset, bound {bound}s"
+    )
+    st = wait_for(
+        lambda: (s := job_status(env.kube, env.ns, job)).get("mode") == "async" and s, 30, "status.mode async"
+    )
     (decision,) = st["decisions"]
-    assert decision["action"] == "switchMode" and decision["mode"] == "async" and "rank 2" in decision["reason"], decision
+    assert decision["action"] == "switchMode" and decision["mode"] == "async" and "rank 2" in decision["reason"], (
+        decision
+    )
     reasons = [ev["reason"] for ev in job_events(env.kube, env.ns, job)]
     assert "SwitchMode" in reasons and "ModeSwitched" in reasons, reasons
     # Throughput with the straggler before the switch vs after it (the switch's own pause excluded).
@@ -137,11 +170,21 @@ def test_2_straggler_mid_run_switches_mode_and_throughput_rises(env: Env) -> Non
 def test_3_node_bound_straggler_is_replaced_on_another_node(env: Env) -> None:
     job, bad_node = "nodeslow", "node-1"
     # One GPU per worker spreads the three over the GPU nodes; preferring node-1 puts one of them there.
-    prefer = {"weight": 100, "preference": {"matchFields": [{"key": "metadata.name", "operator": "In", "values": [bad_node]}]}}
+    prefer = {
+        "weight": 100,
+        "preference": {"matchFields": [{"key": "metadata.name", "operator": "In", "values": [bad_node]}]},
+    }
     spec = {"affinity": {"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [prefer]}}}
     template = {"spec": {**spec, "containers": [{"name": "trainer", "resources": {"limits": {"nvidia.com/gpu": 1}}}]}}
     emulation = {"computeSeconds": 0.04, "slowdowns": [{"node": bad_node, "factor": 6.0}]}
-    manifest = sgdjob_manifest(job, steps=100_000, checkpoint_dir=str(env.tmp / job), emulation=emulation, template=template, policy={**POLICY, "allowedActions": ["replaceWorker"]})
+    manifest = sgdjob_manifest(
+        job,
+        steps=100_000,
+        checkpoint_dir=str(env.tmp / job),
+        emulation=emulation,
+        template=template,
+        policy={**POLICY, "allowedActions": ["replaceWorker"]},
+    )
     apply(env.cluster, env.ns, manifest)
     pods = wait_for(lambda: live_workers(env, job, 3), START_TIMEOUT, f"{job}: 3 running workers")
     (slow,) = [p for p in pods if p["spec"]["nodeName"] == bad_node]
@@ -149,7 +192,9 @@ def test_3_node_bound_straggler_is_replaced_on_another_node(env: Env) -> None:
 
     def replaced() -> Obj | None:
         ps = live_workers(env, job, 3)
-        new = next((p for p in ps or [] if p["metadata"]["name"] == slow_name and p["metadata"]["uid"] != slow_uid), None)
+        new = next(
+            (p for p in ps or [] if p["metadata"]["name"] == slow_name and p["metadata"]["uid"] != slow_uid), None
+        )
         return new
 
     new = wait_for(replaced, RECOVER_TIMEOUT, f"{slow_name} replaced")
@@ -157,8 +202,12 @@ def test_3_node_bound_straggler_is_replaced_on_another_node(env: Env) -> None:
     st = job_status(env.kube, env.ns, job)
     assert bad_node in (st.get("controller") or {}).get("excludedNodes", []), st.get("controller")
     assert any(d["action"] == "replaceWorker" for d in st["decisions"]), st["decisions"]
-    assert any(ev["reason"] == "ReplaceWorker" and bad_node in ev["message"] for ev in job_events(env.kube, env.ns, job))
-    terms = new["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    assert any(
+        ev["reason"] == "ReplaceWorker" and bad_node in ev["message"] for ev in job_events(env.kube, env.ns, job)
+    )
+    terms = new["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+        "nodeSelectorTerms"
+    ]
     assert all({"key": "metadata.name", "operator": "NotIn", "values": [bad_node]} in t["matchFields"] for t in terms)
 
     # Training goes on in a world of 3 with no rank on the slow node.

@@ -18,7 +18,12 @@ EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
 
 
 def _job(name: str, **spec: Any) -> dict[str, Any]:
-    return {"apiVersion": "sgdjob.dev/v1alpha1", "kind": "SGDJob", "metadata": {"name": name}, "spec": {"replicas": 2, **spec}}
+    return {
+        "apiVersion": "sgdjob.dev/v1alpha1",
+        "kind": "SGDJob",
+        "metadata": {"name": name},
+        "spec": {"replicas": 2, **spec},
+    }
 
 
 def _apply(k8s: ControlPlane, doc: dict[str, Any], *extra: str) -> Any:
@@ -75,10 +80,14 @@ def test_get_shows_columns_and_scale_changes_replicas(k8s_crd: ControlPlane) -> 
 
     # Status is a subresource: what the operator writes there shows in the columns.
     api = client.CustomObjectsApi(config.new_client_from_config(str(k8s_crd.kubeconfig)))
-    status = {"status": {"phase": "Running", "mode": "sync", "ready": "2/2", "step": 42, "stragglerCount": 1, "loss": 0}}
+    status = {
+        "status": {"phase": "Running", "mode": "sync", "ready": "2/2", "step": 42, "stragglerCount": 1, "loss": 0}
+    }
     api.patch_namespaced_custom_object_status("sgdjob.dev", "v1alpha1", "default", "sgdjobs", name, status)
     # A spec write revalidates the stored status, an integral loss included (it once overflowed the bound).
-    k8s_crd.kubectl("patch", "sgdjob", name, "--type=merge", "-p", '{"spec":{"runPolicy":{"ttlSecondsAfterFinished":0}}}')
+    k8s_crd.kubectl(
+        "patch", "sgdjob", name, "--type=merge", "-p", '{"spec":{"runPolicy":{"ttlSecondsAfterFinished":0}}}'
+    )
     row = k8s_crd.kubectl("get", "sgdjob", name, "--no-headers").stdout.split()
     assert row[:6] == [name, "Running", "sync", "2/2", "42", "1"]
 
@@ -86,7 +95,9 @@ def test_get_shows_columns_and_scale_changes_replicas(k8s_crd: ControlPlane) -> 
     spec = json.loads(k8s_crd.kubectl("get", "sgdjob", name, "-o", "json").stdout)["spec"]
     assert spec["replicas"] == 3
     # Defaults from the models are applied by the server.
-    assert spec["mode"] == "auto" and spec["training"]["batchSize"] == 32 and spec["policy"]["persistenceIntervals"] == 3
+    assert (
+        spec["mode"] == "auto" and spec["training"]["batchSize"] == 32 and spec["policy"]["persistenceIntervals"] == 3
+    )
     k8s_crd.kubectl("delete", "sgdjob", name)
 
 

@@ -47,7 +47,13 @@ def run_example_in(tmp_path: Path, name: str, spec: dict[str, Any]) -> tuple[int
     path = tmp_path / name
     path.write_text(yaml.safe_dump(job))
     out = tmp_path / "out"
-    proc = subprocess.run([SGDJOB, "run", str(path), "--out", str(out), "--timeout", "500"], capture_output=True, text=True, timeout=560, cwd=tmp_path)
+    proc = subprocess.run(
+        [SGDJOB, "run", str(path), "--out", str(out), "--timeout", "500"],
+        capture_output=True,
+        text=True,
+        timeout=560,
+        cwd=tmp_path,
+    )
     report_path = out / "report.json"
     report = json.loads(report_path.read_text()) if report_path.exists() else None
     return proc.returncode, proc.stdout + proc.stderr, report, out

@@ -30,10 +30,13 @@ def main() -> int:
     if os.environ.get("FAKE_IGNORE_TERM") == "1":
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
-    (report_dir / f"pids-{rank}.json").write_text(json.dumps({"worker": os.getpid(), "agent": os.getppid(), "grandchild": child.pid}))
+    (report_dir / f"pids-{rank}.json").write_text(
+        json.dumps({"worker": os.getpid(), "agent": os.getppid(), "grandchild": child.pid})
+    )
     state: dict[str, Any] = {"rank": rank, "localRank": local_rank, "worldSize": int(os.environ["WORLD_SIZE"]),
                              "node": os.environ["NODE_NAME"], "mode": config["mode"], "step": 0, "samples": 0,
-                             "computeSeconds": 0.0, "commWaitSeconds": 0.0, "loss": 1.0, "done": False, "startTime": time.time()}  # fmt: skip
+                             "computeSeconds": 0.0, "commWaitSeconds": 0.0, "loss": 1.0, "done": False,
+                             "startTime": time.time()}  # fmt: skip
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
@@ -53,7 +56,9 @@ def main() -> int:
     start = time.monotonic()
     while steps == 0 or state["step"] < steps:
         time.sleep(step_s)
-        state.update(step=state["step"] + 1, samples=state["samples"] + BATCH, computeSeconds=state["computeSeconds"] + step_s)
+        state.update(
+            step=state["step"] + 1, samples=state["samples"] + BATCH, computeSeconds=state["computeSeconds"] + step_s
+        )
         state["loss"] = 1.0 / (1 + state["step"])
     state.update(done=True, initialLoss=1.0, finalLoss=state["loss"], wallSeconds=time.monotonic() - start,
                  modeTimeline=[{"timeS": 0.0, "step": 0, "mode": config["mode"], "reason": "start"}])  # fmt: skip

@@ -15,7 +15,9 @@ pytestmark = pytest.mark.multiproc
 
 
 def run_with(run_example: RunExample, actions: list[str]) -> tuple[dict[str, Any], str]:
-    code, output, report, out = run_example("node-straggler.yaml", {"training": {"steps": 200}, "policy": {"allowedActions": actions}})
+    code, output, report, out = run_example(
+        "node-straggler.yaml", {"training": {"steps": 200}, "policy": {"allowedActions": actions}}
+    )
     assert code == 0 and report is not None, output
     assert processes_mentioning(str(out)) == [], "processes of the run are left behind"
     return report, output
@@ -37,7 +39,10 @@ def test_a_node_bound_straggler_is_replaced_by_a_worker_on_a_new_node(run_exampl
     speeds = [r["speed_samples_per_s"] for r in report["per_rank"]]
     assert max(speeds) < 1.3 * min(speeds), speeds
     assert report["final_loss"] < report["initial_loss"]
-    print(f"replace: efficiency {report['efficiency']:.2f} after the change, replaced at {change['time_s']:.1f}s, restart {report['resumes'][0]['restartSeconds']:.1f}s")
+    print(
+        f"replace: efficiency {report['efficiency']:.2f} after the change, replaced at {change['time_s']:.1f}s, "
+        f"restart {report['resumes'][0]['restartSeconds']:.1f}s"
+    )
 
 
 def test_rescale_drops_the_straggler_and_finishes_with_fewer_workers(run_example: RunExample) -> None:
@@ -46,7 +51,11 @@ def test_rescale_drops_the_straggler_and_finishes_with_fewer_workers(run_example
     rescale = [d for d in report["decisions"] if d["action"] == "rescale"]
     assert rescale and rescale[0]["applied"] and rescale[0]["replicas"] == 3, report["decisions"]
     change = report["membership"][0]
-    assert change["retired"] == ["local-3"] and change["added"] == [] and change["nodes"] == ["local-0", "local-1", "local-2"]
+    assert (
+        change["retired"] == ["local-3"]
+        and change["added"] == []
+        and change["nodes"] == ["local-0", "local-1", "local-2"]
+    )
     assert report["workers"] == report["expected_workers"] == 3 and report["missing_ranks"] == []
     assert sorted(r["node"] for r in report["per_rank"]) == ["local-0", "local-1", "local-2"]
     speeds = [r["speed_samples_per_s"] for r in report["per_rank"]]

@@ -29,10 +29,23 @@ SGDJOB = str(Path(sys.executable).parent / "sgdjob")  # the console script of th
 pytestmark = pytest.mark.multiproc
 
 
-def write_job(path: Path, *, replicas: int = 2, nproc: int = 1, steps: int = 10, mode: str = "sync", backoff_limit: int = 3, **training: Any) -> Path:
+def write_job(
+    path: Path,
+    *,
+    replicas: int = 2,
+    nproc: int = 1,
+    steps: int = 10,
+    mode: str = "sync",
+    backoff_limit: int = 3,
+    **training: Any,
+) -> Path:
     spec = {"replicas": replicas, "nprocPerNode": nproc, "mode": mode, "runPolicy": {"backoffLimit": backoff_limit},
             "training": {"steps": steps, "batchSize": 8, **training}}  # fmt: skip
-    path.write_text(yaml.safe_dump({"apiVersion": "sgdjob.dev/v1alpha1", "kind": "SGDJob", "metadata": {"name": "tiny"}, "spec": spec}))
+    path.write_text(
+        yaml.safe_dump(
+            {"apiVersion": "sgdjob.dev/v1alpha1", "kind": "SGDJob", "metadata": {"name": "tiny"}, "spec": spec}
+        )
+    )
     return path
 
 
@@ -44,7 +57,8 @@ RUNNER = textwrap.dedent(
     from sgdjob_operator.local.progress import PlainDisplay
     from sgdjob_operator.local.runner import RunOptions, run_local
     job = load_jobs(Path(sys.argv[1]))[0]
-    options = RunOptions(out_dir=Path(sys.argv[2]), trainer_module=sys.argv[3], poll_interval_s=0.3, stop_grace_s=3.0, failure_grace_s=3.0)
+    options = RunOptions(out_dir=Path(sys.argv[2]), trainer_module=sys.argv[3], poll_interval_s=0.3, \
+stop_grace_s=3.0, failure_grace_s=3.0)
     sys.exit(asyncio.run(run_local(job, options, PlainDisplay(every_s=0.0))).exit_code)
     """
 )
@@ -77,7 +91,9 @@ def test_stand_in_run_writes_the_report(tmp_path: Path) -> None:
     output, _ = proc.communicate(timeout=240)
     assert proc.returncode == 0, output
     report = json.loads((tmp_path / "out" / "report.json").read_text())
-    assert report["ok"] and report["mode"] == "hierarchical" and report["workers"] == 4 and report["missing_ranks"] == []
+    assert (
+        report["ok"] and report["mode"] == "hierarchical" and report["workers"] == 4 and report["missing_ranks"] == []
+    )
     assert sorted(r["rank"] for r in report["per_rank"]) == [0, 1, 2, 3]
     assert sorted({r["node"] for r in report["per_rank"]}) == ["local-0", "local-1"]
     assert report["samples"] == 4 * 10 * 8 and report["steps"] == 10
@@ -135,14 +151,24 @@ def test_process_set_kills_term_ignoring_workers_and_escaped_grandchildren(tmp_p
             """
             import signal, subprocess, sys, time
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            child = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"],
+            child = subprocess.Popen([sys.executable, "-c", "import signal, time; \
+signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"],
                                      start_new_session=True)
             print(child.pid, flush=True)
             time.sleep(600)
             """
         )
     )
-    plan = AgentPlan(0, "local-0", (sys.executable, str(script)), dict(os.environ), tmp_path / "c.json", RunConfig(), (0,), tmp_path / "agent.log")
+    plan = AgentPlan(
+        0,
+        "local-0",
+        (sys.executable, str(script)),
+        dict(os.environ),
+        tmp_path / "c.json",
+        RunConfig(),
+        (0,),
+        tmp_path / "agent.log",
+    )
     procs = ProcessSet()
     procs.start([plan])
     deadline = time.monotonic() + 60
@@ -159,14 +185,21 @@ def test_process_set_kills_term_ignoring_workers_and_escaped_grandchildren(tmp_p
 
 def test_cli_names_the_bad_field_and_exits_2(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
-    bad.write_text(yaml.safe_dump({"apiVersion": "sgdjob.dev/v1alpha1", "kind": "SGDJob", "metadata": {"name": "b"}, "spec": {"replicas": 0}}))
+    bad.write_text(
+        yaml.safe_dump(
+            {"apiVersion": "sgdjob.dev/v1alpha1", "kind": "SGDJob", "metadata": {"name": "b"}, "spec": {"replicas": 0}}
+        )
+    )
     result = CliRunner().invoke(main, ["run", str(bad)])
     assert result.exit_code == 2 and "spec.replicas" in result.output
     result = CliRunner().invoke(main, ["run", str(bad), "--mode", "fastest"])
     assert result.exit_code == 2 and "--mode" in result.output
 
 
-needs_trainer = pytest.mark.skipif(importlib.util.find_spec("sgdjob_trainer.__main__") is None, reason="the trainer entry point (sgdjob_trainer.__main__) is not in the tree yet")
+needs_trainer = pytest.mark.skipif(
+    importlib.util.find_spec("sgdjob_trainer.__main__") is None,
+    reason="the trainer entry point (sgdjob_trainer.__main__) is not in the tree yet",
+)
 
 
 @needs_trainer
@@ -184,7 +217,10 @@ def test_real_trainer_fixed_mode(tmp_path: Path, mode: str) -> None:
     report = json.loads((out / "report.json").read_text())
     assert report["ok"] and report["mode"] == mode and report["workers"] == 2 and report["missing_ranks"] == []
     assert report["mode_timeline"][0]["mode"] == mode and report["steps"] >= 1
-    assert report["throughput_samples_per_s"] > 0 and report["bound_samples_per_s"] >= report["throughput_samples_per_s"] * 0.99
+    assert (
+        report["throughput_samples_per_s"] > 0
+        and report["bound_samples_per_s"] >= report["throughput_samples_per_s"] * 0.99
+    )
     assert report["diverged_ranks"] == [] and report["final_loss"] < report["initial_loss"], report
     assert report["emulation"]["slowdowns"][0]["rank"] == 1
     fast, slow = sorted(report["per_rank"], key=lambda r: r["rank"])
@@ -196,10 +232,20 @@ def test_real_trainer_survives_an_emulated_fault(tmp_path: Path) -> None:
     """Two agents (emulated nodes); rank 1 exits abruptly at step 15 on its first life. torchrun
     (--max-restarts from runPolicy.backoffLimit) restarts both workers, they resume from the
     checkpoint of step 10, and the report counts the restart and the steps redone."""
-    training = {"emulation": {"computeSeconds": 0.01}, "checkpoint": {"dir": "ignored", "intervalSteps": 10}, "faults": [{"rank": 1, "atStep": 15}]}
+    training = {
+        "emulation": {"computeSeconds": 0.01},
+        "checkpoint": {"dir": "ignored", "intervalSteps": 10},
+        "faults": [{"rank": 1, "atStep": 15}],
+    }
     job = write_job(tmp_path / "job.yaml", replicas=2, steps=40, mode="sync", learningRate=0.02, **training)
     out = tmp_path / "out"
-    proc = subprocess.run([SGDJOB, "run", str(job), "--out", str(out), "--timeout", "400"], capture_output=True, text=True, timeout=450, cwd=tmp_path)
+    proc = subprocess.run(
+        [SGDJOB, "run", str(job), "--out", str(out), "--timeout", "400"],
+        capture_output=True,
+        text=True,
+        timeout=450,
+        cwd=tmp_path,
+    )
     report = json.loads((out / "report.json").read_text())
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert report["ok"] and report["steps"] == 40 and report["restarts"] == 1, report

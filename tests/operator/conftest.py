@@ -54,8 +54,23 @@ class Operator:
 
     def start(self) -> Operator:
         env = {**os.environ, "SGDJOB_TRAINER_IMAGE": TRAINER_IMAGE, "PYTHONUNBUFFERED": "1"}
-        argv = [str(Path(sys.executable).parent / "sgdjob"), "operator", "--kubeconfig", str(self.plane.kubeconfig), "--resync", "3", "--verbose"]
-        argv += ["--metrics-port", str(self.metrics_port), "--metrics-host", "127.0.0.1", "--liveness", f"http://127.0.0.1:{self.liveness_port}/healthz"]
+        argv = [
+            str(Path(sys.executable).parent / "sgdjob"),
+            "operator",
+            "--kubeconfig",
+            str(self.plane.kubeconfig),
+            "--resync",
+            "3",
+            "--verbose",
+        ]
+        argv += [
+            "--metrics-port",
+            str(self.metrics_port),
+            "--metrics-host",
+            "127.0.0.1",
+            "--liveness",
+            f"http://127.0.0.1:{self.liveness_port}/healthz",
+        ]
         out = open(self.log, "ab")  # noqa: SIM115 - lives as long as the process
         self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         return self
@@ -101,7 +116,12 @@ class Cluster:
     custom: client.CustomObjectsApi
 
     def apply(self, name: str, spec: dict[str, Any]) -> dict[str, Any]:
-        doc = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "SGDJob", "metadata": {"name": name, "namespace": self.ns}, "spec": spec}
+        doc = {
+            "apiVersion": f"{GROUP}/{VERSION}",
+            "kind": "SGDJob",
+            "metadata": {"name": name, "namespace": self.ns},
+            "spec": spec,
+        }
         self.plane.kubectl("apply", "-f", "-", input_text=yaml.safe_dump(doc))
         return doc
 
@@ -116,17 +136,28 @@ class Cluster:
         self.custom.patch_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL, name, {"spec": spec})
 
     def pods(self, name: str, role: str = "worker") -> dict[str, Any]:
-        items = self.core.list_namespaced_pod(self.ns, label_selector=f"sgdjob.dev/job-name={name},sgdjob.dev/role={role}").items
+        items = self.core.list_namespaced_pod(
+            self.ns, label_selector=f"sgdjob.dev/job-name={name},sgdjob.dev/role={role}"
+        ).items
         return {p.metadata.name: p for p in items}
 
     def events(self, name: str) -> list[Any]:
-        return [e for e in self.core.list_namespaced_event(self.ns).items if e.involved_object.name == name and e.involved_object.kind == "SGDJob"]
+        return [
+            e
+            for e in self.core.list_namespaced_event(self.ns).items
+            if e.involved_object.name == name and e.involved_object.kind == "SGDJob"
+        ]
 
     def reasons(self, name: str) -> list[str]:
         return [e.reason for e in self.events(name)]
 
     def bind(self, pod: str, node: str) -> None:
-        body = {"apiVersion": "v1", "kind": "Binding", "metadata": {"name": pod}, "target": {"apiVersion": "v1", "kind": "Node", "name": node}}
+        body = {
+            "apiVersion": "v1",
+            "kind": "Binding",
+            "metadata": {"name": pod},
+            "target": {"apiVersion": "v1", "kind": "Node", "name": node},
+        }
         self.core.create_namespaced_pod_binding(pod, self.ns, body, _preload_content=False)
 
     def run_pod(self, pod: str, ip: str, node: str | None = None) -> None:
@@ -140,17 +171,40 @@ class Cluster:
             "podIPs": [{"ip": ip}],
             "startTime": now,
             "conditions": [{"type": "Ready", "status": "True", "lastTransitionTime": now}],
-            "containerStatuses": [{"name": "trainer", "ready": True, "restartCount": 0, "image": TRAINER_IMAGE, "imageID": "", "state": {"running": {"startedAt": now}}}],
+            "containerStatuses": [
+                {
+                    "name": "trainer",
+                    "ready": True,
+                    "restartCount": 0,
+                    "image": TRAINER_IMAGE,
+                    "imageID": "",
+                    "state": {"running": {"startedAt": now}},
+                }
+            ],
         }
         self.core.patch_namespaced_pod_status(pod, self.ns, {"status": status})
 
     def end_pod(self, pod: str, exit_code: int) -> None:
         now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        term = {"exitCode": exit_code, "reason": "Completed" if exit_code == 0 else "Error", "startedAt": now, "finishedAt": now}
+        term = {
+            "exitCode": exit_code,
+            "reason": "Completed" if exit_code == 0 else "Error",
+            "startedAt": now,
+            "finishedAt": now,
+        }
         status = {
             "phase": "Succeeded" if exit_code == 0 else "Failed",
             "conditions": [{"type": "Ready", "status": "False", "lastTransitionTime": now}],
-            "containerStatuses": [{"name": "trainer", "ready": False, "restartCount": 0, "image": TRAINER_IMAGE, "imageID": "", "state": {"terminated": term}}],
+            "containerStatuses": [
+                {
+                    "name": "trainer",
+                    "ready": False,
+                    "restartCount": 0,
+                    "image": TRAINER_IMAGE,
+                    "imageID": "",
+                    "state": {"terminated": term},
+                }
+            ],
         }
         self.core.patch_namespaced_pod_status(pod, self.ns, {"status": status})
 

@@ -37,7 +37,9 @@ class FakeWorker:
         Gauge("sgdjob_batch_size", "batch", registry=self.reg).set(BATCH)
         self.epoch = Gauge("sgdjob_control_epoch", "epoch", registry=self.reg)
         self.mode = Gauge("sgdjob_mode", "mode", ["mode"], registry=self.reg)
-        Gauge("sgdjob_worker_info", "info", ["rank", "local_rank", "node"], registry=self.reg).labels(rank=str(rank), local_rank="0", node=f"node-{rank}").set(1)
+        Gauge("sgdjob_worker_info", "info", ["rank", "local_rank", "node"], registry=self.reg).labels(
+            rank=str(rank), local_rank="0", node=f"node-{rank}"
+        ).set(1)
         self.last = time.monotonic()
         self.done = 0.0
         worker = self
@@ -58,7 +60,12 @@ class FakeWorker:
                 if self.path == "/metrics":
                     self._send(200, generate_latest(worker.reg), "text/plain; version=0.0.4")
                 elif self.path == "/status":
-                    body = {"rank": worker.rank, "mode": worker.shared["mode"], "controlEpoch": worker.shared["epoch"], "step": int(worker.steps._value.get())}
+                    body = {
+                        "rank": worker.rank,
+                        "mode": worker.shared["mode"],
+                        "controlEpoch": worker.shared["epoch"],
+                        "step": int(worker.steps._value.get()),
+                    }
                     self._send(200, json.dumps(body).encode())
                 else:
                     self._send(404, b"{}")
@@ -117,13 +124,17 @@ def _free_port(hosts: list[str]) -> int:
     raise RuntimeError("no port free on every address")
 
 
-def _start(cluster: Cluster, name: str, spec: dict[str, Any], speeds: list[float], subnet: int) -> tuple[dict[str, Any], list[FakeWorker]]:
+def _start(
+    cluster: Cluster, name: str, spec: dict[str, Any], speeds: list[float], subnet: int
+) -> tuple[dict[str, Any], list[FakeWorker]]:
     """Apply the job, start one fake trainer per worker on its own loopback address, and report
     the pods Running at those addresses (the kubelet's part)."""
     hosts = [f"127.0.{subnet}.{i + 2}" for i in range(len(speeds))]
     port = _free_port(hosts)
     cluster.apply(name, {**spec, "replicas": len(speeds), "training": {"metricsPort": port, "batchSize": BATCH}})
-    token = base64.b64decode(wait_for("token", lambda: cluster.core.read_namespaced_secret(f"{name}-control", cluster.ns).data)["token"]).decode()
+    token = base64.b64decode(
+        wait_for("token", lambda: cluster.core.read_namespaced_secret(f"{name}-control", cluster.ns).data)["token"]
+    ).decode()
     shared: dict[str, Any] = {"mode": "sync", "epoch": 0, "posts": [], "token": token, "speeds": speeds}
     workers = [FakeWorker(r, len(speeds), hosts[r], port, speeds[r], shared) for r in range(len(speeds))]
     wait_for(f"{len(speeds)} pods", lambda: len(cluster.pods(name)) == len(speeds))
@@ -133,14 +144,29 @@ def _start(cluster: Cluster, name: str, spec: dict[str, Any], speeds: list[float
 
 
 def test_simulated_straggler_drives_a_mode_switch(cluster: Cluster, operator: Operator) -> None:
-    policy = {"intervalSeconds": 1, "persistenceIntervals": 2, "cooldownSeconds": 0, "switchMargin": 0.1, "allowedActions": ["switchMode"]}
-    shared, workers = _start(cluster, "adapt", {"mode": "auto", "policy": policy}, [0.02, 0.02, 0.02, 0.06], subnet=20)  # rank 3 three times slower
+    policy = {
+        "intervalSeconds": 1,
+        "persistenceIntervals": 2,
+        "cooldownSeconds": 0,
+        "switchMargin": 0.1,
+        "allowedActions": ["switchMode"],
+    }
+    shared, workers = _start(
+        cluster, "adapt", {"mode": "auto", "policy": policy}, [0.02, 0.02, 0.02, 0.06], subnet=20
+    )  # rank 3 three times slower
     token = shared["token"]
     try:
-        status = wait_for("Running in sync with steps", lambda: (s := cluster.status("adapt")).get("mode") == "sync" and s.get("step", 0) > 0 and s)
+        status = wait_for(
+            "Running in sync with steps",
+            lambda: (s := cluster.status("adapt")).get("mode") == "sync" and s.get("step", 0) > 0 and s,
+        )
         assert status["phase"] == "Running"
 
-        status = wait_for("a switch decision", lambda: (s := cluster.status("adapt")).get("targetMode") not in (None, "sync") and s, timeout=90)
+        status = wait_for(
+            "a switch decision",
+            lambda: (s := cluster.status("adapt")).get("targetMode") not in (None, "sync") and s,
+            timeout=90,
+        )
         target = status["targetMode"]
         decision = status["decisions"][-1]
         assert decision["action"] == "switchMode" and decision["mode"] == target and decision["reason"]
@@ -163,14 +189,19 @@ def test_simulated_straggler_drives_a_mode_switch(cluster: Cluster, operator: Op
         assert cluster.status("adapt")["decisions"] == status["decisions"]
 
         shared["mode"], shared["epoch"] = target, body["epoch"]  # the workers switch and report it
-        status = wait_for("mode follows", lambda: (s := cluster.status("adapt")).get("mode") == target and s.get("phase") == "Running" and s)
+        status = wait_for(
+            "mode follows",
+            lambda: (s := cluster.status("adapt")).get("mode") == target and s.get("phase") == "Running" and s,
+        )
         assert status["targetMode"] == target
         wait_for("ModeSwitched event", lambda: "ModeSwitched" in cluster.reasons("adapt"))
         pushes = len(shared["posts"])
         time.sleep(3)
         assert len(shared["posts"]) == pushes  # applied: no more pushes
         assert status["throughput"] and status["loss"] is not None
-        run_config = json.loads(cluster.core.read_namespaced_config_map("adapt-config", cluster.ns).data["run-config.json"])
+        run_config = json.loads(
+            cluster.core.read_namespaced_config_map("adapt-config", cluster.ns).data["run-config.json"]
+        )
         assert run_config["mode"] == target  # a restarted world starts in the new mode
     finally:
         for w in workers:
@@ -180,19 +211,35 @@ def test_simulated_straggler_drives_a_mode_switch(cluster: Cluster, operator: Op
 def test_node_bound_straggler_is_replaced_off_its_node(cluster: Cluster, operator: Operator) -> None:
     # A replacement restarts the world (restartSeconds 60 in the cost model): it must repay that within
     # the cooldown, hence the long cooldown; minReplicas 3 lets training go on while it happens.
-    policy = {"intervalSeconds": 1, "persistenceIntervals": 2, "cooldownSeconds": 120, "allowedActions": ["replaceWorker"]}
+    policy = {
+        "intervalSeconds": 1,
+        "persistenceIntervals": 2,
+        "cooldownSeconds": 120,
+        "allowedActions": ["replaceWorker"],
+    }
     _, workers = _start(cluster, "swap", {"minReplicas": 3, "policy": policy}, [0.02, 0.02, 0.02, 0.06], subnet=21)
     try:
         old = cluster.pods("swap")["swap-worker-3"].metadata.uid
-        status = wait_for("replacement decided", lambda: (s := cluster.status("swap")).get("decisions") and s, timeout=90)
+        status = wait_for(
+            "replacement decided", lambda: (s := cluster.status("swap")).get("decisions") and s, timeout=90
+        )
         decision = status["decisions"][-1]
         assert decision["action"] == "replaceWorker" and decision["rank"] == 3
         assert status["controller"]["excludedNodes"] == ["node-3"]
-        new = wait_for("worker 3 recreated", lambda: (p := cluster.pods("swap").get("swap-worker-3")) is not None and p.metadata.uid != old and p)
-        (term,) = new.spec.affinity.node_affinity.required_during_scheduling_ignored_during_execution.node_selector_terms
+        new = wait_for(
+            "worker 3 recreated",
+            lambda: (p := cluster.pods("swap").get("swap-worker-3")) is not None and p.metadata.uid != old and p,
+        )
+        (term,) = (
+            new.spec.affinity.node_affinity.required_during_scheduling_ignored_during_execution.node_selector_terms
+        )
         assert [(f.key, f.operator, f.values) for f in term.match_fields] == [("metadata.name", "NotIn", ["node-3"])]
-        assert all(p.spec.affinity is None for n, p in cluster.pods("swap").items() if n != "swap-worker-3")  # only new pods carry it
-        event = wait_for("ReplaceWorker event", lambda: [e for e in cluster.events("swap") if e.reason == "ReplaceWorker"])
+        assert all(
+            p.spec.affinity is None for n, p in cluster.pods("swap").items() if n != "swap-worker-3"
+        )  # only new pods carry it
+        event = wait_for(
+            "ReplaceWorker event", lambda: [e for e in cluster.events("swap") if e.reason == "ReplaceWorker"]
+        )
         assert "node-3" in event[0].message
         assert len(cluster.status("swap")["decisions"]) == 1  # one change in flight: nothing else while it lands
     finally:
@@ -202,14 +249,21 @@ def test_node_bound_straggler_is_replaced_off_its_node(cluster: Cluster, operato
 
 def test_straggler_removed_by_rescale_within_bounds(cluster: Cluster, operator: Operator) -> None:
     policy = {"intervalSeconds": 1, "persistenceIntervals": 2, "cooldownSeconds": 120, "allowedActions": ["rescale"]}
-    _, workers = _start(cluster, "trim", {"minReplicas": 3, "maxReplicas": 4, "policy": policy}, [0.02, 0.02, 0.02, 0.06], subnet=22)
+    _, workers = _start(
+        cluster, "trim", {"minReplicas": 3, "maxReplicas": 4, "policy": policy}, [0.02, 0.02, 0.02, 0.06], subnet=22
+    )
     try:
         status = wait_for("rescale decided", lambda: (s := cluster.status("trim")).get("decisions") and s, timeout=90)
         assert status["decisions"][-1]["action"] == "rescale" and status["decisions"][-1]["replicas"] == 3
         assert cluster.job("trim")["spec"]["replicas"] == 3  # the same knob `kubectl scale` turns
-        wait_for("worker 3 removed", lambda: set(cluster.pods("trim")) == {"trim-worker-0", "trim-worker-1", "trim-worker-2"})
+        wait_for(
+            "worker 3 removed", lambda: set(cluster.pods("trim")) == {"trim-worker-0", "trim-worker-1", "trim-worker-2"}
+        )
         wait_for("Rescale event", lambda: "Rescale" in cluster.reasons("trim"))
-        assert wait_for("back to Running", lambda: (s := cluster.status("trim")).get("phase") == "Running" and s)["ready"] == "3/3"
+        assert (
+            wait_for("back to Running", lambda: (s := cluster.status("trim")).get("phase") == "Running" and s)["ready"]
+            == "3/3"
+        )
     finally:
         for w in workers:
             w.stop()

@@ -43,8 +43,18 @@ def test_deleted_job_is_garbage_collected(gc_plane: ControlPlane, tmp_path: Path
 
     def gone() -> bool:
         core = cluster.core
-        pods = [p for p in core.list_namespaced_pod("default").items if p.metadata.name.startswith("gc-") and not p.metadata.deletion_timestamp]
-        names = {o.metadata.name for o in core.list_namespaced_secret("default").items} | {o.metadata.name for o in core.list_namespaced_config_map("default").items}
-        return not pods and not {"gc-control", "gc-config"} & names and "gc" not in {s.metadata.name for s in core.list_namespaced_service("default").items}
+        pods = [
+            p
+            for p in core.list_namespaced_pod("default").items
+            if p.metadata.name.startswith("gc-") and not p.metadata.deletion_timestamp
+        ]
+        names = {o.metadata.name for o in core.list_namespaced_secret("default").items} | {
+            o.metadata.name for o in core.list_namespaced_config_map("default").items
+        }
+        return (
+            not pods
+            and not {"gc-control", "gc-config"} & names
+            and "gc" not in {s.metadata.name for s in core.list_namespaced_service("default").items}
+        )
 
     wait_for("garbage collection", gone, timeout=120)

@@ -16,10 +16,21 @@ pytestmark = pytest.mark.k8s
 
 
 def test_kopf_run_module(cluster: Cluster, tmp_path: Path) -> None:
-    env = {**os.environ, "SGDJOB_KUBECONFIG": str(cluster.plane.kubeconfig), "KUBECONFIG": str(cluster.plane.kubeconfig), "SGDJOB_TRAINER_IMAGE": "img:env"}
+    env = {
+        **os.environ,
+        "SGDJOB_KUBECONFIG": str(cluster.plane.kubeconfig),
+        "KUBECONFIG": str(cluster.plane.kubeconfig),
+        "SGDJOB_TRAINER_IMAGE": "img:env",
+    }
     kopf = Path(sys.executable).parent / "kopf"
     log = open(tmp_path / "kopf.log", "wb")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen([str(kopf), "run", "-m", "sgdjob_operator.k8s", "--standalone", "-n", cluster.ns], stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    proc = subprocess.Popen(
+        [str(kopf), "run", "-m", "sgdjob_operator.k8s", "--standalone", "-n", cluster.ns],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+    )
     try:
         cluster.apply("via-kopf", {"replicas": 2})
         pods = wait_for("pods from kopf run", lambda: (p := cluster.pods("via-kopf")) and len(p) == 2 and p, timeout=90)

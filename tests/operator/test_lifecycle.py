@@ -49,7 +49,9 @@ def test_objects_are_built_as_specified(cluster: Cluster, operator: Operator) ->
     assert int(env["PET_MAX_RESTARTS"].value) >= 3
     assert env["NODE_NAME"].value_from.field_ref.field_path == "spec.nodeName"
     assert env["EXTRA"].value == "kept"
-    assert pod.metadata.labels["sgdjob.dev/job-name"] == "objs" and pod.metadata.labels["sgdjob.dev/replica-index"] == "1"
+    assert (
+        pod.metadata.labels["sgdjob.dev/job-name"] == "objs" and pod.metadata.labels["sgdjob.dev/replica-index"] == "1"
+    )
     assert pod.metadata.labels["team"] == "vision"
     assert pod.spec.hostname == "objs-worker-1" and pod.spec.subdomain == "objs"
     assert pod.spec.node_selector == {"pool": "gpu"} and pod.spec.tolerations[0].key == "nvidia.com/gpu"
@@ -98,7 +100,10 @@ def test_status_columns_scale_and_success(cluster: Cluster, operator: Operator) 
     status = _phase(cluster, "life", "Succeeded")
     assert status["completionTime"] and {c["type"]: c["status"] for c in status["conditions"]}["Succeeded"] == "True"
     assert "WorkersSucceeded" in cluster.reasons("life")
-    wait_for("cleanPodPolicy All removes the pods", lambda: not cluster.pods("life") and not cluster.pods("life", role="rendezvous"))
+    wait_for(
+        "cleanPodPolicy All removes the pods",
+        lambda: not cluster.pods("life") and not cluster.pods("life", role="rendezvous"),
+    )
 
 
 def test_failed_workers_restart_until_backoff_limit(cluster: Cluster, operator: Operator) -> None:
@@ -107,7 +112,10 @@ def test_failed_workers_restart_until_backoff_limit(cluster: Cluster, operator: 
     _phase(cluster, "flaky", "Running")
     first_uid = pods["flaky-worker-0"].metadata.uid
     cluster.end_pod("flaky-worker-0", 3)
-    wait_for("worker 0 recreated", lambda: (p := cluster.pods("flaky").get("flaky-worker-0")) is not None and p.metadata.uid != first_uid)
+    wait_for(
+        "worker 0 recreated",
+        lambda: (p := cluster.pods("flaky").get("flaky-worker-0")) is not None and p.metadata.uid != first_uid,
+    )
     status = wait_for("restart counted", lambda: (s := cluster.status("flaky")).get("restarts") == 1 and s)
     assert status["phase"] in ("Adapting", "Running")
     assert "WorkerFailed" in cluster.reasons("flaky")
@@ -117,7 +125,12 @@ def test_failed_workers_restart_until_backoff_limit(cluster: Cluster, operator: 
     assert failed["reason"] == "BackoffLimitExceeded" and "flaky-worker-1" in failed["message"]
     assert "BackoffLimitExceeded" in cluster.reasons("flaky")
     # cleanPodPolicy Running (default): running and pending pods go, the failed ones stay for their logs.
-    wait_for("running pods cleaned", lambda: all(p.status.phase == "Failed" or p.metadata.deletion_timestamp for p in cluster.pods("flaky").values()))
+    wait_for(
+        "running pods cleaned",
+        lambda: all(
+            p.status.phase == "Failed" or p.metadata.deletion_timestamp for p in cluster.pods("flaky").values()
+        ),
+    )
 
 
 def test_suspend_and_resume(cluster: Cluster, operator: Operator) -> None:
@@ -137,7 +150,9 @@ def test_suspend_and_resume(cluster: Cluster, operator: Operator) -> None:
 
 
 def test_invalid_spec_fails_naming_the_field(cluster: Cluster, operator: Operator) -> None:
-    cluster.apply("bad", {"replicas": 2, "minReplicas": 3, "maxReplicas": 4})  # passes the schema, not the cross-field rules
+    cluster.apply(
+        "bad", {"replicas": 2, "minReplicas": 3, "maxReplicas": 4}
+    )  # passes the schema, not the cross-field rules
     status = _phase(cluster, "bad", "Failed")
     failed = {c["type"]: c for c in status["conditions"]}["Failed"]
     assert failed["reason"] == "InvalidSpec" and "spec.minReplicas" in failed["message"]
@@ -153,9 +168,17 @@ def test_operator_restart_adopts_and_delete_cleans_up(cluster: Cluster, operator
     before = {n: p.metadata.uid for n, p in cluster.pods("keep").items()}
     rdzv_before = cluster.pods("keep", role="rendezvous")["keep-rdzv"].metadata.uid
     operator.kill()
-    cluster.core.delete_namespaced_pod("keep-worker-1", cluster.ns, grace_period_seconds=0)  # lost while no operator runs
+    cluster.core.delete_namespaced_pod(
+        "keep-worker-1", cluster.ns, grace_period_seconds=0
+    )  # lost while no operator runs
     operator.start()
-    wait_for("worker 1 recreated", lambda: "keep-worker-1" in cluster.pods("keep") and cluster.pods("keep")["keep-worker-1"].metadata.uid != before["keep-worker-1"])
+    wait_for(
+        "worker 1 recreated",
+        lambda: (
+            "keep-worker-1" in cluster.pods("keep")
+            and cluster.pods("keep")["keep-worker-1"].metadata.uid != before["keep-worker-1"]
+        ),
+    )
     after = {n: p.metadata.uid for n, p in cluster.pods("keep").items()}
     assert set(after) == set(before)  # no duplicates, nothing extra
     assert after["keep-worker-0"] == before["keep-worker-0"] and after["keep-worker-2"] == before["keep-worker-2"]
@@ -163,7 +186,13 @@ def test_operator_restart_adopts_and_delete_cleans_up(cluster: Cluster, operator
     assert len(cluster.core.list_namespaced_secret(cluster.ns).items) == 1  # the token was not regenerated
 
     cluster.plane.kubectl("delete", "sgdjob", "keep", "-n", cluster.ns)
-    wait_for("everything gone", lambda: not cluster.core.list_namespaced_pod(cluster.ns).items and not cluster.core.list_namespaced_config_map(cluster.ns).items)
+    wait_for(
+        "everything gone",
+        lambda: (
+            not cluster.core.list_namespaced_pod(cluster.ns).items
+            and not cluster.core.list_namespaced_config_map(cluster.ns).items
+        ),
+    )
     assert not [s for s in cluster.core.list_namespaced_secret(cluster.ns).items if s.metadata.name == "keep-control"]
     assert not [s for s in cluster.core.list_namespaced_service(cluster.ns).items if s.metadata.name == "keep"]
 
@@ -172,8 +201,16 @@ def test_liveness_and_operator_metrics(cluster: Cluster, operator: Operator) -> 
     cluster.apply("seen", {"replicas": 1})
     wait_for("pod", lambda: cluster.pods("seen"))
     wait_for("liveness", lambda: _get(f"http://127.0.0.1:{operator.liveness_port}/healthz"), timeout=30)
-    text = wait_for("metrics", lambda: (t := _get(f"http://127.0.0.1:{operator.metrics_port}/metrics")) and 'role="worker"' in t and t)
-    for name in ("sgdjob_operator_reconcile_seconds_count", "sgdjob_operator_jobs{", "sgdjob_operator_pods_created_total", "sgdjob_operator_scrape_errors_total"):
+    text = wait_for(
+        "metrics",
+        lambda: (t := _get(f"http://127.0.0.1:{operator.metrics_port}/metrics")) and 'role="worker"' in t and t,
+    )
+    for name in (
+        "sgdjob_operator_reconcile_seconds_count",
+        "sgdjob_operator_jobs{",
+        "sgdjob_operator_pods_created_total",
+        "sgdjob_operator_scrape_errors_total",
+    ):
         assert name in text, name
 
 

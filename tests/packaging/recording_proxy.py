@@ -51,7 +51,12 @@ def classify(method: str, path: str, query: dict[str, str]) -> tuple[str, str, s
     if method == "GET":
         verb = "watch" if query.get("watch") in ("1", "true") else "get" if named else "list"
     else:
-        verb = {"POST": "create", "PUT": "update", "PATCH": "patch", "DELETE": "delete" if named else "deletecollection"}[method]
+        verb = {
+            "POST": "create",
+            "PUT": "update",
+            "PATCH": "patch",
+            "DELETE": "delete" if named else "deletecollection",
+        }[method]
     return group, resource, verb
 
 
@@ -77,11 +82,15 @@ class RecordingProxy:
         assert self._session is not None
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP}
         body = await request.read()
-        async with self._session.request(request.method, URL(self.upstream + request.raw_path, encoded=True), headers=headers, data=body or None) as upstream:
+        async with self._session.request(
+            request.method, URL(self.upstream + request.raw_path, encoded=True), headers=headers, data=body or None
+        ) as upstream:
             kind = classify(request.method, request.path, dict(request.query))
             if kind is not None:
                 self.calls.append(Call(*kind, status=upstream.status, path=request.path))
-            response = web.StreamResponse(status=upstream.status, headers={k: v for k, v in upstream.headers.items() if k.lower() not in HOP})
+            response = web.StreamResponse(
+                status=upstream.status, headers={k: v for k, v in upstream.headers.items() if k.lower() not in HOP}
+            )
             await response.prepare(request)
             try:
                 async for chunk in upstream.content.iter_any():
@@ -93,7 +102,9 @@ class RecordingProxy:
 
     async def _start(self) -> None:
         client_ctx = ssl.create_default_context(cafile=str(self.cert))
-        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=client_ctx, limit=0), timeout=aiohttp.ClientTimeout(total=None))
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(ssl=client_ctx, limit=0), timeout=aiohttp.ClientTimeout(total=None)
+        )
         app = web.Application(client_max_size=64 * 2**20)
         app.router.add_route("*", "/{tail:.*}", self._handle)
         self._runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=1.0)

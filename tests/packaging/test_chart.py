@@ -31,8 +31,20 @@ SERVICE_MONITOR_CRD = {
     "spec": {
         "group": "monitoring.coreos.com",
         "scope": "Namespaced",
-        "names": {"kind": "ServiceMonitor", "plural": "servicemonitors", "singular": "servicemonitor", "listKind": "ServiceMonitorList"},
-        "versions": [{"name": "v1", "served": True, "storage": True, "schema": {"openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}}}],
+        "names": {
+            "kind": "ServiceMonitor",
+            "plural": "servicemonitors",
+            "singular": "servicemonitor",
+            "listKind": "ServiceMonitorList",
+        },
+        "versions": [
+            {
+                "name": "v1",
+                "served": True,
+                "storage": True,
+                "schema": {"openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}},
+            }
+        ],
     },
 }
 
@@ -56,7 +68,9 @@ def _render(*args: str) -> list[dict[str, Any]]:
 
 
 def test_chart_crd_is_the_generated_one() -> None:
-    assert (CHART / "crds" / "sgdjobs.sgdjob.dev.yaml").read_text() == (ROOT / "crds" / "sgdjobs.sgdjob.dev.yaml").read_text()
+    assert (CHART / "crds" / "sgdjobs.sgdjob.dev.yaml").read_text() == (
+        ROOT / "crds" / "sgdjobs.sgdjob.dev.yaml"
+    ).read_text()
 
 
 def test_helm_lint() -> None:
@@ -75,9 +89,16 @@ def test_operator_pod_is_hardened() -> None:
     assert deploy["spec"]["replicas"] == 1 and deploy["spec"]["strategy"]["type"] == "Recreate"
     pod = deploy["spec"]["template"]["spec"]
     container = pod["containers"][0]
-    assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
+    assert (
+        pod["securityContext"]["runAsNonRoot"] is True
+        and pod["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
+    )
     sc = container["securityContext"]
-    assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False and sc["capabilities"]["drop"] == ["ALL"]
+    assert (
+        sc["readOnlyRootFilesystem"] is True
+        and sc["allowPrivilegeEscalation"] is False
+        and sc["capabilities"]["drop"] == ["ALL"]
+    )
     assert container["livenessProbe"]["httpGet"]["path"] == "/healthz" and container["resources"]["limits"]["memory"]
     assert container["args"][:2] == ["operator", "--all-namespaces"]
     for doc in docs.values():
@@ -114,14 +135,28 @@ def test_operator_args_are_what_sgdjob_operator_accepts_and_the_webhook_path_is_
     options = CliRunner().invoke(main, ["operator", "--help"], terminal_width=200).output
     for arg in container["args"][1:]:
         assert arg.split("=", 1)[0] in options, arg
-    assert {"--webhook-port=9443", "--webhook-cert=/etc/sgdjob/webhook/tls.crt", "--webhook-key=/etc/sgdjob/webhook/tls.key"} <= set(container["args"])
+    assert {
+        "--webhook-port=9443",
+        "--webhook-cert=/etc/sgdjob/webhook/tls.crt",
+        "--webhook-key=/etc/sgdjob/webhook/tls.key",
+    } <= set(container["args"])
     hook = docs["ValidatingWebhookConfiguration"]["webhooks"][0]["clientConfig"]
     assert hook["service"]["path"] == PATH and hook["caBundle"] == "Zm9v"
 
 
 def test_webhook_ca_from_cert_manager_needs_no_ca_bundle() -> None:
-    injected = ["--set", "webhook.enabled=true", "--set", "webhook.certSecret=tls", "--set-string", "webhook.annotations.cert-manager\\.io/inject-ca-from=sgdjob-system/sgdjob-webhook"]
+    injected = [
+        "--set",
+        "webhook.enabled=true",
+        "--set",
+        "webhook.certSecret=tls",
+        "--set-string",
+        "webhook.annotations.cert-manager\\.io/inject-ca-from=sgdjob-system/sgdjob-webhook",
+    ]
     config = next(d for d in _render(*injected) if d["kind"] == "ValidatingWebhookConfiguration")
-    assert config["metadata"]["annotations"] == {"cert-manager.io/inject-ca-from": "sgdjob-system/sgdjob-webhook"} and "caBundle" not in config["webhooks"][0]["clientConfig"]
+    assert (
+        config["metadata"]["annotations"] == {"cert-manager.io/inject-ca-from": "sgdjob-system/sgdjob-webhook"}
+        and "caBundle" not in config["webhooks"][0]["clientConfig"]
+    )
     result = _helm_run("template", "x", str(CHART), "--set", "webhook.enabled=true", "--set", "webhook.certSecret=tls")
     assert result.returncode != 0 and "webhook.caBundle is required" in result.stderr

@@ -57,16 +57,23 @@ def test_operator_install_steps_work_in_a_fresh_venv(tmp_path: Path) -> None:
                 step = re.sub(r"^pip ", f"{bin_dir}/pip ", step)
                 step = re.sub(r"^python ", f"{bin_dir}/python ", step)
                 step = step.replace("/wheels", str(wheels))
-                result = subprocess.run(step, shell=True, cwd=ROOT, capture_output=True, text=True, check=False, timeout=600)
+                result = subprocess.run(
+                    step, shell=True, cwd=ROOT, capture_output=True, text=True, check=False, timeout=600
+                )
                 assert result.returncode == 0, f"{stage}: {step}\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}"
     requirements = (wheels / "operator-requirements.txt").read_text()
     assert "kopf" in requirements and "torch" not in requirements
     sgdjob = str(bin_dir / "sgdjob")
     crd = subprocess.run([sgdjob, "crd"], capture_output=True, text=True, check=True)
     assert crd.stdout == (ROOT / "crds" / "sgdjobs.sgdjob.dev.yaml").read_text()
-    ok = subprocess.run([sgdjob, "validate", str(ROOT / "examples" / "gpu-cluster.yaml")], capture_output=True, text=True, check=False)
+    ok = subprocess.run(
+        [sgdjob, "validate", str(ROOT / "examples" / "gpu-cluster.yaml")], capture_output=True, text=True, check=False
+    )
     assert ok.returncode == 0, ok.stderr
     # The operator image has no torch: the CLI and the operator must not need it.
-    assert subprocess.run([str(bin_dir / "python"), "-c", "import torch"], capture_output=True, check=False).returncode != 0
+    assert (
+        subprocess.run([str(bin_dir / "python"), "-c", "import torch"], capture_output=True, check=False).returncode
+        != 0
+    )
     help_text = subprocess.run([sgdjob, "--help"], capture_output=True, text=True, check=True).stdout
     assert "validate" in help_text

@@ -1,6 +1,7 @@
-"""`helm install`, `helm upgrade`, `helm uninstall` of the chart on the local cluster (devcluster): the operator pod runs
-through the node agent with in-cluster config (its ServiceAccount's token Secret, mounted by the
-admission plugin) under exactly the chart's RBAC, and reconciles a one-worker SGDJob to Succeeded.
+"""`helm install`, `helm upgrade`, `helm uninstall` of the chart on the local cluster (devcluster): the
+operator pod runs through the node agent with in-cluster config (its ServiceAccount's token Secret,
+mounted by the admission plugin) under exactly the chart's RBAC, and reconciles a one-worker SGDJob
+to Succeeded.
 
 Every API request the operator pod makes goes through a recording proxy (its
 `KUBERNETES_SERVICE_PORT` points there), so the test also derives what the code calls, kopf's own
@@ -42,7 +43,13 @@ def chart_permissions(*options: str) -> set[tuple[str, str, str]]:
 
 
 def _helm_kc(cluster: LocalCluster, *args: str) -> subprocess.CompletedProcess[str]:
-    result = subprocess.run([_helm(), "--kubeconfig", str(cluster.kubeconfig), *args], capture_output=True, text=True, timeout=300, check=False)
+    result = subprocess.run(
+        [_helm(), "--kubeconfig", str(cluster.kubeconfig), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert result.returncode == 0, f"helm {' '.join(args[:2])}: {result.stdout}\n{result.stderr}"
     return result
 
@@ -50,7 +57,9 @@ def _helm_kc(cluster: LocalCluster, *args: str) -> subprocess.CompletedProcess[s
 @pytest.fixture
 def proxy(cluster_crd: LocalCluster) -> Iterator[RecordingProxy]:
     certs = cluster_crd.plane.workdir / "certs"
-    recorder = RecordingProxy(upstream=cluster_crd.plane.server, cert=certs / "apiserver.crt", key=certs / "apiserver.key", port=free_port()).start()
+    recorder = RecordingProxy(
+        upstream=cluster_crd.plane.server, cert=certs / "apiserver.crt", key=certs / "apiserver.key", port=free_port()
+    ).start()
     try:
         yield recorder
     finally:
@@ -64,11 +73,19 @@ def _operator_pods(kube: Kube) -> list[dict[str, Any]]:
 
 def _running_operator(cluster: LocalCluster, kube: Kube, not_uid: str = "") -> dict[str, Any]:
     def ready() -> dict[str, Any] | None:
-        pods = [p for p in _operator_pods(kube) if p["metadata"]["uid"] != not_uid and p.get("status", {}).get("phase") == "Running"]
+        pods = [
+            p
+            for p in _operator_pods(kube)
+            if p["metadata"]["uid"] != not_uid and p.get("status", {}).get("phase") == "Running"
+        ]
         return pods[0] if pods else None
 
     pod = wait_for(ready, 120, "the operator pod running")
-    wait_for(lambda: "sgdjob operator started" in cluster.agent.logs(NS, pod["metadata"]["name"]), 120, "the operator started")
+    wait_for(
+        lambda: "sgdjob operator started" in cluster.agent.logs(NS, pod["metadata"]["name"]),
+        120,
+        "the operator started",
+    )
     return pod
 
 
@@ -82,13 +99,22 @@ def _job(ckpt: Path) -> dict[str, Any]:
             "minReplicas": 1,
             "maxReplicas": 1,
             "mode": "sync",
-            "training": {"model": "mlp", "dataset": "synthetic", "batchSize": 8, "steps": 20, "checkpoint": {"dir": str(ckpt)}, "emulation": {"computeSeconds": 0.01}},
+            "training": {
+                "model": "mlp",
+                "dataset": "synthetic",
+                "batchSize": 8,
+                "steps": 20,
+                "checkpoint": {"dir": str(ckpt)},
+                "emulation": {"computeSeconds": 0.01},
+            },
             "policy": {"intervalSeconds": 1},
         },
     }
 
 
-def test_helm_install_upgrade_uninstall_runs_a_job_under_exactly_the_charts_rbac(cluster_crd: LocalCluster, proxy: RecordingProxy, tmp_path: Path) -> None:
+def test_helm_install_upgrade_uninstall_runs_a_job_under_exactly_the_charts_rbac(
+    cluster_crd: LocalCluster, proxy: RecordingProxy, tmp_path: Path
+) -> None:
     cluster, kube = cluster_crd, cluster_crd.kube()
     values = {
         "healthPort": free_port(),
@@ -117,31 +143,57 @@ def test_helm_install_upgrade_uninstall_runs_a_job_under_exactly_the_charts_rbac
 
         # Hold the job's objects, so the operator's own clean-up after the deletion is seen whatever
         # the garbage collector does first.
-        held = cluster.plane.kubectl("-n", ns, "get", "service,secret,configmap", "-l", "sgdjob.dev/job-name=tiny", "-o", "name").stdout.split()
+        held = cluster.plane.kubectl(
+            "-n", ns, "get", "service,secret,configmap", "-l", "sgdjob.dev/job-name=tiny", "-o", "name"
+        ).stdout.split()
         assert len(held) == 3, held
         for name in held:
-            cluster.plane.kubectl("-n", ns, "patch", name, "--type=merge", "-p", f'{{"metadata":{{"finalizers":["{HOLD}"]}}}}')
+            cluster.plane.kubectl(
+                "-n", ns, "patch", name, "--type=merge", "-p", f'{{"metadata":{{"finalizers":["{HOLD}"]}}}}'
+            )
 
         _helm_kc(cluster, "upgrade", RELEASE, str(CHART), *base, "--set-string", "podAnnotations.upgraded=yes")
         second = _running_operator(cluster, kube, not_uid=first["metadata"]["uid"])
         assert second["metadata"]["annotations"]["upgraded"] == "yes"
-        assert [p["metadata"]["uid"] for p in _operator_pods(kube)] == [second["metadata"]["uid"]]  # Recreate: one operator
+        assert [p["metadata"]["uid"] for p in _operator_pods(kube)] == [
+            second["metadata"]["uid"]
+        ]  # Recreate: one operator
 
         # The upgraded operator deletes the finished job (ttl 0) and then the job's objects.
-        cluster.plane.kubectl("-n", ns, "patch", "sgdjob", "tiny", "--type=merge", "-p", '{"spec":{"runPolicy":{"ttlSecondsAfterFinished":0}}}')
+        cluster.plane.kubectl(
+            "-n",
+            ns,
+            "patch",
+            "sgdjob",
+            "tiny",
+            "--type=merge",
+            "-p",
+            '{"spec":{"runPolicy":{"ttlSecondsAfterFinished":0}}}',
+        )
         wait_for(lambda: kube.get_or_none(path) is None, 120, "the job deleted by its TTL")
         wanted = {("", "services", "delete"), ("", "secrets", "delete"), ("", "configmaps", "delete")}
         wait_for(lambda: wanted <= proxy.permissions(), 60, "the operator's clean-up of the job's objects")
         for name in held:
-            cluster.plane.kubectl("-n", ns, "patch", name, "--type=merge", "-p", '{"metadata":{"finalizers":null}}', check=False)
+            cluster.plane.kubectl(
+                "-n", ns, "patch", name, "--type=merge", "-p", '{"metadata":{"finalizers":null}}', check=False
+            )
     finally:
         _helm_kc(cluster, "uninstall", RELEASE, "-n", NS, "--wait", "--timeout", "2m")
     wait_for(lambda: not _operator_pods(kube), 60, "the operator pod gone")
-    left = cluster.plane.kubectl("get", "clusterrole,clusterrolebinding", "-l", f"app.kubernetes.io/instance={RELEASE}", "-o", "name").stdout.strip()
-    assert not left and not cluster.plane.kubectl("-n", NS, "get", "deploy,sa,svc", "-l", f"app.kubernetes.io/instance={RELEASE}", "-o", "name").stdout.strip()
+    left = cluster.plane.kubectl(
+        "get", "clusterrole,clusterrolebinding", "-l", f"app.kubernetes.io/instance={RELEASE}", "-o", "name"
+    ).stdout.strip()
+    assert (
+        not left
+        and not cluster.plane.kubectl(
+            "-n", NS, "get", "deploy,sa,svc", "-l", f"app.kubernetes.io/instance={RELEASE}", "-o", "name"
+        ).stdout.strip()
+    )
     assert cluster.plane.kubectl("get", "crd", "sgdjobs.sgdjob.dev", "-o", "name").returncode == 0  # Helm keeps CRDs
 
     denied = proxy.denied()
     assert not denied, f"the chart's RBAC refused the operator: {denied[:5]}"
     used, granted = proxy.permissions(), chart_permissions()
-    assert used == granted, f"missing from the chart: {sorted(used - granted)}; granted but never used: {sorted(granted - used)}"
+    assert used == granted, (
+        f"missing from the chart: {sorted(used - granted)}; granted but never used: {sorted(granted - used)}"
+    )

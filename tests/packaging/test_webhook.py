@@ -32,7 +32,14 @@ def _job(name: str, **spec: Any) -> dict[str, Any]:
         "apiVersion": "sgdjob.dev/v1alpha1",
         "kind": "SGDJob",
         "metadata": {"name": name},
-        "spec": {"replicas": 2, "minReplicas": 1, "maxReplicas": 3, "training": {"steps": 10}, "runPolicy": {"suspend": True}, **spec},
+        "spec": {
+            "replicas": 2,
+            "minReplicas": 1,
+            "maxReplicas": 3,
+            "training": {"steps": 10},
+            "runPolicy": {"suspend": True},
+            **spec,
+        },
     }
 
 
@@ -63,17 +70,64 @@ def _openssl(*args: str, cwd: Path) -> None:
 
 def make_certs(folder: Path, ip: str = "127.0.0.1") -> tuple[Path, Path, Path]:
     """A CA and a serving certificate for `ip` signed by it: (ca.crt, tls.crt, tls.key)."""
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt", "-days", "1", "-subj", "/CN=sgdjob-test-ca", cwd=folder)
-    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "tls.key", "-out", "tls.csr", "-subj", f"/CN={ip}", cwd=folder)
+    _openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.crt",
+        "-days",
+        "1",
+        "-subj",
+        "/CN=sgdjob-test-ca",
+        cwd=folder,
+    )
+    _openssl(
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "tls.key",
+        "-out",
+        "tls.csr",
+        "-subj",
+        f"/CN={ip}",
+        cwd=folder,
+    )
     (folder / "san.ext").write_text(f"subjectAltName=IP:{ip}\nextendedKeyUsage=serverAuth\n")
-    _openssl("x509", "-req", "-in", "tls.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial", "-out", "tls.crt", "-days", "1", "-extfile", "san.ext", cwd=folder)
+    _openssl(
+        "x509",
+        "-req",
+        "-in",
+        "tls.csr",
+        "-CA",
+        "ca.crt",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-out",
+        "tls.crt",
+        "-days",
+        "1",
+        "-extfile",
+        "san.ext",
+        cwd=folder,
+    )
     return folder / "ca.crt", folder / "tls.crt", folder / "tls.key"
 
 
 def _serving(port: int, ca: Path) -> bool:
     ctx = ssl.create_default_context(cafile=str(ca))
     try:
-        with socket.create_connection(("127.0.0.1", port), timeout=1) as sock, ctx.wrap_socket(sock, server_hostname="127.0.0.1"):
+        with (
+            socket.create_connection(("127.0.0.1", port), timeout=1) as sock,
+            ctx.wrap_socket(sock, server_hostname="127.0.0.1"),
+        ):
             return True
     except OSError:
         return False
@@ -88,10 +142,25 @@ def webhook_operator(k8s_crd: ControlPlane, tmp_path: Path) -> Iterator[tuple[st
     k8s_crd.kubectl("create", "namespace", ns)
     k8s_crd.kubectl("label", "namespace", ns, f"sgdjob-webhook-test={name}")
     argv = [str(Path(sys.executable).parent / "sgdjob"), "operator", "--kubeconfig", str(k8s_crd.kubeconfig), "-n", ns]
-    argv += ["--webhook-port", str(port), "--webhook-addr", "127.0.0.1", "--webhook-cert", str(cert), "--webhook-key", str(key)]
+    argv += [
+        "--webhook-port",
+        str(port),
+        "--webhook-addr",
+        "127.0.0.1",
+        "--webhook-cert",
+        str(cert),
+        "--webhook-key",
+        str(key),
+    ]
     log = tmp_path / "operator.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+        proc = subprocess.Popen(
+            argv,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            start_new_session=True,
+        )
     config = {
         "apiVersion": "admissionregistration.k8s.io/v1",
         "kind": "ValidatingWebhookConfiguration",
@@ -104,8 +173,18 @@ def webhook_operator(k8s_crd: ControlPlane, tmp_path: Path) -> Iterator[tuple[st
                 "failurePolicy": "Fail",
                 "timeoutSeconds": 10,
                 "namespaceSelector": {"matchLabels": {"sgdjob-webhook-test": name}},
-                "clientConfig": {"url": f"https://127.0.0.1:{port}{PATH}", "caBundle": base64.b64encode(ca.read_bytes()).decode()},
-                "rules": [{"apiGroups": ["sgdjob.dev"], "apiVersions": ["v1alpha1"], "operations": ["CREATE", "UPDATE"], "resources": ["sgdjobs"]}],
+                "clientConfig": {
+                    "url": f"https://127.0.0.1:{port}{PATH}",
+                    "caBundle": base64.b64encode(ca.read_bytes()).decode(),
+                },
+                "rules": [
+                    {
+                        "apiGroups": ["sgdjob.dev"],
+                        "apiVersions": ["v1alpha1"],
+                        "operations": ["CREATE", "UPDATE"],
+                        "resources": ["sgdjobs"],
+                    }
+                ],
             }
         ],
     }
@@ -129,7 +208,9 @@ def webhook_operator(k8s_crd: ControlPlane, tmp_path: Path) -> Iterator[tuple[st
         k8s_crd.kubectl("-n", ns, "delete", "sgdjobs", "--all", "--wait=false", check=False)
 
 
-def test_api_server_rejects_a_cross_field_invalid_job_through_the_webhook(k8s_crd: ControlPlane, webhook_operator: tuple[str, Any]) -> None:
+def test_api_server_rejects_a_cross_field_invalid_job_through_the_webhook(
+    k8s_crd: ControlPlane, webhook_operator: tuple[str, Any]
+) -> None:
     ns, _ = webhook_operator
 
     def apply(doc: dict[str, Any]) -> subprocess.CompletedProcess[str]:
@@ -146,6 +227,10 @@ def test_api_server_rejects_a_cross_field_invalid_job_through_the_webhook(k8s_cr
     assert k8s_crd.kubectl("-n", ns, "get", "sgdjob", "fine", "-o", "name").stdout.strip() == "sgdjob.sgdjob.dev/fine"
 
     # An update that breaks the rule is refused as well; the stored spec stays.
-    worse = k8s_crd.kubectl("-n", ns, "patch", "sgdjob", "fine", "--type=merge", "-p", '{"spec":{"maxReplicas":1}}', check=False)
-    assert worse.returncode != 0 and ("spec.maxReplicas" in worse.stderr or "spec.replicas" in worse.stderr), worse.stderr
+    worse = k8s_crd.kubectl(
+        "-n", ns, "patch", "sgdjob", "fine", "--type=merge", "-p", '{"spec":{"maxReplicas":1}}', check=False
+    )
+    assert worse.returncode != 0 and ("spec.maxReplicas" in worse.stderr or "spec.replicas" in worse.stderr), (
+        worse.stderr
+    )
     assert k8s_crd.kubectl("-n", ns, "get", "sgdjob", "fine", "-o", "jsonpath={.spec.maxReplicas}").stdout == "3"

@@ -24,24 +24,40 @@ WORLD = 2
 
 def _launch(workdir: Path, training: dict[str, Any], max_restarts: int) -> subprocess.Popen[bytes]:
     workdir.mkdir(parents=True, exist_ok=True)
-    config = {"jobName": "agent", "mode": "sync", "referenceWorldSize": WORLD, "training": {"batchSize": 16, "seed": 1, **training}}
+    config = {
+        "jobName": "agent",
+        "mode": "sync",
+        "referenceWorldSize": WORLD,
+        "training": {"batchSize": 16, "seed": 1, **training},
+    }
     (workdir / "run.json").write_text(json.dumps(config))
-    env = {**os.environ, "SGDJOB_REPORT_DIR": str(workdir / "report"), "SGDJOB_METRICS_HOST": "127.0.0.1", "SGDJOB_METRICS_PORT": "0",
-           "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # fmt: skip
-    cmd = [sys.executable, "-m", "sgdjob_trainer.agent", "--standalone", f"--nproc-per-node={WORLD}", f"--max-restarts={max_restarts}",
-           "-m", "sgdjob_trainer", "--config", str(workdir / "run.json")]  # fmt: skip
+    env = {**os.environ, "SGDJOB_REPORT_DIR": str(workdir / "report"), "SGDJOB_METRICS_HOST": "127.0.0.1",
+           "SGDJOB_METRICS_PORT": "0", "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # fmt: skip
+    cmd = [sys.executable, "-m", "sgdjob_trainer.agent", "--standalone", f"--nproc-per-node={WORLD}",
+           f"--max-restarts={max_restarts}", "-m", "sgdjob_trainer", "--config", str(workdir / "run.json")]  # fmt: skip
     return subprocess.Popen(cmd, stdout=(workdir / "log.txt").open("wb"), stderr=subprocess.STDOUT, env=env)
 
 
 def test_crash_restarts_forked_workers_from_the_checkpoint(tmp_path: Path) -> None:
     ckpt = {"dir": str(tmp_path / "ckpt"), "intervalSteps": 5}
-    proc = _launch(tmp_path, {"steps": 30, "checkpoint": ckpt, "emulation": {"computeSeconds": 0.01}, "faults": [{"rank": 1, "atStep": 12, "exitCode": 3}]}, max_restarts=1)
+    proc = _launch(
+        tmp_path,
+        {
+            "steps": 30,
+            "checkpoint": ckpt,
+            "emulation": {"computeSeconds": 0.01},
+            "faults": [{"rank": 1, "atStep": 12, "exitCode": 3}],
+        },
+        max_restarts=1,
+    )
     code = proc.wait(timeout=300)
     log = (tmp_path / "log.txt").read_text()
     assert code == 0, log[-4000:]
     assert "EMULATED FAULT: rank 1 exits abruptly" in log
     # torchrun reports the first worker it finds gone: the faulty one (3) or its peer (1)
-    assert re.search(r"failed \(exitcode: [13]\) local_rank: \d .* of fn: run_module \(start_method: fork\)", log), log[-4000:]
+    assert re.search(r"failed \(exitcode: [13]\) local_rank: \d .* of fn: run_module \(start_method: fork\)", log), log[
+        -4000:
+    ]
     reports = read_reports(tmp_path / "report", WORLD)
     assert {r["step"] for r in reports} == {30} and reports[0]["restartCount"] == 1
     [resume] = reports[0]["resumes"]
@@ -50,7 +66,9 @@ def test_crash_restarts_forked_workers_from_the_checkpoint(tmp_path: Path) -> No
 
 def test_a_stopped_worker_fails_the_round(tmp_path: Path) -> None:
     ckpt = {"dir": str(tmp_path / "ckpt"), "intervalSteps": 100_000}
-    proc = _launch(tmp_path, {"steps": 100_000, "checkpoint": ckpt, "emulation": {"computeSeconds": 0.02}}, max_restarts=0)
+    proc = _launch(
+        tmp_path, {"steps": 100_000, "checkpoint": ckpt, "emulation": {"computeSeconds": 0.02}}, max_restarts=0
+    )
     deadline = time.monotonic() + 240
     while "mode sync at step 0" not in (tmp_path / "log.txt").read_text():
         assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "log.txt").read_text()[-3000:]
@@ -62,10 +80,17 @@ def test_a_stopped_worker_fails_the_round(tmp_path: Path) -> None:
     assert code != 0, "a run stopped before its last step is not a success"
     stopped = re.search(r"stopped by SIGTERM at step (\d+) after a final checkpoint", log)
     assert stopped, log[-3000:]
-    assert (tmp_path / "ckpt" / f"step-{int(stopped[1]):010d}" / "COMPLETE").exists(), "the forked workers stopped at one step and saved it"
+    assert (tmp_path / "ckpt" / f"step-{int(stopped[1]):010d}" / "COMPLETE").exists(), (
+        "the forked workers stopped at one step and saved it"
+    )
 
 
 def test_only_modules_are_run() -> None:
-    proc = subprocess.run([sys.executable, "-m", "sgdjob_trainer.agent", "--standalone", "train.py"], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "sgdjob_trainer.agent", "--standalone", "train.py"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode != 0
     assert "end the command with `-m MODULE [args]`" in proc.stderr

@@ -11,7 +11,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from sgdjob_trainer.checkpoint import COMPLETE, CheckpointDirInUse, Checkpointer, CheckpointError, Snapshot, claim_dir, complete_checkpoints, step_dir, verify
+from sgdjob_trainer.checkpoint import (
+    COMPLETE,
+    CheckpointDirInUse,
+    Checkpointer,
+    CheckpointError,
+    Snapshot,
+    claim_dir,
+    complete_checkpoints,
+    step_dir,
+    verify,
+)
 from sgdjob_trainer.config import Checkpoint, LrPolicy, LrSchedule, TrainingConfig
 from sgdjob_trainer.data import DataPosition, ShardedStream, rebase, synthetic_dataset
 from sgdjob_trainer.levers import LossScaler, lr_factor
@@ -19,10 +29,26 @@ from sgdjob_trainer.resume import average_models, read_checkpoint
 
 
 def _snapshot(step: int, world: int, rank: int, value: float) -> Snapshot:
-    model = {"model": {"w": torch.full((3,), value), "n": torch.tensor(7)}, "optimizer": {"state": {}, "param_groups": []}, "weight": world}
-    part = {"jitter_rng": random.Random(rank).getstate(), "torch_rng": torch.get_rng_state(), "scaler": {}, "ps_shards": {}}
+    model = {
+        "model": {"w": torch.full((3,), value), "n": torch.tensor(7)},
+        "optimizer": {"state": {}, "param_groups": []},
+        "weight": world,
+    }
+    part = {
+        "jitter_rng": random.Random(rank).getstate(),
+        "torch_rng": torch.get_rng_state(),
+        "scaler": {},
+        "ps_shards": {},
+    }
     meta = {"mode": "sync", "control_epoch": 2, "batch_sizes": {}, "groups": None} if rank == 0 else None
-    return Snapshot(step=step, world_size=world, part=part, data={"epoch": 0, "base": 0, "offset": 16 * step}, model=model if rank == 0 else None, meta=meta)
+    return Snapshot(
+        step=step,
+        world_size=world,
+        part=part,
+        data={"epoch": 0, "base": 0, "offset": 16 * step},
+        model=model if rank == 0 else None,
+        meta=meta,
+    )
 
 
 def _write(root: Path, steps: list[int], world: int = 2, keep: int = 3) -> Checkpointer:
@@ -41,7 +67,15 @@ def test_complete_checkpoint_layout_and_retention(tmp_path: Path) -> None:
     assert writer.completed == [10, 20, 30, 40]
     assert [p.name for p in complete_checkpoints(tmp_path)] == ["step-0000000040", "step-0000000030"], "keep=2"
     path = step_dir(tmp_path, 40)
-    assert sorted(p.name for p in path.iterdir()) == ["COMPLETE", "meta.json", "model-00000.pt", "rank-00000.json", "rank-00000.pt", "rank-00001.json", "rank-00001.pt"]
+    assert sorted(p.name for p in path.iterdir()) == [
+        "COMPLETE",
+        "meta.json",
+        "model-00000.pt",
+        "rank-00000.json",
+        "rank-00000.pt",
+        "rank-00001.json",
+        "rank-00001.pt",
+    ]
     meta = verify(path)
     assert meta["step"] == 40 and meta["world_size"] == 2 and meta["positions"][1]["offset"] == 640
     assert not list(tmp_path.glob(".tmp-*")), "temp directories are renamed"
@@ -49,7 +83,9 @@ def test_complete_checkpoint_layout_and_retention(tmp_path: Path) -> None:
     assert torch.equal(loaded.model["w"], torch.full((3,), 40.0)) and loaded.part is not None
     assert loaded.position == DataPosition(0, 640, 0) or loaded.position == DataPosition(epoch=0, offset=640, base=0)
     smaller = read_checkpoint(path, rank=0, world_size=1)
-    assert smaller.part is None and smaller.position == DataPosition(epoch=0, base=2 * 640, offset=0), "a new world rebases"
+    assert smaller.part is None and smaller.position == DataPosition(epoch=0, base=2 * 640, offset=0), (
+        "a new world rebases"
+    )
     assert writer.stalls and max(writer.stalls) < 1.0
 
 
@@ -91,7 +127,10 @@ def test_partial_checkpoint_is_never_complete(tmp_path: Path) -> None:
 
 
 def test_average_models_weights_groups() -> None:
-    parts = [{"model": {"w": torch.tensor([0.0, 3.0]), "n": torch.tensor(1)}, "weight": 3}, {"model": {"w": torch.tensor([4.0, 7.0]), "n": torch.tensor(2)}, "weight": 1}]
+    parts = [
+        {"model": {"w": torch.tensor([0.0, 3.0]), "n": torch.tensor(1)}, "weight": 3},
+        {"model": {"w": torch.tensor([4.0, 7.0]), "n": torch.tensor(2)}, "weight": 1},
+    ]
     avg = average_models(parts)
     assert torch.allclose(avg["w"], torch.tensor([1.0, 4.0])) and int(avg["n"]) == 1
 
@@ -119,7 +158,11 @@ def test_lr_warmup_and_schedules() -> None:
     warm = LrPolicy(warmup_steps=4)
     assert [lr_factor(warm, s, 100) for s in range(5)] == [0.25, 0.5, 0.75, 1.0, 1.0]
     cosine = LrPolicy(schedule=LrSchedule.COSINE, min_factor=0.1)
-    assert lr_factor(cosine, 0, 100) == 1.0 and lr_factor(cosine, 50, 100) == pytest.approx(0.55) and lr_factor(cosine, 100, 100) == pytest.approx(0.1)
+    assert (
+        lr_factor(cosine, 0, 100) == 1.0
+        and lr_factor(cosine, 50, 100) == pytest.approx(0.55)
+        and lr_factor(cosine, 100, 100) == pytest.approx(0.1)
+    )
     step = LrPolicy(schedule=LrSchedule.STEP, step_size=10, gamma=0.5, warmup_steps=2)
     assert lr_factor(step, 11, 100) == 1.0 and lr_factor(step, 12, 100) == 0.5 and lr_factor(step, 32, 100) == 0.125
 
@@ -140,7 +183,12 @@ def test_loss_scaler_skips_overflow_and_grows() -> None:
 
 
 def test_config_levers_and_faults_validate() -> None:
-    levers = {"precision": "fp16", "gradientAccumulationSteps": 4, "compression": "bf16", "lrPolicy": {"warmupSteps": 10, "schedule": "cosine"}}
+    levers = {
+        "precision": "fp16",
+        "gradientAccumulationSteps": 4,
+        "compression": "bf16",
+        "lrPolicy": {"warmupSteps": 10, "schedule": "cosine"},
+    }
     t = TrainingConfig.model_validate(levers | {"faults": [{"rank": 2, "atStep": 30}]})
     assert t.faults[0].restart == 0 and t.gradient_accumulation_steps == 4
     with pytest.raises(ValueError, match="exactly one of atStep"):
@@ -155,6 +203,12 @@ def test_a_checkpoint_dir_belongs_to_one_job(tmp_path: Path) -> None:
     assert not (root / "job.json").exists(), "only rank 0 writes the claim"
     claim_dir(root, "resnet-a", rank=0)
     claim_dir(root, "resnet-a", rank=3)  # the same job again (a restart, or deleted and applied again)
-    with pytest.raises(CheckpointDirInUse, match=r"training.checkpoint.dir .* holds the checkpoints of job 'resnet-a', not of 'resnet-b': give each job its own"):
+    with pytest.raises(
+        CheckpointDirInUse,
+        match=(
+            r"training.checkpoint.dir .* holds the checkpoints of job 'resnet-a', "
+            r"not of 'resnet-b': give each job its own"
+        ),
+    ):
         claim_dir(root, "resnet-b", rank=0)
     assert json.loads((root / "job.json").read_text()) == {"job": "resnet-a"}

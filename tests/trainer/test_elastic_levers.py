@@ -77,7 +77,8 @@ def _levers() -> dict[str, Any]:
 
 def _child(rank: int, world: int, port: int, out: str, ckpt: str, steps: int, levers: bool) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), SGDJOB_METRICS_PORT="0", SGDJOB_METRICS_HOST="127.0.0.1")  # fmt: skip
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), SGDJOB_METRICS_PORT="0",
+                      SGDJOB_METRICS_HOST="127.0.0.1")  # fmt: skip
     torch.set_num_threads(1)
     trainer = Trainer(_config(steps, ckpt))
     resumed = trainer.state.step
@@ -127,7 +128,11 @@ def test_world_4_3_4_resumes_with_the_lr_rule_and_each_sample_once(phases: list[
             # Loss continues where it was: the resumed model evaluates as the saved one did.
             assert ranks[0]["initial"] == pytest.approx(previous_final, rel=1e-5)
         previous_final = ranks[0]["final"]
-        print(f"world {world}: steps {start}->{steps}, loss {ranks[0]['initial']:.4f} -> {ranks[0]['final']:.4f}, stalls ms", [round(s * 1e3, 2) for s in ranks[0]["stalls"]])
+        print(
+            f"world {world}: steps {start}->{steps}, "
+            f"loss {ranks[0]['initial']:.4f} -> {ranks[0]['final']:.4f}, stalls ms",
+            [round(s * 1e3, 2) for s in ranks[0]["stalls"]],
+        )
     expected = 16 * sum(world * (steps - (PHASES[i - 1][1] if i else 0)) for i, (world, steps) in enumerate(PHASES))
     assert len(trace) == expected and len(set(trace)) == expected, "every sample of the epoch read once"
     assert phases[-1][0]["final"] < phases[0][0]["initial"] / 5
@@ -151,7 +156,18 @@ def test_levers_match_their_references(phases: list[list[dict[str, Any]]]) -> No
             # The scale starts at 2^16, which overflows fp16 activations' gradients here: each such
             # step is skipped (on every rank alike) and the scale halves, as GradScaler does.
             skipped = lv[name]["skipped"]
-            assert lv[name]["scale"] == 2.0 ** (16 - skipped) and 0 <= skipped <= 3 and lv[name]["samples"] == (30 - skipped) * 16
+            assert (
+                lv[name]["scale"] == 2.0 ** (16 - skipped)
+                and 0 <= skipped <= 3
+                and lv[name]["samples"] == (30 - skipped) * 16
+            )
         assert lv["ref"]["scale"] == 1.0
         sched = lv["schedule"]
-        assert sched["lr"] == pytest.approx(sched["ctx_lr"] * lr_factor(_config(30, lrPolicy={"warmupSteps": 5, "schedule": "cosine", "minFactor": 0.2}).training.lr_policy, 29, 30))
+        assert sched["lr"] == pytest.approx(
+            sched["ctx_lr"]
+            * lr_factor(
+                _config(30, lrPolicy={"warmupSteps": 5, "schedule": "cosine", "minFactor": 0.2}).training.lr_policy,
+                29,
+                30,
+            )
+        )

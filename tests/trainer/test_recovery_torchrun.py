@@ -30,7 +30,9 @@ SEED = 3
 MODES = ("sync", "hierarchical", "async")
 
 
-def _config(mode: str, ckpt: Path, fault: dict[str, Any] | None, steps: int = STEPS, compute: float = 0.02) -> dict[str, Any]:
+def _config(
+    mode: str, ckpt: Path, fault: dict[str, Any] | None, steps: int = STEPS, compute: float = 0.02
+) -> dict[str, Any]:
     training: dict[str, Any] = {
         "steps": steps,
         "batchSize": 16,
@@ -56,8 +58,8 @@ def _launch(config: dict[str, Any], workdir: Path, max_restarts: int = 1) -> sub
         "OMP_NUM_THREADS": "1",
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",  # see sgdjob_trainer.recovery
     }
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}", f"--max-restarts={max_restarts}",
-           "-m", "sgdjob_trainer", "--config", str(workdir / "run.json")]  # fmt: skip
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
+           f"--max-restarts={max_restarts}", "-m", "sgdjob_trainer", "--config", str(workdir / "run.json")]  # fmt: skip
     return subprocess.Popen(cmd, stdout=(workdir / "log.txt").open("wb"), stderr=subprocess.STDOUT, env=env)
 
 
@@ -77,7 +79,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     procs = {mode: _launch(_config(mode, root / mode / "ckpt", faults[mode]), root / mode) for mode in MODES}
     # The stop run: slower steps, so the SIGTERM surely lands mid-run.
     stop_dir = root / "stop"
-    procs["stop"] = _launch(_config("sync", stop_dir / "ckpt", None, steps=100_000, compute=0.02), stop_dir, max_restarts=0)
+    procs["stop"] = _launch(
+        _config("sync", stop_dir / "ckpt", None, steps=100_000, compute=0.02), stop_dir, max_restarts=0
+    )
     deadline = time.monotonic() + 420
     while not (stop_dir / "ckpt" / "step-0000000010" / "COMPLETE").exists():
         assert procs["stop"].poll() is None and time.monotonic() < deadline, (stop_dir / "log.txt").read_text()[-3000:]

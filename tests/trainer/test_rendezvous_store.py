@@ -27,7 +27,11 @@ def _free_port(host: str) -> int:
 def test_store_serves_clients_on_its_address_and_stops_on_sigterm() -> None:
     host = "127.0.0.77"
     port = _free_port(host)
-    proc = subprocess.Popen([sys.executable, "-m", "sgdjob_trainer.rendezvous_store", "--host", host, "--port", str(port)], stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sgdjob_trainer.rendezvous_store", "--host", host, "--port", str(port)],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -66,7 +70,10 @@ def test_torchrun_agents_rendezvous_through_the_store(tmp_path: Path) -> None:
     port = _free_port(host)
     script = tmp_path / "hello.py"
     script.write_text(HELLO)
-    store = subprocess.Popen([sys.executable, "-m", "sgdjob_trainer.rendezvous_store", "--host", host, "--port", str(port)], stderr=subprocess.DEVNULL)
+    store = subprocess.Popen(
+        [sys.executable, "-m", "sgdjob_trainer.rendezvous_store", "--host", host, "--port", str(port)],
+        stderr=subprocess.DEVNULL,
+    )
     agents: list[subprocess.Popen[str]] = []
     try:
         for i in range(2):
@@ -83,10 +90,21 @@ def test_torchrun_agents_rendezvous_through_the_store(tmp_path: Path) -> None:
                 "GLOO_SOCKET_IFNAME": "lo",
                 "OMP_NUM_THREADS": "1",
             }
-            agents.append(subprocess.Popen([sys.executable, "-m", "torch.distributed.run", str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+            agents.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "torch.distributed.run", str(script)],
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                )
+            )
         outputs = [agent.communicate(timeout=240)[0] for agent in agents]
         assert [a.returncode for a in agents] == [0, 0], outputs
-        assert sorted(line for out in outputs for line in out.splitlines() if line.startswith("rank ")) == ["rank 0 world 2", "rank 1 world 2"]
+        assert sorted(line for out in outputs for line in out.splitlines() if line.startswith("rank ")) == [
+            "rank 0 world 2",
+            "rank 1 world 2",
+        ]
     finally:
         for agent in agents:
             if agent.poll() is None:

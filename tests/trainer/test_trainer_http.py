@@ -31,7 +31,24 @@ METRICS = (
     "sgdjob_switches_total 1.0",
     "sgdjob_switch_pause_seconds_total 0.25",
 )
-STATUS = ("rank", "localRank", "worldSize", "node", "mode", "step", "samples", "computeSeconds", "commWaitSeconds", "loss", "staleness", "batchSize", "controlEpoch", "switches", "done", "time")
+STATUS = (
+    "rank",
+    "localRank",
+    "worldSize",
+    "node",
+    "mode",
+    "step",
+    "samples",
+    "computeSeconds",
+    "commWaitSeconds",
+    "loss",
+    "staleness",
+    "batchSize",
+    "controlEpoch",
+    "switches",
+    "done",
+    "time",
+)
 
 
 @pytest.fixture
@@ -59,7 +76,14 @@ def test_metrics_and_status(served: tuple[Telemetry, ControlInbox, int], tmp_pat
     assert set(STATUS) <= set(status)
     assert (status["step"], status["samples"], status["mode"], status["loss"]) == (2, 64, "async", 1.2)
     assert status["computeSeconds"] == pytest.approx(0.11)
-    assert status["switches"][0] | {"timeS": 0} == {"fromMode": "sync", "toMode": "async", "step": 2, "pauseS": 0.25, "reason": "straggler", "timeS": 0}
+    assert status["switches"][0] | {"timeS": 0} == {
+        "fromMode": "sync",
+        "toMode": "async",
+        "step": 2,
+        "pauseS": 0.25,
+        "reason": "straggler",
+        "timeS": 0,
+    }
     telemetry.finish(0.5)
     doc = json.loads(telemetry.write_report(str(tmp_path)).read_text())
     assert doc["done"] and doc["finalLoss"] == 0.5 and [h[:2] for h in doc["lossHistory"]] == [[1, 1.5], [2, 1.2]]
@@ -69,7 +93,9 @@ def test_metrics_and_status(served: tuple[Telemetry, ControlInbox, int], tmp_pat
     assert not list(tmp_path.glob(".*tmp")), "written through a temp file and renamed"
 
 
-def test_control_needs_the_token(served: tuple[Telemetry, ControlInbox, int], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_control_needs_the_token(
+    served: tuple[Telemetry, ControlInbox, int], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     _, inbox, port = served
     body = {"epoch": 3, "mode": "async", "groups": [[0, 1], [2, 3]], "batchSizes": {"3": 16}, "reason": "test"}
     monkeypatch.delenv("SGDJOB_CONTROL_TOKEN", raising=False)
@@ -100,7 +126,9 @@ def test_control_only_on_rank_zero() -> None:
         server.stop()
 
 
-def test_a_scraper_hanging_up_early_leaves_no_traceback(capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture) -> None:
+def test_a_scraper_hanging_up_early_leaves_no_traceback(
+    capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
     server = TrainerServer(Telemetry(WorldInfo(1, 1, 4, 4, 0, 0, "n"), SyncMode.SYNC, 32), None, "127.0.0.1", 0)
     try:
         for error in (BrokenPipeError(32, "Broken pipe"), ConnectionResetError(104, "Connection reset by peer")):

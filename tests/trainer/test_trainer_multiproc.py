@@ -75,7 +75,10 @@ def _sync_vs_ddp(rank: int) -> dict[str, Any]:
         opt.step()
     reference = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     start = torch.cat([p.detach().reshape(-1) for p in build_model("mlp", seed=5).parameters()])
-    return {"ddp_max_diff": float((_flat(mine) - reference).abs().max()), "moved": float((reference - start).abs().max())}
+    return {
+        "ddp_max_diff": float((_flat(mine) - reference).abs().max()),
+        "moved": float((reference - start).abs().max()),
+    }
 
 
 def _quarter_batch_on_rank3(trainer: Trainer) -> None:
@@ -111,14 +114,25 @@ def _switch_chain(rank: int) -> dict[str, Any]:
             for epoch, mode in enumerate(CHAIN, start=1):
                 while telemetry.status().step < 8 * epoch and not telemetry.done:
                     time.sleep(0.005)
-                inbox.offer(ControlCommand(epoch=epoch, mode=SyncMode(mode), groups=[[0, 1], [2, 3]], reason=f"chain {epoch}"))
+                inbox.offer(
+                    ControlCommand(epoch=epoch, mode=SyncMode(mode), groups=[[0, 1], [2, 3]], reason=f"chain {epoch}")
+                )
                 while telemetry.mode.value != mode and not telemetry.done:
                     time.sleep(0.005)
 
         threading.Thread(target=push, daemon=True).start()
 
     emulation = {"computeSeconds": 0.004, "jitter": 0.2, "slowdowns": [{"rank": 3, "factor": 2.0}]}
-    trainer = _run(_config("sync", 400, emulation=emulation, hierarchical={"averageEvery": 2, "staleness": 1}, **{"async": {"staleness": None, "shards": 2}}), drive)
+    trainer = _run(
+        _config(
+            "sync",
+            400,
+            emulation=emulation,
+            hierarchical={"averageEvery": 2, "staleness": 1},
+            **{"async": {"staleness": None, "shards": 2}},
+        ),
+        drive,
+    )
     status = trainer.telemetry.status().document()  # across processes as JSON, as served
     return {
         "checks": checks,
@@ -138,9 +152,21 @@ def _async_start(rank: int) -> dict[str, Any]:
 
 def _hierarchical_start(rank: int) -> dict[str, Any]:
     emulation = {"computeSeconds": 0.004, "slowdowns": [{"rank": 3, "factor": 3.0}]}
-    trainer = _run(_config("hierarchical", 48, emulation=emulation, hierarchical={"groups": [[0, 1, 2], [3]], "averageEvery": 2, "staleness": 2}))
+    trainer = _run(
+        _config(
+            "hierarchical",
+            48,
+            emulation=emulation,
+            hierarchical={"groups": [[0, 1, 2], [3]], "averageEvery": 2, "staleness": 2},
+        )
+    )
     t = trainer.telemetry
-    return {"loss": [t.initial_loss, t.final_loss], "step": t.step, "groups": trainer.state.groups, "spread": _spread(trainer)}
+    return {
+        "loss": [t.initial_loss, t.final_loss],
+        "step": t.step,
+        "groups": trainer.state.groups,
+        "spread": _spread(trainer),
+    }
 
 
 def _child(rank: int, port: int, out: str) -> None:
@@ -156,7 +182,13 @@ def _child(rank: int, port: int, out: str) -> None:
     )
     torch.set_num_threads(1)
     results: dict[str, Any] = {"seconds": {}}
-    phases = (("ddp", _sync_vs_ddp), ("rebalanced", _rebalanced), ("chain", _switch_chain), ("async", _async_start), ("hierarchical", _hierarchical_start))
+    phases = (
+        ("ddp", _sync_vs_ddp),
+        ("rebalanced", _rebalanced),
+        ("chain", _switch_chain),
+        ("async", _async_start),
+        ("hierarchical", _hierarchical_start),
+    )
     for name, fn in phases:
         start = time.monotonic()
         results[name] = fn(rank)

@@ -53,7 +53,8 @@ def test_switch_through_every_pair_over_http(tmp_path: Path) -> None:
             "emulation": {
                 "computeSeconds": 0.01,
                 "jitter": 0.1,
-                "slowdowns": [{"rank": 3, "factor": 2.0}] + [{"rank": r, "factor": 4.0, "endStep": 150} for r in range(4)],
+                "slowdowns": [{"rank": 3, "factor": 2.0}]
+                + [{"rank": r, "factor": 4.0, "endStep": 150} for r in range(4)],
             },
         },
     }

@@ -37,7 +37,9 @@ def test_digits_ships_with_the_package() -> None:
     assert y.dtype == torch.long and set(y.tolist()) == set(range(10))
 
 
-@pytest.mark.parametrize(("model", "dataset", "out"), [("mlp", "synthetic", 1), ("digits-mlp", "digits", 10), ("digits-cnn", "digits", 10)])
+@pytest.mark.parametrize(
+    ("model", "dataset", "out"), [("mlp", "synthetic", 1), ("digits-mlp", "digits", 10), ("digits-cnn", "digits", 10)]
+)
 def test_builtin_models_fit_their_data(model: str, dataset: str, out: int) -> None:
     ds = build_dataset(dataset)
     x, y = ds[0:8]
@@ -60,7 +62,10 @@ def test_user_hooks_resolve() -> None:
         assert len(ds) == 10  # type: ignore[arg-type]
         # A loss hook is the loss itself; auto picks cross-entropy for integer targets.
         assert build_loss("torch.nn.functional:l1_loss", "x:y", torch.zeros(1)) is torch.nn.functional.l1_loss
-        assert build_loss("auto", "sgdjob_test_hooks:data", torch.zeros(2, dtype=torch.long)) is torch.nn.functional.cross_entropy
+        assert (
+            build_loss("auto", "sgdjob_test_hooks:data", torch.zeros(2, dtype=torch.long))
+            is torch.nn.functional.cross_entropy
+        )
         with pytest.raises(ValueError, match="no attribute"):
             load_hook("sgdjob_test_hooks:missing")
     finally:
@@ -81,7 +86,10 @@ def test_shards_are_disjoint_deterministic_and_reshard() -> None:
 
 
 def test_emulation_factor_and_batch_scaling() -> None:
-    emu = Emulation(compute_seconds=0.1, slowdowns=[SpeedChange(rank=1, factor=3.0, start_step=5, end_step=10), SpeedChange(node="n2", factor=2.0)])
+    emu = Emulation(
+        compute_seconds=0.1,
+        slowdowns=[SpeedChange(rank=1, factor=3.0, start_step=5, end_step=10), SpeedChange(node="n2", factor=2.0)],
+    )
     slow = ComputeEmulator(emu, rank=1, node="n2", reference_batch=32, seed=0)
     assert slow.factor(0) == 2.0 and slow.factor(5) == 6.0 and slow.factor(10) == 2.0
     assert slow.seconds(5, 16) == pytest.approx(0.1 * 6.0 * 0.5)
@@ -120,7 +128,11 @@ def test_groups() -> None:
     assert group_by_speed([10.0, 10.5, 9.8, 3.3]) == [[0, 1, 2], [3]]
     assert group_by_speed([1.0, 1.0, 1.0, 1.0]) == [[0, 1, 2, 3]]
     assert group_by_node(["a", "b", "a", "b"]) == [[0, 2], [1, 3]]
-    assert valid_groups([[0, 1], [2, 3]], 4) and not valid_groups([[0, 1], [2]], 4) and not valid_groups([[0, 1], [1, 2, 3]], 4)
+    assert (
+        valid_groups([[0, 1], [2, 3]], 4)
+        and not valid_groups([[0, 1], [2]], 4)
+        and not valid_groups([[0, 1], [1, 2, 3]], 4)
+    )
 
 
 def test_control_inbox_orders_and_merges() -> None:

@@ -36,8 +36,12 @@ def test_defaults_make_a_runnable_job() -> None:
 def test_min_and_max_default_to_replicas_and_bound_it() -> None:
     spec = validate_spec({"replicas": 4, "maxReplicas": 6})
     assert (spec.min_workers, spec.max_workers, spec.max_world_size) == (4, 6, 6)
-    assert _problems(replicas=4, minReplicas=5) == ["spec.minReplicas: minReplicas (5) must be <= replicas (4): lower minReplicas or raise replicas"]
-    assert _problems(replicas=4, maxReplicas=3)[0].startswith("spec.maxReplicas: maxReplicas (3) must be >= replicas (4)")
+    assert _problems(replicas=4, minReplicas=5) == [
+        "spec.minReplicas: minReplicas (5) must be <= replicas (4): lower minReplicas or raise replicas"
+    ]
+    assert _problems(replicas=4, maxReplicas=3)[0].startswith(
+        "spec.maxReplicas: maxReplicas (3) must be >= replicas (4)"
+    )
 
 
 @pytest.mark.parametrize(
@@ -49,14 +53,38 @@ def test_min_and_max_default_to_replicas_and_bound_it() -> None:
         ({"replica": 3}, "spec.replica: unknown field"),
         ({"training": {"learningRate": -1}}, "spec.training.learningRate: Input should be greater than 0"),
         ({"training": {"model": "not a hook"}}, "spec.training.model: 'not a hook' is neither a built-in"),
-        ({"training": {"dataset": "mypkg.data:load"}, "policy": {"recoverThreshold": 1.6}}, "spec.policy.recoverThreshold: recoverThreshold (1.6) must be below"),
-        ({"policy": {"allowedActions": ["rescale"]}}, "spec.policy.allowedActions: rescale is allowed but minReplicas == maxReplicas"),
-        ({"policy": {"allowedActions": ["rebalance", "rebalance"]}}, "spec.policy.allowedActions: list each action at most once"),
-        ({"replicas": 2, "training": {"emulation": {"slowdowns": [{"rank": 2}]}}}, "spec.training.emulation.slowdowns[0].rank: rank 2 does not exist"),
-        ({"training": {"emulation": {"slowdowns": [{"factor": 2}]}}}, "spec.training.emulation.slowdowns[0].rank: give exactly one of rank or node"),
-        ({"training": {"emulation": {"slowdowns": [{"rank": 0, "startStep": 5, "endStep": 5}]}}}, "spec.training.emulation.slowdowns[0].endStep:"),
-        ({"replicas": 2, "training": {"hierarchical": {"groups": [[0], [0, 1]]}}}, "spec.training.hierarchical.groups[1]: rank 0 is negative or in two groups"),
-        ({"replicas": 2, "training": {"hierarchical": {"groups": [[0], [1, 2]]}}}, "spec.training.hierarchical.groups[1]: rank 2 does not exist"),
+        (
+            {"training": {"dataset": "mypkg.data:load"}, "policy": {"recoverThreshold": 1.6}},
+            "spec.policy.recoverThreshold: recoverThreshold (1.6) must be below",
+        ),
+        (
+            {"policy": {"allowedActions": ["rescale"]}},
+            "spec.policy.allowedActions: rescale is allowed but minReplicas == maxReplicas",
+        ),
+        (
+            {"policy": {"allowedActions": ["rebalance", "rebalance"]}},
+            "spec.policy.allowedActions: list each action at most once",
+        ),
+        (
+            {"replicas": 2, "training": {"emulation": {"slowdowns": [{"rank": 2}]}}},
+            "spec.training.emulation.slowdowns[0].rank: rank 2 does not exist",
+        ),
+        (
+            {"training": {"emulation": {"slowdowns": [{"factor": 2}]}}},
+            "spec.training.emulation.slowdowns[0].rank: give exactly one of rank or node",
+        ),
+        (
+            {"training": {"emulation": {"slowdowns": [{"rank": 0, "startStep": 5, "endStep": 5}]}}},
+            "spec.training.emulation.slowdowns[0].endStep:",
+        ),
+        (
+            {"replicas": 2, "training": {"hierarchical": {"groups": [[0], [0, 1]]}}},
+            "spec.training.hierarchical.groups[1]: rank 0 is negative or in two groups",
+        ),
+        (
+            {"replicas": 2, "training": {"hierarchical": {"groups": [[0], [1, 2]]}}},
+            "spec.training.hierarchical.groups[1]: rank 2 does not exist",
+        ),
     ],
 )
 def test_bad_specs_name_the_field(spec: dict[str, Any], prefix: str) -> None:
@@ -88,7 +116,9 @@ def test_cli_validate_examples_and_bad_file(tmp_path: Path) -> None:
     assert ok.exit_code == 0, ok.output
     assert "quickstart is valid" in ok.output and "resnet-mixed-fleet is valid" in ok.output
     bad = tmp_path / "bad.yaml"
-    bad.write_text("apiVersion: sgdjob.dev/v1alpha1\nkind: SGDJob\nmetadata: {name: b}\nspec: {replicas: 2, minReplicas: 3}\n")
+    bad.write_text(
+        "apiVersion: sgdjob.dev/v1alpha1\nkind: SGDJob\nmetadata: {name: b}\nspec: {replicas: 2, minReplicas: 3}\n"
+    )
     result = runner.invoke(main, ["validate", str(bad)])
     assert result.exit_code == 1
     assert f"{bad}: spec.minReplicas: minReplicas (3) must be <= replicas (2)" in result.output
@@ -99,7 +129,9 @@ def test_cli_validate_examples_and_bad_file(tmp_path: Path) -> None:
 
 
 def test_quickstart_is_the_documented_shape() -> None:
-    (job,) = [validate_job(d) for d in __import__("yaml").safe_load_all((ROOT / "examples/quickstart.yaml").read_text())]
+    (job,) = [
+        validate_job(d) for d in __import__("yaml").safe_load_all((ROOT / "examples/quickstart.yaml").read_text())
+    ]
     emulation = job.spec.training.emulation
     assert job.spec.replicas * job.spec.nproc_per_node == 4 and job.spec.mode is JobMode.AUTO
     assert emulation is not None and [(s.rank, s.factor) for s in emulation.slowdowns] == [(3, 3.0)]

@@ -45,8 +45,21 @@ def test_worker_pod_carries_the_torchrun_contract() -> None:
     assert names.index("POD_IP") < names.index("PET_LOCAL_ADDR")  # $(POD_IP) expands only from earlier entries
     assert env["SGDJOB_CONTROL_TOKEN_FILE"] == "/etc/sgdjob/control/token"
     meta = pod["metadata"]
-    assert meta["name"] == "j-worker-1" and meta["labels"]["sgdjob.dev/job-name"] == "j" and meta["labels"]["sgdjob.dev/replica-index"] == "1"
-    assert meta["ownerReferences"] == [{"apiVersion": "sgdjob.dev/v1alpha1", "kind": "SGDJob", "name": "j", "uid": "u-1", "controller": True, "blockOwnerDeletion": True}]
+    assert (
+        meta["name"] == "j-worker-1"
+        and meta["labels"]["sgdjob.dev/job-name"] == "j"
+        and meta["labels"]["sgdjob.dev/replica-index"] == "1"
+    )
+    assert meta["ownerReferences"] == [
+        {
+            "apiVersion": "sgdjob.dev/v1alpha1",
+            "kind": "SGDJob",
+            "name": "j",
+            "uid": "u-1",
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+    ]
     spec = pod["spec"]
     assert spec["hostname"] == "j-worker-1" and spec["subdomain"] == "j" and spec["restartPolicy"] == "Never"
     container = spec["containers"][0]
@@ -63,7 +76,15 @@ def test_template_is_merged_not_overwritten() -> None:
             "nodeSelector": {"gpu": "h100"},
             "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}],
             "volumes": [{"name": "ckpt", "persistentVolumeClaim": {"claimName": "c"}}],
-            "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [{"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]}]}}},
+            "affinity": {
+                "nodeAffinity": {
+                    "requiredDuringSchedulingIgnoredDuringExecution": {
+                        "nodeSelectorTerms": [
+                            {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]}
+                        ]
+                    }
+                }
+            },
             "containers": [
                 {"name": "sidecar", "image": "proxy"},
                 {
@@ -99,24 +120,58 @@ def test_template_is_merged_not_overwritten() -> None:
 
 
 def test_user_command_is_kept() -> None:
-    spec = _spec(template={"spec": {"containers": [{"name": "trainer", "command": ["bash", "-c", "torchrun -m sgdjob_trainer --config /etc/sgdjob/config/run-config.json"]}]}})
+    spec = _spec(
+        template={
+            "spec": {
+                "containers": [
+                    {
+                        "name": "trainer",
+                        "command": [
+                            "bash",
+                            "-c",
+                            "torchrun -m sgdjob_trainer --config /etc/sgdjob/config/run-config.json",
+                        ],
+                    }
+                ]
+            }
+        }
+    )
     container = build_worker_pod(JOB, spec, 0, default_image=IMAGE)["spec"]["containers"][0]
     assert container["command"][0] == "bash" and "args" not in container
 
 
 def test_rendezvous_pod_and_fixed_objects() -> None:
-    spec = _spec(template={"spec": {"nodeSelector": {"pool": "p"}, "containers": [{"name": "trainer", "image": "mine:3"}]}})
+    spec = _spec(
+        template={"spec": {"nodeSelector": {"pool": "p"}, "containers": [{"name": "trainer", "image": "mine:3"}]}}
+    )
     rdzv = build_rdzv_pod(JOB, spec, default_image=IMAGE)
     assert rdzv["metadata"]["name"] == "j-rdzv" and rdzv["metadata"]["labels"]["sgdjob.dev/role"] == "rendezvous"
-    assert rdzv["spec"]["hostname"] == "j-rdzv" and rdzv["spec"]["subdomain"] == "j" and rdzv["spec"]["nodeSelector"] == {"pool": "p"}
+    assert (
+        rdzv["spec"]["hostname"] == "j-rdzv"
+        and rdzv["spec"]["subdomain"] == "j"
+        and rdzv["spec"]["nodeSelector"] == {"pool": "p"}
+    )
     (container,) = rdzv["spec"]["containers"]
-    assert container["image"] == "mine:3" and container["command"][:3] == ["python", "-m", "sgdjob_trainer.rendezvous_store"]
+    assert container["image"] == "mine:3" and container["command"][:3] == [
+        "python",
+        "-m",
+        "sgdjob_trainer.rendezvous_store",
+    ]
     svc = build_service(JOB)
-    assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] and svc["spec"]["selector"] == {"sgdjob.dev/job-name": "j"}
+    assert (
+        svc["spec"]["clusterIP"] == "None"
+        and svc["spec"]["publishNotReadyAddresses"]
+        and svc["spec"]["selector"] == {"sgdjob.dev/job-name": "j"}
+    )
     assert build_secret(JOB, "tok")["stringData"] == {"token": "tok"}
     cm = build_config_map(JOB, _spec(training={"batchSize": 7}), SyncMode.ASYNC)
     run = RunConfig.model_validate(json.loads(cm["data"]["run-config.json"]))
-    assert run.job_name == "j" and run.mode is SyncMode.ASYNC and run.training.batch_size == 7 and run.reference_world_size == 1
+    assert (
+        run.job_name == "j"
+        and run.mode is SyncMode.ASYNC
+        and run.training.batch_size == 7
+        and run.reference_world_size == 1
+    )
     assert config_map_mode(cm) == "async"
     for obj in (rdzv, svc, cm):
         assert obj["metadata"]["ownerReferences"][0]["uid"] == "u-1"

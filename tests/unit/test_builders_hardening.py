@@ -18,7 +18,10 @@ def _spec(template_spec: dict[str, Any] | None = None) -> Any:
 
 def _pods(template_spec: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     spec = _spec(template_spec)
-    return [build_worker_pod(JOB, spec, 0, default_image=OURS)["spec"], build_rdzv_pod(JOB, spec, default_image=OURS)["spec"]]
+    return [
+        build_worker_pod(JOB, spec, 0, default_image=OURS)["spec"],
+        build_rdzv_pod(JOB, spec, default_image=OURS)["spec"],
+    ]
 
 
 def test_default_pods_are_restricted_and_have_no_api_access() -> None:
@@ -31,7 +34,10 @@ def test_default_pods_are_restricted_and_have_no_api_access() -> None:
 
 def test_a_users_image_may_run_as_root_but_keeps_the_other_restrictions() -> None:
     for pod in _pods({"containers": [{"name": "trainer", "image": "my/torch:2"}]}):
-        assert "runAsNonRoot" not in pod["securityContext"] and pod["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
+        assert (
+            "runAsNonRoot" not in pod["securityContext"]
+            and pod["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
+        )
         assert pod["containers"][0]["securityContext"]["capabilities"] == {"drop": ["ALL"]}
 
 
@@ -39,20 +45,35 @@ def test_the_template_wins_where_it_speaks() -> None:
     template = {
         "securityContext": {"runAsUser": 0, "seccompProfile": {"type": "Unconfined"}},
         "automountServiceAccountToken": True,
-        "containers": [{"name": "trainer", "securityContext": {"capabilities": {"add": ["IPC_LOCK"]}, "allowPrivilegeEscalation": True}}],
+        "containers": [
+            {
+                "name": "trainer",
+                "securityContext": {"capabilities": {"add": ["IPC_LOCK"]}, "allowPrivilegeEscalation": True},
+            }
+        ],
     }
     worker = build_worker_pod(JOB, _spec(template), 0, default_image=OURS)["spec"]
-    assert worker["securityContext"] == {"runAsUser": 0, "seccompProfile": {"type": "Unconfined"}}  # no runAsNonRoot against runAsUser 0
+    assert worker["securityContext"] == {
+        "runAsUser": 0,
+        "seccompProfile": {"type": "Unconfined"},
+    }  # no runAsNonRoot against runAsUser 0
     assert worker["automountServiceAccountToken"] is True
     sc = worker["containers"][0]["securityContext"]
     assert sc == {"capabilities": {"add": ["IPC_LOCK"], "drop": ["ALL"]}, "allowPrivilegeEscalation": True}
 
 
 def test_privileged_containers_get_no_contradicting_fields() -> None:
-    worker = build_worker_pod(JOB, _spec({"containers": [{"name": "trainer", "securityContext": {"privileged": True}}]}), 0, default_image=OURS)["spec"]
+    worker = build_worker_pod(
+        JOB,
+        _spec({"containers": [{"name": "trainer", "securityContext": {"privileged": True}}]}),
+        0,
+        default_image=OURS,
+    )["spec"]
     assert worker["containers"][0]["securityContext"] == {"privileged": True}
 
 
 def test_sidecars_are_left_as_written() -> None:
-    worker = build_worker_pod(JOB, _spec({"containers": [{"name": "trainer"}, {"name": "log", "image": "busybox"}]}), 0, default_image=OURS)["spec"]
+    worker = build_worker_pod(
+        JOB, _spec({"containers": [{"name": "trainer"}, {"name": "log", "image": "busybox"}]}), 0, default_image=OURS
+    )["spec"]
     assert "securityContext" not in worker["containers"][1]

@@ -34,7 +34,18 @@ def test_rescale_up_adds_fresh_indices_and_never_reuses_a_name() -> None:
 
 
 def _result(rank: int, world: int, node: str | None) -> ScrapeResult:
-    sample = WorkerSample(rank=rank, time=1.0, steps=5, samples=160, compute_seconds=1.0, comm_wait_seconds=0.1, mode="sync", batch_size=32, node=node, world_size=world)
+    sample = WorkerSample(
+        rank=rank,
+        time=1.0,
+        steps=5,
+        samples=160,
+        compute_seconds=1.0,
+        comm_wait_seconds=0.1,
+        mode="sync",
+        batch_size=32,
+        node=node,
+        world_size=world,
+    )
     return ScrapeResult(Endpoint(f"http://127.0.0.1:{9000 + rank}", node=node), 1.0, sample, None, None)
 
 

@@ -27,7 +27,10 @@ def test_kopf_loading_the_k8s_package_registers_handlers() -> None:
 def test_other_subpackages_register_no_handlers() -> None:
     """A process that has kopf loaded (a test, a user's own operator) can use the local shell, the
     simulator or the policy without our handlers joining its registry."""
-    imports = "sgdjob_operator, sgdjob_operator.local.runner, sgdjob_operator.sim, sgdjob_operator.policy, sgdjob_operator.workers.scrape, sgdjob_operator.cli"
+    imports = (
+        "sgdjob_operator, sgdjob_operator.local.runner, sgdjob_operator.sim, sgdjob_operator.policy, "
+        "sgdjob_operator.workers.scrape, sgdjob_operator.cli"
+    )
     _python(f"import sys, kopf, {imports}; assert 'sgdjob_operator.k8s.handlers' not in sys.modules")
 
 

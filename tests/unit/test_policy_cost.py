@@ -69,7 +69,9 @@ def test_hierarchical_runs_at_the_slowest_groups_pace_and_pays_staleness() -> No
     assert paced == {0: 27, 1: 27, 2: 13, 3: 13}
     p = predict_hierarchical(speeds, paced, groups, inputs())
     assert p.throughput > 1.4 * equal.throughput and 0 < p.efficiency < 1
-    assert predict_hierarchical(speeds, paced, [[0, 1, 2, 3]], inputs()) == predict_sync(speeds, paced, inputs(), "hierarchical")
+    assert predict_hierarchical(speeds, paced, [[0, 1, 2, 3]], inputs()) == predict_sync(
+        speeds, paced, inputs(), "hierarchical"
+    )
 
 
 @given(
@@ -96,7 +98,10 @@ def test_statistics_and_grouping() -> None:
 
 def test_state_round_trips_through_json() -> None:
     state = PolicyState(
-        ranks={0: RankState(1.5, 10, 320, 2.5, 0.25, "node-a", 128.0, 2, True), 3: RankState(1.5, 9, 288, 2.0, 0.0, None, None, 0, False)},
+        ranks={
+            0: RankState(1.5, 10, 320, 2.5, 0.25, "node-a", 128.0, 2, True),
+            3: RankState(1.5, 9, 288, 2.0, 0.0, None, None, 0, False),
+        },
         heterogeneous=True,
         shape="singleStraggler:node-a",
         shape_streak=2,
@@ -116,9 +121,23 @@ def test_state_round_trips_through_json() -> None:
 
 
 def test_job_view_from_spec() -> None:
-    spec = SGDJobSpec.model_validate({"replicas": 4, "minReplicas": 2, "maxReplicas": 6, "nprocPerNode": 2, "training": {"batchSize": 16, "async": {"staleness": None, "shards": 3}}})
+    spec = SGDJobSpec.model_validate(
+        {
+            "replicas": 4,
+            "minReplicas": 2,
+            "maxReplicas": 6,
+            "nprocPerNode": 2,
+            "training": {"batchSize": 16, "async": {"staleness": None, "shards": 3}},
+        }
+    )
     view = job_view(spec, batch_sizes={1: 20}, replicas=3)
-    assert (view.requested_mode, view.mode, view.world_size, view.min_replicas, view.max_replicas) == ("auto", "sync", 6, 2, 6)
+    assert (view.requested_mode, view.mode, view.world_size, view.min_replicas, view.max_replicas) == (
+        "auto",
+        "sync",
+        6,
+        2,
+        6,
+    )
     assert view.batch(1) == 20 and view.batch(0) == 16 and view.cap(0) == 64 and not view.plain
     assert view.async_staleness is None and view.ps_shards == 3
     with pytest.raises(ValueError, match="mode must be one of"):

@@ -74,7 +74,12 @@ def test_speed_clusters_with_heavy_step_noise_favour_hierarchical() -> None:
     # At 256 ranks with large per-step noise, a sync step waits for the noisiest of 256; groups
     # of 16 wait for the noisiest of 16. The policy learns the noise from sync's waits.
     # The parameter servers are slow (2 ms of work per push), so async is no way out here.
-    h = Harness([200.0] * 128 + [100.0] * 128, jitter=0.15, nproc=8, comm=CommModel(latency_s=0.0, gradient_bytes=0, ps_apply_seconds=0.002))
+    h = Harness(
+        [200.0] * 128 + [100.0] * 128,
+        jitter=0.15,
+        nproc=8,
+        comm=CommModel(latency_s=0.0, gradient_bytes=0, ps_apply_seconds=0.002),
+    )
     run(h, 6)
     changes = h.changes()
     assert len(changes) == 1

@@ -13,7 +13,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sgdjob_operator.api.models import SGDJobSpec
-from sgdjob_operator.policy import Evaluation, PolicyState, Rebalance, ReplaceWorker, Rescale, SwitchMode, WorkerSample, evaluate, job_view
+from sgdjob_operator.policy import (
+    Evaluation,
+    PolicyState,
+    Rebalance,
+    ReplaceWorker,
+    Rescale,
+    SwitchMode,
+    WorkerSample,
+    evaluate,
+    job_view,
+)
 from sgdjob_operator.policy.comm import CommModel
 
 
@@ -70,7 +80,9 @@ class Harness:
             cycle = [ci + self.comm.ps_worker_s() for ci in c]
             return [(int(self.interval / cycle[r]), c[r], cycle[r] - c[r]) for r in range(n)]
         groups = [list(g) for g in self.groups] if self.active == "hierarchical" and self.groups else [list(range(n))]
-        walls = [max(c[r] for r in g) * (1 + self.jitter * math.log(len(g))) + self.comm.allreduce_s(len(g)) for g in groups]
+        walls = [
+            max(c[r] for r in g) * (1 + self.jitter * math.log(len(g))) + self.comm.allreduce_s(len(g)) for g in groups
+        ]
         wall = max(walls)  # bounded staleness: in the long run every group runs at the slowest pace
         return [(int(self.interval / wall), c[r], wall - c[r]) for r in range(n)]
 
@@ -104,7 +116,14 @@ class Harness:
                 k[1] += steps * self.b(r)
                 k[2] += steps * c
                 k[3] += steps * w
-        view = job_view(self.spec, mode=self.active, replicas=len(self.speeds) // self.nproc, batch_sizes=self.batches, groups=self.groups, comm=self.comm)
+        view = job_view(
+            self.spec,
+            mode=self.active,
+            replicas=len(self.speeds) // self.nproc,
+            batch_sizes=self.batches,
+            groups=self.groups,
+            comm=self.comm,
+        )
         ev = evaluate(PolicyState.from_dict(self.state_doc), self.samples(), view, self.now)
         self.state_doc = ev.state.to_dict()
         self.history.append(ev)

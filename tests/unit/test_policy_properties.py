@@ -21,7 +21,9 @@ SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[Healt
     seed=st.integers(0, 2**16),
     mode=st.sampled_from(["auto", "sync"]),
 )
-def test_homogeneous_speeds_with_noise_never_change_the_job(n: int, base: float, noise: float, nproc: int, seed: int, mode: str) -> None:
+def test_homogeneous_speeds_with_noise_never_change_the_job(
+    n: int, base: float, noise: float, nproc: int, seed: int, mode: str
+) -> None:
     # Per-window speed noise up to +-15% (max/min at most 1.35, under the 1.5 straggler threshold).
     h = Harness([base] * (n * nproc), nproc=nproc, noise=noise, seed=seed, mode=mode)
     for _ in range(12):
@@ -37,7 +39,9 @@ def test_homogeneous_speeds_with_noise_never_change_the_job(n: int, base: float,
     warmup=st.integers(1, 4),
     data=st.data(),
 )
-def test_persistent_3x_straggler_is_detected_within_3_intervals(n: int, factor: float, noise: float, warmup: int, data: st.DataObject) -> None:
+def test_persistent_3x_straggler_is_detected_within_3_intervals(
+    n: int, factor: float, noise: float, warmup: int, data: st.DataObject
+) -> None:
     rank = data.draw(st.integers(0, n - 1))
     h = Harness([100.0] * n, noise=noise, seed=n)
     for _ in range(warmup):
@@ -72,7 +76,9 @@ def _phase(kind: str, n: int, draw: st.DataObject) -> list[float]:
     noise=st.floats(0.0, 0.04),
     data=st.data(),
 )
-def test_no_flapping_at_most_one_change_per_stable_phase(n: int, kinds: list[str], noise: float, data: st.DataObject) -> None:
+def test_no_flapping_at_most_one_change_per_stable_phase(
+    n: int, kinds: list[str], noise: float, data: st.DataObject
+) -> None:
     h = Harness([100.0] * n, noise=noise, seed=n)
     h.step()
     for kind in kinds:
@@ -80,7 +86,9 @@ def test_no_flapping_at_most_one_change_per_stable_phase(n: int, kinds: list[str
         start = len(h.history)
         for _ in range(14):
             # A replaced worker keeps its new node's speed for the rest of the phase.
-            current = [s if not h.node_names[r].endswith("-new") else max(speeds) for r, s in enumerate(speeds)][: len(h.speeds)]
+            current = [s if not h.node_names[r].endswith("-new") else max(speeds) for r, s in enumerate(speeds)][
+                : len(h.speeds)
+            ]
             h.step(current)
         changes = [e for e in h.history[start:] if e.decision.action != "keep"]
         # A replaced or removed worker changes the fleet itself, so what follows it (e.g. back to

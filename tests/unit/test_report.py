@@ -24,8 +24,9 @@ EMULATION = {"computeSeconds": 0.05, "jitter": 0.0, "slowdowns": [{"rank": 1, "f
 
 
 def rank_doc(rank: int, samples: int, compute: float, wait: float, wall: float, **kw: Any) -> dict[str, Any]:
-    doc = {"rank": rank, "node": f"local-{rank}", "step": samples // 32, "samples": samples, "computeSeconds": compute,
-           "commWaitSeconds": wait, "wallSeconds": wall, "initialLoss": 2.0 + rank, "finalLoss": 0.5 + rank}  # fmt: skip
+    doc = {"rank": rank, "node": f"local-{rank}", "step": samples // 32, "samples": samples,
+           "computeSeconds": compute, "commWaitSeconds": wait, "wallSeconds": wall, "initialLoss": 2.0 + rank,
+           "finalLoss": 0.5 + rank}  # fmt: skip
     doc.update(kw)
     return doc
 
@@ -33,7 +34,10 @@ def rank_doc(rank: int, samples: int, compute: float, wait: float, wall: float, 
 def test_report_figures_follow_the_definitions() -> None:
     # rank 0: 3200 samples in 10 s of compute (320/s); rank 1: 3x slower, 1600 samples in 15 s (106.7/s).
     timeline = [{"timeS": 0.0, "step": 0, "mode": "async", "reason": "start"}]
-    docs = [rank_doc(1, 1600, 15.0, 0.5, 15.5), rank_doc(0, 3200, 10.0, 1.0, 16.0, modeTimeline=timeline, lossHistory=[[0, 2.0], [99, 0.5]])]
+    docs = [
+        rank_doc(1, 1600, 15.0, 0.5, 15.5),
+        rank_doc(0, 3200, 10.0, 1.0, 16.0, modeTimeline=timeline, lossHistory=[[0, 2.0], [99, 0.5]]),
+    ]
     report = build_report(docs, job="j", mode="async", expected_workers=2, emulation=EMULATION)
     assert report["wall_s"] == 16.0
     assert report["throughput_samples_per_s"] == pytest.approx(4800 / 16.0)
@@ -42,8 +46,9 @@ def test_report_figures_follow_the_definitions() -> None:
     assert (report["initial_loss"], report["final_loss"]) == (2.5, 1.0)
     assert report["steps"] == 100 and report["samples"] == 4800
     assert [r["rank"] for r in report["per_rank"]] == [0, 1]
-    assert report["per_rank"][1] == {"rank": 1, "node": "local-1", "speed_samples_per_s": pytest.approx(1600 / 15.0), "compute_s": 15.0,
-                                     "wait_s": 0.5, "samples": 1600, "steps": 50, "wall_s": 15.5, "final_loss": 1.5}  # fmt: skip
+    assert report["per_rank"][1] == {"rank": 1, "node": "local-1", "speed_samples_per_s": pytest.approx(1600 / 15.0),
+                                     "compute_s": 15.0, "wait_s": 0.5, "samples": 1600, "steps": 50, "wall_s": 15.5,
+                                     "final_loss": 1.5}  # fmt: skip
     assert report["mode_timeline"] == [{"time_s": 0.0, "step": 0, "mode": "async", "reason": "start"}]
     assert report["emulation"] == EMULATION and report["missing_ranks"] == [] and report["diverged_ranks"] == []
     assert report["loss_history"] == [[0, 2.0], [99, 0.5]]
@@ -51,18 +56,34 @@ def test_report_figures_follow_the_definitions() -> None:
 
 
 def test_report_lists_missing_ranks_and_never_divides_by_zero() -> None:
-    report = build_report([rank_doc(0, 0, 0.0, 0.0, 0.0, finalLoss=None)], job="j", mode="sync", expected_workers=3, emulation=None, fallback_wall_s=0.0)
+    report = build_report(
+        [rank_doc(0, 0, 0.0, 0.0, 0.0, finalLoss=None)],
+        job="j",
+        mode="sync",
+        expected_workers=3,
+        emulation=None,
+        fallback_wall_s=0.0,
+    )
     assert report["missing_ranks"] == [1, 2]
     assert report["throughput_samples_per_s"] == 0.0 and report["efficiency"] == 0.0 and report["final_loss"] is None
     assert report["emulation"] is None and report["diverged_ranks"] == [0]
     blown = rank_doc(1, 64, 1.0, 0.0, 1.0, lossHistory=[[1, 2.0], [2, None], [3, 5.0]])
-    report = build_report([rank_doc(0, 64, 1.0, 0.0, 1.0, lossHistory=[[1, 2.0]]), blown], job="j", mode="sync", expected_workers=2, emulation=None)
+    report = build_report(
+        [rank_doc(0, 64, 1.0, 0.0, 1.0, lossHistory=[[1, 2.0]]), blown],
+        job="j",
+        mode="sync",
+        expected_workers=2,
+        emulation=None,
+    )
     assert report["diverged_ranks"] == [1] and any("DIVERGED" in line for line in summary_lines(report))
     assert build_report([], job="j", mode="sync", expected_workers=1, emulation=None)["workers"] == 0
 
 
 def test_mode_timeline_always_starts_with_the_start_mode() -> None:
-    switches = [{"timeS": 9.0, "step": 120, "mode": "sync", "reason": "back"}, {"timeS": 4.0, "step": 50, "mode": "async", "reason": "rank 3 slow"}]
+    switches = [
+        {"timeS": 9.0, "step": 120, "mode": "sync", "reason": "back"},
+        {"timeS": 4.0, "step": 50, "mode": "async", "reason": "rank 3 slow"},
+    ]
     assert mode_timeline(switches, "sync") == [
         {"time_s": 0.0, "step": 0, "mode": "sync", "reason": "start"},
         {"time_s": 4.0, "step": 50, "mode": "async", "reason": "rank 3 slow"},
@@ -74,8 +95,9 @@ def test_mode_timeline_always_starts_with_the_start_mode() -> None:
 
 
 def status_result(rank: int, samples: int, compute: float, **kw: Any) -> ScrapeResult:
-    status = {"rank": rank, "node": f"local-{rank}", "step": samples // 32, "samples": samples, "computeSeconds": compute,
-              "commWaitSeconds": 0.0, "loss": 1.0 + rank, "mode": "sync", "done": False}  # fmt: skip
+    status = {"rank": rank, "node": f"local-{rank}", "step": samples // 32, "samples": samples,
+              "computeSeconds": compute, "commWaitSeconds": 0.0, "loss": 1.0 + rank, "mode": "sync",
+              "done": False}  # fmt: skip
     status.update(kw)
     return ScrapeResult(Endpoint(f"http://127.0.0.1:{9400 + rank}"), 0.0, status=WorkerStatus.model_validate(status))
 
@@ -120,7 +142,9 @@ def job(mode: str = "auto", **spec: Any) -> Any:
     training = {"steps": 50, "emulation": {"computeSeconds": 0.01}, "checkpoint": {"dir": "/tmp/ignored"}}
     base = {"replicas": 3, "minReplicas": 2, "maxReplicas": 4, "nprocPerNode": 2, "mode": mode, "training": training}
     base.update(spec)
-    return validate_job({"apiVersion": "sgdjob.dev/v1alpha1", "kind": "SGDJob", "metadata": {"name": "tiny"}, "spec": base})
+    return validate_job(
+        {"apiVersion": "sgdjob.dev/v1alpha1", "kind": "SGDJob", "metadata": {"name": "tiny"}, "spec": base}
+    )
 
 
 def test_resolve_mode_prefers_the_flag_and_starts_auto_synchronous() -> None:
@@ -131,13 +155,20 @@ def test_resolve_mode_prefers_the_flag_and_starts_auto_synchronous() -> None:
 
 
 def test_plan_launch_builds_one_torchrun_agent_per_node(tmp_path: Path) -> None:
-    plan = plan_launch(job(), SyncMode.HIERARCHICAL, tmp_path, rdzv_port=29555, metrics_bases=[30000, 30010, 30020], token="tok",
-                       python="/py", base_env={"PATH": "/bin", "OMP_NUM_THREADS": "2", "SGDJOB_METRICS_PORT": "1"})  # fmt: skip
+    plan = plan_launch(job(), SyncMode.HIERARCHICAL, tmp_path, rdzv_port=29555, metrics_bases=[30000, 30010, 30020],
+                       token="tok", python="/py",
+                       base_env={"PATH": "/bin", "OMP_NUM_THREADS": "2", "SGDJOB_METRICS_PORT": "1"})  # fmt: skip
     assert plan.world_size == 6 and [a.node for a in plan.agents] == ["local-0", "local-1", "local-2"]
     a0, a1, _ = plan.agents
     assert a0.argv[:3] == ("/py", "-m", "sgdjob_trainer.agent")
     assert a0.argv[-4:] == ("-m", "sgdjob_trainer", "--config", str(tmp_path / "run-config-local-0.json"))
-    for flag in ("--nnodes=2:4", "--nproc-per-node=2", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:29555", "--rdzv-id=tiny"):
+    for flag in (
+        "--nnodes=2:4",
+        "--nproc-per-node=2",
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=127.0.0.1:29555",
+        "--rdzv-id=tiny",
+    ):
         assert flag in a0.argv and flag in a1.argv
     # A fixed mode: torchrun retries backoffLimit (3) failures.
     assert "--max-restarts=3" in a0.argv
@@ -152,7 +183,9 @@ def test_plan_launch_builds_one_torchrun_agent_per_node(tmp_path: Path) -> None:
     cfg = RunConfig.model_validate_json(a1.run_config.model_dump_json(by_alias=True))
     assert cfg.mode is SyncMode.HIERARCHICAL and cfg.job_name == "tiny" and cfg.reference_world_size == 4
     assert cfg.training.metrics_port == 30010 and cfg.training.steps == 50
-    assert cfg.training.checkpoint.dir == str(tmp_path / "checkpoints") and plan.checkpoint_dir == tmp_path / "checkpoints"
+    assert (
+        cfg.training.checkpoint.dir == str(tmp_path / "checkpoints") and plan.checkpoint_dir == tmp_path / "checkpoints"
+    )
     assert any("checkpoints go to" in n for n in plan.notes)
     with pytest.raises(ValueError, match="need 3"):
         plan_launch(job(), SyncMode.SYNC, tmp_path, rdzv_port=1, metrics_bases=[1], token="t", python="p", base_env={})
@@ -161,7 +194,9 @@ def test_plan_launch_builds_one_torchrun_agent_per_node(tmp_path: Path) -> None:
 def test_an_auto_run_that_may_replace_workers_budgets_a_restart_per_leaving_member(tmp_path: Path) -> None:
     def restarts(mode: SyncMode, actions: list[str], auto: bool) -> str:
         j = job(policy={"allowedActions": actions})
-        plan = plan_launch(j, mode, tmp_path, rdzv_port=1, metrics_bases=[1, 3, 5], token="t", python="p", base_env={}, auto=auto)
+        plan = plan_launch(
+            j, mode, tmp_path, rdzv_port=1, metrics_bases=[1, 3, 5], token="t", python="p", base_env={}, auto=auto
+        )
         return next(a for a in plan.agents[0].argv if a.startswith("--max-restarts="))
 
     # backoffLimit (3) plus maxReplicas (4): each departure ends the survivors' round once.
@@ -203,7 +238,9 @@ def test_ranks_without_a_file_fall_back_to_their_last_status() -> None:
     )
     statuses = {0: WorkerStatus(rank=0, samples=1), 1: late}
     docs = with_status_fallback(files, statuses)
-    assert docs[0] == files[0] and docs[1]["fromStatus"] and docs[1]["wallSeconds"] == 3.0 and docs[1]["finalLoss"] == 0.75
+    assert (
+        docs[0] == files[0] and docs[1]["fromStatus"] and docs[1]["wallSeconds"] == 3.0 and docs[1]["finalLoss"] == 0.75
+    )
     report = build_report(docs, job="j", mode="sync", expected_workers=2, emulation=None)
     assert report["ranks_from_last_status"] == [1] and report["missing_ranks"] == [] and report["samples"] == 480
     assert report["wall_s"] == 3.0 and report["per_rank"][1]["speed_samples_per_s"] == 80.0

@@ -185,7 +185,9 @@ def test_post_control_sends_the_token_and_the_command() -> None:
         assert ok.accepted and ok.status == 202
         assert not denied.accepted and denied.status == 401
         assert not unreachable.accepted and unreachable.status == 0 and unreachable.error
-        assert seen == [("Bearer s3cret", {"epoch": 3, "mode": "async", "batchSizes": {"3": 16}, "reason": "rank 3 is 3x slower"})]
+        assert seen == [
+            ("Bearer s3cret", {"epoch": 3, "mode": "async", "batchSizes": {"3": 16}, "reason": "rank 3 is 3x slower"})
+        ]
         assert ControlCommand.model_validate(seen[0][1]) == cmd
 
     asyncio.run(main())

@@ -86,7 +86,10 @@ def local_shell(spec: SGDJobSpec, scrapes: Scrapes) -> tuple[Decisions, list[Con
     run = FakeRun()
     for t, samples in scrapes:
         now[0] = t
-        results = [ScrapeResult(LOCAL_ENDPOINTS[s.rank], t, s, WorkerStatus(rank=s.rank, control_epoch=run.applied)) for s in samples]
+        results = [
+            ScrapeResult(LOCAL_ENDPOINTS[s.rank], t, s, WorkerStatus(rank=s.rank, control_epoch=run.applied))
+            for s in samples
+        ]
         asyncio.run(auto(run, results, ProgressFrame(time=t, elapsed_s=t)))
     return [(d["time_s"], d["action"], d["reason"]) for d in auto.decisions], run.pushed
 

@@ -34,15 +34,37 @@ def scenario(**over: Any) -> Scenario:
 
 def test_scenario_errors_name_the_field(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
-    bad.write_text(yaml.safe_dump({"name": "x", "fleet": [{"name": "a", "nodes": 2, "speed": 1}], "steps": 5, "events": [{"kind": "death", "nodes": [7], "atSeconds": 1}]}))
+    bad.write_text(
+        yaml.safe_dump(
+            {
+                "name": "x",
+                "fleet": [{"name": "a", "nodes": 2, "speed": 1}],
+                "steps": 5,
+                "events": [{"kind": "death", "nodes": [7], "atSeconds": 1}],
+            }
+        )
+    )
     with pytest.raises(ScenarioError) as err:
         load_scenario(bad)
     assert any(p.startswith("events[0].nodes: node 7 does not exist") for p in err.value.problems)
-    bad.write_text(yaml.safe_dump({"name": "x", "fleet": [{"name": "a", "nodes": 2, "speed": 1}], "steps": 5, "job": {"training": {"batchSize": 0}}}))
+    bad.write_text(
+        yaml.safe_dump(
+            {
+                "name": "x",
+                "fleet": [{"name": "a", "nodes": 2, "speed": 1}],
+                "steps": 5,
+                "job": {"training": {"batchSize": 0}},
+            }
+        )
+    )
     with pytest.raises(ScenarioError) as err:
         load_scenario(bad)
     assert err.value.problems[0].startswith("job: training.batchSize:")
-    bad.write_text(yaml.safe_dump({"name": "x", "fleet": [{"name": "a", "nodes": 2, "speed": 1}], "steps": 5, "durationSeconds": 3}))
+    bad.write_text(
+        yaml.safe_dump(
+            {"name": "x", "fleet": [{"name": "a", "nodes": 2, "speed": 1}], "steps": 5, "durationSeconds": 3}
+        )
+    )
     with pytest.raises(ScenarioError, match="durationSeconds: give exactly one"):
         load_scenario(bad)
 
@@ -61,7 +83,9 @@ def test_sync_engine_matches_the_closed_form() -> None:
     even = run_mode(scenario(), "sync")
     assert even.efficiency == pytest.approx(1.0, abs=1e-3)
     # One node at half speed: plain sync runs everyone at its pace, N*min / sum.
-    mixed = scenario(fleet=[{"name": "fast", "nodes": 7, "speed": 1000.0}, {"name": "slow", "nodes": 1, "speed": 500.0}])
+    mixed = scenario(
+        fleet=[{"name": "fast", "nodes": 7, "speed": 1000.0}, {"name": "slow", "nodes": 1, "speed": 500.0}]
+    )
     assert run_mode(mixed, "sync").efficiency == pytest.approx(8 * 500 / 7500, abs=2e-3)
     assert run_mode(mixed, "rebalanced").efficiency > 0.98  # integer batches: 54/1000 vs 27/500 s
 
@@ -74,14 +98,19 @@ def test_async_engine_pays_one_step_of_staleness_and_the_ps_cap() -> None:
 
 
 def test_hierarchical_engine_groups_keep_pace_with_paced_batches() -> None:
-    mixed = scenario(fleet=[{"name": "fast", "nodes": 4, "speed": 1000.0}, {"name": "slow", "nodes": 4, "speed": 500.0}])
+    mixed = scenario(
+        fleet=[{"name": "fast", "nodes": 4, "speed": 1000.0}, {"name": "slow", "nodes": 4, "speed": 500.0}]
+    )
     hier = run_mode(mixed, "hierarchical").efficiency
     assert 0.8 < hier < 1.0  # near the bound, less the staleness of delayed averaging
     assert hier > run_mode(mixed, "sync").efficiency + 0.1
 
 
 def test_node_death_stalls_until_detected_then_restarts_from_a_checkpoint() -> None:
-    dying = scenario(events=[{"kind": "death", "nodes": [3], "atSeconds": 100}], costs={"restartSeconds": 20, "failureDetectSeconds": 30})
+    dying = scenario(
+        events=[{"kind": "death", "nodes": [3], "atSeconds": 100}],
+        costs={"restartSeconds": 20, "failureDetectSeconds": 30},
+    )
     result = run_mode(dying, "sync")
     # 100 s at full speed, 50 s lost (detection + restart) plus up to a checkpoint of work, then 7 of 8.
     bound = (100 * 8 + 200 * 7) / 300 * 1000
@@ -92,13 +121,33 @@ def test_node_death_stalls_until_detected_then_restarts_from_a_checkpoint() -> N
 @pytest.mark.parametrize(
     ("over", "expect"),
     [
-        ({"events": [{"kind": "slowdown", "nodes": [3], "atSeconds": 60, "factor": 3}], "durationSeconds": 600}, "replaceWorker"),
-        ({"fleet": [{"name": "a100", "nodes": 8, "speed": 1400.0, "maxBatch": 128}, {"name": "v100", "nodes": 8, "speed": 700.0, "maxBatch": 64}]}, "rebalance"),
+        (
+            {"events": [{"kind": "slowdown", "nodes": [3], "atSeconds": 60, "factor": 3}], "durationSeconds": 600},
+            "replaceWorker",
+        ),
+        (
+            {
+                "fleet": [
+                    {"name": "a100", "nodes": 8, "speed": 1400.0, "maxBatch": 128},
+                    {"name": "v100", "nodes": 8, "speed": 700.0, "maxBatch": 64},
+                ]
+            },
+            "rebalance",
+        ),
         # Hiccups on a real network (100 MB gradients): none lasts an interval, so no change.
-        ({"events": [{"kind": "hiccups", "count": 10, "durationSeconds": [1, 6], "factor": 4}], "noise": 0.03, "network": {}}, None),
+        (
+            {
+                "events": [{"kind": "hiccups", "count": 10, "durationSeconds": [1, 6], "factor": 4}],
+                "noise": 0.03,
+                "network": {},
+            },
+            None,
+        ),
     ],
 )
-def test_auto_acts_once_and_stays_within_10_percent_of_the_best_static_mode(over: dict[str, Any], expect: str | None) -> None:
+def test_auto_acts_once_and_stays_within_10_percent_of_the_best_static_mode(
+    over: dict[str, Any], expect: str | None
+) -> None:
     result = simulate_scenario(scenario(**over))
     best = max(r.efficiency for m, r in result.modes.items() if m != "auto")
     auto = result.modes["auto"]
@@ -116,7 +165,16 @@ def test_auto_at_1024_workers_is_within_10_percent_of_the_best_static_mode() -> 
 
 def test_simulate_command_writes_one_json_per_scenario(tmp_path: Path) -> None:
     path = tmp_path / "small.yaml"
-    path.write_text(yaml.safe_dump({"name": "small", "fleet": [{"name": "gpu", "nodes": 8, "speed": 1000.0}], "durationSeconds": 60, "network": QUIET}))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "name": "small",
+                "fleet": [{"name": "gpu", "nodes": 8, "speed": 1000.0}],
+                "durationSeconds": 60,
+                "network": QUIET,
+            }
+        )
+    )
     out = tmp_path / "out"
     res = CliRunner().invoke(main, ["simulate", str(path), "--out", str(out)])
     assert res.exit_code == 0, res.output

@@ -25,9 +25,31 @@ def _spec(**extra: Any) -> Any:
     return validate_spec({"replicas": 2, "minReplicas": 1, "maxReplicas": 4, **extra})
 
 
-def pod(index: int | None, phase: str = "Running", *, ready: bool = True, uid: str = "", node: str | None = None, deleting: bool = False, reason: str = "", role: str = "worker") -> PodView:
+def pod(
+    index: int | None,
+    phase: str = "Running",
+    *,
+    ready: bool = True,
+    uid: str = "",
+    node: str | None = None,
+    deleting: bool = False,
+    reason: str = "",
+    role: str = "worker",
+) -> PodView:
     name = f"j-worker-{index}" if role == "worker" else "j-rdzv"
-    return PodView(name, uid or f"uid-{name}", role, index, phase, ready, "10.0.0.1", node, deleting, 1 if phase == "Failed" else None, reason)
+    return PodView(
+        name,
+        uid or f"uid-{name}",
+        role,
+        index,
+        phase,
+        ready,
+        "10.0.0.1",
+        node,
+        deleting,
+        1 if phase == "Failed" else None,
+        reason,
+    )
 
 
 def rdzv() -> PodView:
@@ -44,7 +66,12 @@ def running(st: SGDJobStatus | None = None) -> SGDJobStatus:
 
 def test_pod_view_reads_what_a_kubelet_reports() -> None:
     obj = {
-        "metadata": {"name": "j-worker-3", "uid": "u", "labels": {"sgdjob.dev/replica-index": "3", "sgdjob.dev/role": "worker"}, "deletionTimestamp": "x"},
+        "metadata": {
+            "name": "j-worker-3",
+            "uid": "u",
+            "labels": {"sgdjob.dev/replica-index": "3", "sgdjob.dev/role": "worker"},
+            "deletionTimestamp": "x",
+        },
         "spec": {"nodeName": "n1"},
         "status": {
             "phase": "Failed",
@@ -54,7 +81,16 @@ def test_pod_view_reads_what_a_kubelet_reports() -> None:
         },
     }
     view = PodView.from_obj(obj)
-    assert (view.index, view.phase, view.ready, view.ip, view.node, view.deleting, view.exit_code, view.reason) == (3, "Failed", False, "10.1.1.1", "n1", True, 137, "OOMKilled")
+    assert (view.index, view.phase, view.ready, view.ip, view.node, view.deleting, view.exit_code, view.reason) == (
+        3,
+        "Failed",
+        False,
+        "10.1.1.1",
+        "n1",
+        True,
+        137,
+        "OOMKilled",
+    )
     assert not view.active
 
 
@@ -72,7 +108,11 @@ def test_pending_to_running_to_adapting_with_stable_transition_times() -> None:
     assert plan.status.phase is Phase.RUNNING or plan.status.phase is Phase.ADAPTING  # minReplicas 1 ready: started
     assert plan.status.start_time == rfc3339(T0)
     plan = plan_reconcile(spec, plan.status, [pod(0), pod(1), rdzv()], generation=1, now=T0 + 5)
-    assert plan.status.phase is Phase.RUNNING and plan.status.ready == "2/2" and "Running" in [e.reason for e in plan.events]
+    assert (
+        plan.status.phase is Phase.RUNNING
+        and plan.status.ready == "2/2"
+        and "Running" in [e.reason for e in plan.events]
+    )
     running_since = {c.type: c.last_transition_time for c in plan.status.conditions}["Running"]
     plan = plan_reconcile(spec, plan.status, [pod(0), pod(1), rdzv()], generation=1, now=T0 + 50)
     assert {c.type: c.last_transition_time for c in plan.status.conditions}["Running"] == running_since
@@ -88,7 +128,10 @@ def test_scale_and_excluded_nodes_change_membership() -> None:
     controller(st).excluded_nodes = ["bad"]
     pods = [pod(0, node="ok"), pod(1, node="bad"), pod(2, node="ok"), pod(3, deleting=True), rdzv()]
     plan = plan_reconcile(_spec(replicas=2), st, pods, generation=1, now=T0)
-    assert sorted(plan.delete_pods) == [("j-worker-1", "node bad excluded for this job; replaced"), ("j-worker-2", "scaled down to 2 replicas")]
+    assert sorted(plan.delete_pods) == [
+        ("j-worker-1", "node bad excluded for this job; replaced"),
+        ("j-worker-2", "scaled down to 2 replicas"),
+    ]
     assert plan.create_workers == []  # index 1 is still held until its pod is gone
     plan = plan_reconcile(_spec(replicas=4), running(), [pod(0), pod(1), rdzv()], generation=2, now=T0)
     assert plan.create_workers == [2, 3] and plan.status.phase is Phase.ADAPTING
@@ -102,7 +145,9 @@ def test_failures_count_once_and_infrastructure_is_free() -> None:
     assert [e.reason for e in plan.events].count("WorkerFailed") == 1
     again = plan_reconcile(spec, plan.status, pods, generation=1, now=T0 + 1)  # same failed pod seen again
     assert again.status.restarts == 1 and "WorkerFailed" not in [e.reason for e in again.events]
-    evicted = plan_reconcile(spec, again.status, [pod(0, "Failed", uid="b", reason="Evicted"), pod(1), rdzv()], generation=1, now=T0 + 2)
+    evicted = plan_reconcile(
+        spec, again.status, [pod(0, "Failed", uid="b", reason="Evicted"), pod(1), rdzv()], generation=1, now=T0 + 2
+    )
     assert evicted.status.restarts == 1 and evicted.status.phase is not Phase.FAILED
     final = plan_reconcile(spec, evicted.status, [pod(0, "Failed", uid="c"), pod(1), rdzv()], generation=1, now=T0 + 3)
     assert final.status.phase is Phase.FAILED and final.status.restarts == 2
@@ -116,14 +161,24 @@ def test_success_deadline_and_ttl() -> None:
     spec = _spec(runPolicy={"ttlSecondsAfterFinished": 60, "cleanPodPolicy": "None"})
     plan = plan_reconcile(spec, running(), [pod(0, "Succeeded"), pod(1), rdzv()], generation=1, now=T0)
     assert plan.status.phase is Phase.RUNNING and not plan.create_workers  # one done: wait for the other, start nothing
-    plan = plan_reconcile(spec, plan.status, [pod(0, "Succeeded"), pod(1, "Succeeded"), rdzv()], generation=1, now=T0 + 1)
-    assert plan.status.phase is Phase.SUCCEEDED and plan.status.completion_time and not plan.delete_pods and not plan.delete_job
+    plan = plan_reconcile(
+        spec, plan.status, [pod(0, "Succeeded"), pod(1, "Succeeded"), rdzv()], generation=1, now=T0 + 1
+    )
+    assert (
+        plan.status.phase is Phase.SUCCEEDED
+        and plan.status.completion_time
+        and not plan.delete_pods
+        and not plan.delete_job
+    )
     assert plan.status.step == spec.training.steps  # the final step, not the last scrape's
     later = plan_reconcile(spec, plan.status, [], generation=1, now=T0 + 62)
     assert later.delete_job and later.status.phase is Phase.SUCCEEDED
     deadline = _spec(runPolicy={"activeDeadlineSeconds": 10})
     late = plan_reconcile(deadline, running(), [pod(0), pod(1), rdzv()], generation=1, now=T0 + 11)
-    assert late.status.phase is Phase.FAILED and {c.type: c.reason for c in late.status.conditions}["Failed"] == "DeadlineExceeded"
+    assert (
+        late.status.phase is Phase.FAILED
+        and {c.type: c.reason for c in late.status.conditions}["Failed"] == "DeadlineExceeded"
+    )
     assert {n for n, _ in late.delete_pods} == {"j-worker-0", "j-worker-1", "j-rdzv"}
 
 
@@ -133,7 +188,11 @@ def test_suspend_removes_pods_and_resume_starts_over() -> None:
     assert plan.status.phase is Phase.SUSPENDED and plan.status.start_time is None and len(plan.delete_pods) == 3
     assert [e.reason for e in plan.events] == ["Suspended"]
     resumed = plan_reconcile(_spec(), plan.status, [], generation=3, now=T0 + 5)
-    assert resumed.status.phase is Phase.PENDING and resumed.create_workers == [0, 1] and "Resumed" in [e.reason for e in resumed.events]
+    assert (
+        resumed.status.phase is Phase.PENDING
+        and resumed.create_workers == [0, 1]
+        and "Resumed" in [e.reason for e in resumed.events]
+    )
 
 
 def test_fixed_mode_change_is_a_recorded_command() -> None:
@@ -161,7 +220,18 @@ def test_invalid_spec_marks_failed_once() -> None:
 
 
 def _sample(rank: int, mode: str = "sync") -> WorkerSample:
-    return WorkerSample(rank=rank, time=T0, steps=10, samples=320, compute_seconds=1.0, comm_wait_seconds=0.1, mode=mode, batch_size=32, pod=f"j-worker-{rank}", node=f"n{rank}")
+    return WorkerSample(
+        rank=rank,
+        time=T0,
+        steps=10,
+        samples=320,
+        compute_seconds=1.0,
+        comm_wait_seconds=0.1,
+        mode=mode,
+        batch_size=32,
+        pod=f"j-worker-{rank}",
+        node=f"n{rank}",
+    )
 
 
 def apply_decision(st: SGDJobStatus, spec: Any, decision: Decision, samples: tuple[WorkerSample, ...] = ()) -> Outcome:
@@ -176,13 +246,18 @@ def test_switch_is_recorded_then_pushed_until_applied() -> None:
     spec, st = _spec(), running()
     out = apply_decision(st, spec, SwitchMode(mode="async", reason="straggler"))
     assert out.applied == "switchMode" and out.config_changed and st.target_mode == "async"
-    assert controller(st).command == {"epoch": 1, "mode": "async", "reason": "straggler"} and st.decisions[-1].mode == "async"
+    assert (
+        controller(st).command == {"epoch": 1, "mode": "async", "reason": "straggler"}
+        and st.decisions[-1].mode == "async"
+    )
     control = Endpoint("http://10.0.0.1:9400")
     unapplied = Observation(T0, (_sample(0), _sample(1)), {}, control, control_epoch=0)
     command = command_to_push(st, unapplied)
     assert command is not None and command.epoch == 1 and command.mode is not None and command.mode.value == "async"
     assert command_to_push(st, Observation(T0, (_sample(0, "async"),), {}, control, control_epoch=1)) is None
-    assert command_to_push(st, Observation(T0, (_sample(0), _sample(1)), {}, control, control_epoch=None)) is not None  # no epoch: mode decides
+    assert (
+        command_to_push(st, Observation(T0, (_sample(0), _sample(1)), {}, control, control_epoch=None)) is not None
+    )  # no epoch: mode decides
     assert Observation(T0, (_sample(0, "sync"), _sample(1, "async")), {}).mode is None  # mid-switch
 
 

@@ -34,7 +34,9 @@ def load_run_config(path: Path) -> RunConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sgdjob_trainer", description=__doc__.splitlines()[0] if __doc__ else None)
+    parser = argparse.ArgumentParser(
+        prog="python -m sgdjob_trainer", description=__doc__.splitlines()[0] if __doc__ else None
+    )
     parser.add_argument("--config", required=True, type=Path, help="RunConfig file (YAML or JSON)")
     args = parser.parse_args(argv)
     trainer = Trainer(load_run_config(args.config))

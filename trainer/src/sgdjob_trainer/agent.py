@@ -53,7 +53,10 @@ def run_module(module: str, *argv: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)  # type: ignore[no-untyped-call]
     if not args.module or args.no_python or args.run_path:
-        sys.exit("sgdjob_trainer.agent runs modules only: end the command with `-m MODULE [args]`, e.g. `-m sgdjob_trainer --config FILE`")
+        sys.exit(
+            "sgdjob_trainer.agent runs modules only: end the command with `-m MODULE [args]`, "
+            "e.g. `-m sgdjob_trainer --config FILE`"
+        )
     if args.standalone:  # as torchrun: a private c10d store on a free port
         args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
     if args.master_port is None:  # as torchrun: only the static rendezvous reads it

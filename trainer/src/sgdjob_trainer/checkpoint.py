@@ -85,7 +85,9 @@ def claim_dir(root: Path, job: str, rank: int) -> None:
     except FileNotFoundError:
         owner = None
     except (OSError, ValueError, AttributeError) as err:
-        raise CheckpointDirInUse(f"training.checkpoint.dir {root}: unreadable {OWNER} ({err}); remove it if this directory is this job's") from err
+        raise CheckpointDirInUse(
+            f"training.checkpoint.dir {root}: unreadable {OWNER} ({err}); remove it if this directory is this job's"
+        ) from err
     if owner is not None and owner != job:
         raise CheckpointDirInUse(
             f"training.checkpoint.dir {root} holds the checkpoints of job {owner!r}, not of {job!r}: "
@@ -222,7 +224,12 @@ class Checkpointer:
         while not all((tmp / n).exists() for n in names):
             if time.monotonic() > deadline:
                 missing = [n for n in names if not (tmp / n).exists()]
-                log.warning("checkpoint of step %d abandoned: no part from %s within %.0f s", snap.step, missing, self.cfg.complete_timeout_seconds)
+                log.warning(
+                    "checkpoint of step %d abandoned: no part from %s within %.0f s",
+                    snap.step,
+                    missing,
+                    self.cfg.complete_timeout_seconds,
+                )
                 shutil.rmtree(tmp, ignore_errors=True)
                 return
             time.sleep(0.02)
@@ -231,7 +238,14 @@ class Checkpointer:
         for doc in sidecars:
             files.update(doc["files"])
         meta = dict(snap.meta or {})
-        meta.update(format=FORMAT, step=snap.step, world_size=snap.world_size, life=self.life, files=files, positions=[d["data"] for d in sidecars])
+        meta.update(
+            format=FORMAT,
+            step=snap.step,
+            world_size=snap.world_size,
+            life=self.life,
+            files=files,
+            positions=[d["data"] for d in sidecars],
+        )
         meta_bytes = json.dumps(meta, indent=1).encode()
         write_atomic(tmp / META, meta_bytes)
         _fsync_dir(tmp)

@@ -85,24 +85,45 @@ class GroupBy(StrEnum):
 def _hook_or_builtin(value: str, builtins: tuple[str, ...], field: str) -> str:
     if value in builtins or re.match(HOOK_PATTERN, value):
         return value
-    raise cross_field_error(field, f"'{value}' is neither a built-in ({', '.join(builtins)}) nor a 'module:function' hook")
+    raise cross_field_error(
+        field, f"'{value}' is neither a built-in ({', '.join(builtins)}) nor a 'module:function' hook"
+    )
 
 
 class SpeedChange(CamelModel):
     """An emulated slowdown: one rank's (or every rank on one node's) compute time is multiplied."""
 
-    rank: Annotated[int | None, Field(ge=0, le=65535, description="Global rank that slows down (omit when `node` is given).")] = None
-    node: Annotated[str | None, Field(max_length=253, description="Node name whose ranks slow down: a node-bound straggler (the pod's NODE_NAME).")] = None
-    factor: Annotated[float, Field(ge=0.05, le=100.0, description="Multiplier of the compute time per step: 3 means three times slower.")] = 3.0
+    rank: Annotated[
+        int | None, Field(ge=0, le=65535, description="Global rank that slows down (omit when `node` is given).")
+    ] = None
+    node: Annotated[
+        str | None,
+        Field(
+            max_length=253, description="Node name whose ranks slow down: a node-bound straggler (the pod's NODE_NAME)."
+        ),
+    ] = None
+    factor: Annotated[
+        float,
+        Field(ge=0.05, le=100.0, description="Multiplier of the compute time per step: 3 means three times slower."),
+    ] = 3.0
     start_step: Annotated[int, Field(ge=0, le=1_000_000_000, description="First step the slowdown applies to.")] = 0
-    end_step: Annotated[int | None, Field(ge=1, le=1_000_000_000, description="Step at which the slowdown ends (exclusive); omit for the rest of the run.")] = None
+    end_step: Annotated[
+        int | None,
+        Field(
+            ge=1,
+            le=1_000_000_000,
+            description="Step at which the slowdown ends (exclusive); omit for the rest of the run.",
+        ),
+    ] = None
 
     @model_validator(mode="after")
     def _target(self) -> Self:
         if (self.rank is None) == (self.node is None):
             raise cross_field_error("rank", "give exactly one of rank or node for a slowdown")
         if self.end_step is not None and self.end_step <= self.start_step:
-            raise cross_field_error("endStep", f"endStep ({self.end_step}) must be greater than startStep ({self.start_step})")
+            raise cross_field_error(
+                "endStep", f"endStep ({self.end_step}) must be greater than startStep ({self.start_step})"
+            )
         return self
 
 
@@ -113,9 +134,24 @@ class Emulation(CamelModel):
     accelerator would spend is replaced by a sleep, so benchmarks measure coordination honestly.
     """
 
-    compute_seconds: Annotated[float, Field(ge=0.0, le=60.0, description="Emulated compute seconds per step of one worker at factor 1 (for the configured batch size).")] = 0.05
-    jitter: Annotated[float, Field(ge=0.0, le=1.0, description="Relative random noise added to each step's compute time (0.05 = up to +-5%).")] = 0.0
-    slowdowns: Annotated[list[SpeedChange], Field(max_length=1024, description="Slowdowns by rank or node, optionally limited to a step range.")] = []
+    compute_seconds: Annotated[
+        float,
+        Field(
+            ge=0.0,
+            le=60.0,
+            description="Emulated compute seconds per step of one worker at factor 1 (for the configured batch size).",
+        ),
+    ] = 0.05
+    jitter: Annotated[
+        float,
+        Field(
+            ge=0.0, le=1.0, description="Relative random noise added to each step's compute time (0.05 = up to +-5%)."
+        ),
+    ] = 0.0
+    slowdowns: Annotated[
+        list[SpeedChange],
+        Field(max_length=1024, description="Slowdowns by rank or node, optionally limited to a step range."),
+    ] = []
 
 
 class Fault(CamelModel):
@@ -126,10 +162,22 @@ class Fault(CamelModel):
     """
 
     rank: Annotated[int, Field(ge=0, le=65535, description="Global rank that exits.")] = 0
-    at_step: Annotated[int | None, Field(ge=1, le=1_000_000_000, description="Exit right after this step (omit when afterSeconds is given).")] = None
-    after_seconds: Annotated[float | None, Field(ge=0.0, le=86_400.0, description="Exit at the first step after this many seconds of training (omit when atStep is given).")] = None
+    at_step: Annotated[
+        int | None,
+        Field(ge=1, le=1_000_000_000, description="Exit right after this step (omit when afterSeconds is given)."),
+    ] = None
+    after_seconds: Annotated[
+        float | None,
+        Field(
+            ge=0.0,
+            le=86_400.0,
+            description="Exit at the first step after this many seconds of training (omit when atStep is given).",
+        ),
+    ] = None
     exit_code: Annotated[int, Field(ge=1, le=255, description="Exit status of the failing process.")] = 1
-    restart: Annotated[int, Field(ge=0, le=1000, description="The life it fires in: 0 on the first start, n after the n-th restart.")] = 0
+    restart: Annotated[
+        int, Field(ge=0, le=1000, description="The life it fires in: 0 on the first start, n after the n-th restart.")
+    ] = 0
 
     @model_validator(mode="after")
     def _when(self) -> Self:
@@ -141,30 +189,82 @@ class Fault(CamelModel):
 class Checkpoint(CamelModel):
     """Where and how often the trainer saves state it needs to resume."""
 
-    dir: Annotated[str | None, Field(max_length=4096, description="Checkpoint directory, shared by all workers (a shared volume in a cluster). Omit to disable checkpoints.")] = None
-    interval_steps: Annotated[int, Field(ge=1, le=10_000_000, description="Steps between checkpoints; at most this many steps are lost on a restart.")] = 100
+    dir: Annotated[
+        str | None,
+        Field(
+            max_length=4096,
+            description=(
+                "Checkpoint directory, shared by all workers (a shared volume in a cluster). "
+                "Omit to disable checkpoints."
+            ),
+        ),
+    ] = None
+    interval_steps: Annotated[
+        int,
+        Field(
+            ge=1, le=10_000_000, description="Steps between checkpoints; at most this many steps are lost on a restart."
+        ),
+    ] = 100
     keep: Annotated[int, Field(ge=1, le=100, description="How many complete checkpoints to retain.")] = 3
-    on_stop: Annotated[bool, Field(description="Write a final checkpoint when the workers are asked to stop (SIGTERM) and when training ends.")] = True
-    complete_timeout_seconds: Annotated[float, Field(ge=1.0, le=86_400.0, description="How long rank 0 waits for every rank's part of a checkpoint before abandoning it.")] = 300.0
+    on_stop: Annotated[
+        bool,
+        Field(
+            description="Write a final checkpoint when the workers are asked to stop (SIGTERM) and when training ends."
+        ),
+    ] = True
+    complete_timeout_seconds: Annotated[
+        float,
+        Field(
+            ge=1.0,
+            le=86_400.0,
+            description="How long rank 0 waits for every rank's part of a checkpoint before abandoning it.",
+        ),
+    ] = 300.0
 
 
 class LrPolicy(CamelModel):
     """Learning-rate warmup and decay over the job's steps, on top of the world-size rule."""
 
-    warmup_steps: Annotated[int, Field(ge=0, le=1_000_000_000, description="Steps of linear warmup from 0 to the learning rate.")] = 0
-    schedule: Annotated[LrSchedule, Field(description="Decay after warmup: constant, cosine (to minFactor at the last step) or step (x gamma every stepSize steps).")] = LrSchedule.CONSTANT
-    step_size: Annotated[int, Field(ge=1, le=1_000_000_000, description="Steps between decays of the step schedule.")] = 1000
+    warmup_steps: Annotated[
+        int, Field(ge=0, le=1_000_000_000, description="Steps of linear warmup from 0 to the learning rate.")
+    ] = 0
+    schedule: Annotated[
+        LrSchedule,
+        Field(
+            description=(
+                "Decay after warmup: constant, cosine (to minFactor at the last step) "
+                "or step (x gamma every stepSize steps)."
+            )
+        ),
+    ] = LrSchedule.CONSTANT
+    step_size: Annotated[
+        int, Field(ge=1, le=1_000_000_000, description="Steps between decays of the step schedule.")
+    ] = 1000
     gamma: Annotated[float, Field(ge=0.0, le=1.0, description="Factor of each decay of the step schedule.")] = 0.1
-    min_factor: Annotated[float, Field(ge=0.0, le=1.0, description="Fraction of the learning rate the cosine schedule ends at.")] = 0.0
+    min_factor: Annotated[
+        float, Field(ge=0.0, le=1.0, description="Fraction of the learning rate the cosine schedule ends at.")
+    ] = 0.0
 
 
 class HierarchicalConfig(CamelModel):
     """Hierarchical SGD: allreduce inside a group every step, model averaging across groups."""
 
-    group_by: Annotated[GroupBy, Field(description="Default grouping when the controller gives none: by node, or by measured speed.")] = GroupBy.NODE
-    groups: Annotated[list[list[Rank]] | None, Field(max_length=1024, description="Explicit groups of global ranks; every rank in exactly one group.")] = None
+    group_by: Annotated[
+        GroupBy, Field(description="Default grouping when the controller gives none: by node, or by measured speed.")
+    ] = GroupBy.NODE
+    groups: Annotated[
+        list[list[Rank]] | None,
+        Field(max_length=1024, description="Explicit groups of global ranks; every rank in exactly one group."),
+    ] = None
     average_every: Annotated[int, Field(ge=1, le=10_000, description="Steps between cross-group model averages.")] = 4
-    staleness: Annotated[int, Field(ge=0, le=64, description="How many averaging rounds a group may run ahead of the slowest group before it waits.")] = 2
+    staleness: Annotated[
+        int,
+        Field(
+            ge=0,
+            le=64,
+            description="How many averaging rounds a group may run ahead of the slowest group before it waits.",
+        ),
+    ] = 2
 
     @model_validator(mode="after")
     def _groups(self) -> Self:
@@ -183,33 +283,121 @@ class HierarchicalConfig(CamelModel):
 class AsyncConfig(CamelModel):
     """Asynchronous SGD through sharded parameter servers with bounded gradient staleness."""
 
-    staleness: Annotated[int | None, Field(ge=0, le=100_000, description="Oldest gradient applied, in steps others took since its pull; staler ones are dropped. Omit: unbounded (ASP).")] = 8
-    staleness_lr: Annotated[StalenessLr, Field(description="Learning-rate damping by a gradient's staleness s: none, inverse (1/(1+s)) or sqrt (1/sqrt(1+s)).")] = StalenessLr.SQRT
-    shards: Annotated[int, Field(ge=1, le=64, description="Parameter-server shards; each holds a slice of the parameters.")] = 1
+    staleness: Annotated[
+        int | None,
+        Field(
+            ge=0,
+            le=100_000,
+            description=(
+                "Oldest gradient applied, in steps others took since its pull; staler ones are dropped. "
+                "Omit: unbounded (ASP)."
+            ),
+        ),
+    ] = 8
+    staleness_lr: Annotated[
+        StalenessLr,
+        Field(
+            description=(
+                "Learning-rate damping by a gradient's staleness s: none, inverse (1/(1+s)) or sqrt (1/sqrt(1+s))."
+            )
+        ),
+    ] = StalenessLr.SQRT
+    shards: Annotated[
+        int, Field(ge=1, le=64, description="Parameter-server shards; each holds a slice of the parameters.")
+    ] = 1
 
 
 class TrainingConfig(CamelModel):
     """What to train and how; read by every trainer process."""
 
-    model: Annotated[str, Field(max_length=256, description="Built-in model (mlp, digits-mlp, digits-cnn) or a 'module:function' returning an nn.Module.")] = "mlp"
-    dataset: Annotated[str, Field(max_length=256, description="Built-in dataset (synthetic, digits) or a 'module:function' returning a map-style Dataset.")] = "synthetic"
-    loss: Annotated[str, Field(max_length=256, description="Loss: auto (from the dataset), mse, cross-entropy, or a 'module:function'.")] = "auto"
+    model: Annotated[
+        str,
+        Field(
+            max_length=256,
+            description="Built-in model (mlp, digits-mlp, digits-cnn) or a 'module:function' returning an nn.Module.",
+        ),
+    ] = "mlp"
+    dataset: Annotated[
+        str,
+        Field(
+            max_length=256,
+            description="Built-in dataset (synthetic, digits) or a 'module:function' returning a map-style Dataset.",
+        ),
+    ] = "synthetic"
+    loss: Annotated[
+        str,
+        Field(max_length=256, description="Loss: auto (from the dataset), mse, cross-entropy, or a 'module:function'."),
+    ] = "auto"
     batch_size: Annotated[int, Field(ge=1, le=65_536, description="Samples per step per worker process.")] = 32
-    learning_rate: Annotated[float, Field(gt=0.0, le=10.0, description="Learning rate at the reference world size (minReplicas x nprocPerNode).")] = 0.05
+    learning_rate: Annotated[
+        float,
+        Field(gt=0.0, le=10.0, description="Learning rate at the reference world size (minReplicas x nprocPerNode)."),
+    ] = 0.05
     momentum: Annotated[float, Field(ge=0.0, le=0.999, description="SGD momentum.")] = 0.0
-    lr_scaling: Annotated[LrScaling, Field(description="How the learning rate follows a world-size change: linear, sqrt or none.")] = LrScaling.LINEAR
-    steps: Annotated[int, Field(ge=1, le=1_000_000_000, description="Total optimizer steps (of the fastest worker in async mode) before the job ends.")] = 1000
+    lr_scaling: Annotated[
+        LrScaling, Field(description="How the learning rate follows a world-size change: linear, sqrt or none.")
+    ] = LrScaling.LINEAR
+    steps: Annotated[
+        int,
+        Field(
+            ge=1,
+            le=1_000_000_000,
+            description="Total optimizer steps (of the fastest worker in async mode) before the job ends.",
+        ),
+    ] = 1000
     seed: Annotated[int, Field(ge=0, le=2**31 - 1, description="Seed for model initialisation and data order.")] = 0
-    metrics_port: Annotated[int, Field(ge=1024, le=65_535, description="Port of each worker's /metrics, /status and /control server (plus the local rank).")] = 9400
+    metrics_port: Annotated[
+        int,
+        Field(
+            ge=1024,
+            le=65_535,
+            description="Port of each worker's /metrics, /status and /control server (plus the local rank).",
+        ),
+    ] = 9400
     checkpoint: Annotated[Checkpoint, Field(description="Checkpoint location and interval.")] = Checkpoint()
     lr_policy: Annotated[LrPolicy, Field(description="Learning-rate warmup and schedule.")] = LrPolicy()
-    gradient_accumulation_steps: Annotated[int, Field(ge=1, le=1024, description="Micro-batches of batchSize accumulated per optimizer step (samples per step = batchSize x this).")] = 1
-    precision: Annotated[Precision, Field(description="Autocast precision of forward/backward: fp32, bf16, or fp16 (with dynamic loss scaling).")] = Precision.FP32
-    compression: Annotated[Compression, Field(description="Gradient compression of the synchronous allreduce (sync mode and inside hierarchical groups): none or bf16.")] = Compression.NONE
-    hierarchical: Annotated[HierarchicalConfig, Field(description="Settings used while the job runs hierarchical SGD.")] = HierarchicalConfig()
-    async_: Annotated[AsyncConfig, Field(alias="async", description="Settings used while the job runs asynchronous SGD.")] = AsyncConfig()
-    emulation: Annotated[Emulation | None, Field(description="Emulated compute speed per rank, for CPU-only tests and benchmarks. Off when omitted.")] = None
-    faults: Annotated[list[Fault], Field(max_length=64, description="Emulated crashes (a rank exits abruptly), for tests and benchmarks of recovery. None unless given.")] = []
+    gradient_accumulation_steps: Annotated[
+        int,
+        Field(
+            ge=1,
+            le=1024,
+            description=(
+                "Micro-batches of batchSize accumulated per optimizer step (samples per step = batchSize x this)."
+            ),
+        ),
+    ] = 1
+    precision: Annotated[
+        Precision,
+        Field(description="Autocast precision of forward/backward: fp32, bf16, or fp16 (with dynamic loss scaling)."),
+    ] = Precision.FP32
+    compression: Annotated[
+        Compression,
+        Field(
+            description=(
+                "Gradient compression of the synchronous allreduce "
+                "(sync mode and inside hierarchical groups): none or bf16."
+            )
+        ),
+    ] = Compression.NONE
+    hierarchical: Annotated[
+        HierarchicalConfig, Field(description="Settings used while the job runs hierarchical SGD.")
+    ] = HierarchicalConfig()
+    async_: Annotated[
+        AsyncConfig, Field(alias="async", description="Settings used while the job runs asynchronous SGD.")
+    ] = AsyncConfig()
+    emulation: Annotated[
+        Emulation | None,
+        Field(description="Emulated compute speed per rank, for CPU-only tests and benchmarks. Off when omitted."),
+    ] = None
+    faults: Annotated[
+        list[Fault],
+        Field(
+            max_length=64,
+            description=(
+                "Emulated crashes (a rank exits abruptly), for tests and benchmarks of recovery. None unless given."
+            ),
+        ),
+    ] = []
 
     @model_validator(mode="after")
     def _names(self) -> Self:
@@ -229,7 +417,10 @@ class TrainingConfig(CamelModel):
                     )
         for i, fault in enumerate(self.faults):
             if fault.rank >= world_size:
-                raise cross_field_error(f"faults[{i}].rank", f"rank {fault.rank} does not exist in a world of at most {world_size} processes")
+                raise cross_field_error(
+                    f"faults[{i}].rank",
+                    f"rank {fault.rank} does not exist in a world of at most {world_size} processes",
+                )
         if self.hierarchical.groups is not None:
             for i, group in enumerate(self.hierarchical.groups):
                 for rank in group:

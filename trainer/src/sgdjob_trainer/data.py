@@ -102,7 +102,9 @@ def rebase(positions: list[DataPosition]) -> DataPosition:
 class ShardedStream:
     """Batches of this rank's shard of the dataset, epoch after epoch, deterministic by seed."""
 
-    def __init__(self, dataset: Dataset[Any], rank: int, world_size: int, seed: int, position: DataPosition | None = None) -> None:
+    def __init__(
+        self, dataset: Dataset[Any], rank: int, world_size: int, seed: int, position: DataPosition | None = None
+    ) -> None:
         self.dataset = dataset
         self.size = len(cast(Any, dataset))
         self.rank = rank

@@ -43,7 +43,9 @@ def build_model(name: str, seed: int) -> nn.Module:
     if name == "mlp":
         # Wide enough (2x inputs) to represent the linear teacher exactly with ReLU pairs, so the
         # optimum is the synthetic data's noise floor.
-        return nn.Sequential(nn.Linear(SYNTHETIC_FEATURES, 2 * SYNTHETIC_FEATURES), nn.ReLU(), nn.Linear(2 * SYNTHETIC_FEATURES, 1))
+        return nn.Sequential(
+            nn.Linear(SYNTHETIC_FEATURES, 2 * SYNTHETIC_FEATURES), nn.ReLU(), nn.Linear(2 * SYNTHETIC_FEATURES, 1)
+        )
     if name == "digits-mlp":
         return nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
     if name == "digits-cnn":

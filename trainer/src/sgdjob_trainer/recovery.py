@@ -85,7 +85,9 @@ class Recovery:
         meta = load_latest(ckpt.root, state, info.rank, info.world_size, self.ctl)
         if meta is not None:
             ckpt.last = state.step
-            reason = f"resumed from the checkpoint of step {state.step} (world {meta['world_size']} -> {info.world_size})"
+            reason = (
+                f"resumed from the checkpoint of step {state.step} (world {meta['world_size']} -> {info.world_size})"
+            )
             telemetry.resumed(state.step, state.mode, reason)
             telemetry.set_control_epoch(state.control_epoch)
             telemetry.set_batch_size(ctx.batch_size())
@@ -103,7 +105,13 @@ class Recovery:
                 "restartCount": info.restart_count,
             }
             self.history = [*previous.get("resumes", []), record]
-            log.info("restart: %d steps lost (reached %d, resumed at %d), %.1f s from the last progress to the loaded model", record["lostSteps"], reached, state.step, record["restartSeconds"])
+            log.info(
+                "restart: %d steps lost (reached %d, resumed at %d), %.1f s from the last progress to the loaded model",
+                record["lostSteps"],
+                reached,
+                state.step,
+                record["restartSeconds"],
+            )
         if info.rank == 0:
             telemetry.resumes = [ResumeRecord.model_validate(record) for record in self.history]
             ckpt.note_progress(state.step, self.history, force=True)
@@ -112,7 +120,9 @@ class Recovery:
         # Only flags: the loop stops at an agreed step (the handler runs between bytecodes).
         if not self.ctx.stopping.is_set():
             self.ctx.stopping.set()
-            threading.Thread(target=self._watchdog, args=(self.ctx.state.step,), name="sgdjob-stop-watchdog", daemon=True).start()
+            threading.Thread(
+                target=self._watchdog, args=(self.ctx.state.step,), name="sgdjob-stop-watchdog", daemon=True
+            ).start()
 
     def _watchdog(self, step: int) -> None:
         """torchrun also sends SIGTERM when a peer died; a rank blocked in a collective with the
@@ -164,7 +174,11 @@ class Recovery:
         if ctx.info.rank == 0:
             ckpt.note_progress(ctx.state.step, self.history, force=True)
         if interrupted:
-            log.warning("stopped by SIGTERM at step %d%s", ctx.state.step, " after a final checkpoint" if ctx.training.checkpoint.on_stop else "")
+            log.warning(
+                "stopped by SIGTERM at step %d%s",
+                ctx.state.step,
+                " after a final checkpoint" if ctx.training.checkpoint.on_stop else "",
+            )
 
     def take(self, step: int, weight: int) -> None:
         ctx = self.ctx
@@ -175,7 +189,10 @@ class Recovery:
             shards = ps.snapshot() if ps is not None and state.mode == SyncMode.ASYNC else {}
             meta = None
             if ctx.info.rank == 0:
-                meta = state.meta_fields() | {"loss": telemetry.loss if math.isfinite(telemetry.loss) else None, "job": self.job_name}
+                meta = state.meta_fields() | {
+                    "loss": telemetry.loss if math.isfinite(telemetry.loss) else None,
+                    "job": self.job_name,
+                }
             return Snapshot(
                 step=step,
                 world_size=ctx.info.world_size,
@@ -197,7 +214,12 @@ class Recovery:
             by_step = fault.at_step is not None and ctx.state.step >= fault.at_step
             by_time = fault.after_seconds is not None and time.time() - ctx.telemetry.start_time >= fault.after_seconds
             if by_step or by_time:
-                log.warning("EMULATED FAULT: rank %d exits abruptly with %d at step %d", info.rank, fault.exit_code, ctx.state.step)
+                log.warning(
+                    "EMULATED FAULT: rank %d exits abruptly with %d at step %d",
+                    info.rank,
+                    fault.exit_code,
+                    ctx.state.step,
+                )
                 logging.shutdown()
                 os._exit(fault.exit_code)
 

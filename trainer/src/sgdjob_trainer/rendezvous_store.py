@@ -26,7 +26,14 @@ def serve(host: str, port: int, stop: threading.Event) -> None:
     # so several jobs' stores can share a machine whose pods are loopback addresses (the devcluster node agent).
     sock = socket.create_server((host, port), backlog=1024, reuse_port=False)
     # wait_for_workers=False: membership is elastic and nobody knows the world size up front.
-    store = TCPStore(host, port, is_master=True, wait_for_workers=False, master_listen_fd=sock.fileno(), timeout=timedelta(seconds=900))
+    store = TCPStore(
+        host,
+        port,
+        is_master=True,
+        wait_for_workers=False,
+        master_listen_fd=sock.fileno(),
+        timeout=timedelta(seconds=900),
+    )
     sock.detach()  # the store owns the descriptor now and closes it itself
     log.info("rendezvous store listening on %s:%d", host, port)
     try:

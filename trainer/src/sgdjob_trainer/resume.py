@@ -51,7 +51,10 @@ def average_models(parts: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for key, first in parts[0]["model"].items():
         if first.is_floating_point():
-            out[key] = sum((p["model"][key].double() * (p["weight"] / total) for p in parts), torch.zeros_like(first, dtype=torch.float64)).to(first.dtype)
+            out[key] = sum(
+                (p["model"][key].double() * (p["weight"] / total) for p in parts),
+                torch.zeros_like(first, dtype=torch.float64),
+            ).to(first.dtype)
         else:
             out[key] = first
     return out
@@ -68,12 +71,16 @@ def read_checkpoint(path: Path, rank: int, world_size: int) -> Loaded:
     optimizer = parts[0]["optimizer"] if len(parts) == 1 else None  # group models' momenta do not average
     same_world = int(meta["world_size"]) == world_size
     part = _read(path, f"rank-{rank:05d}.pt", meta) if same_world else None
-    positions = [DataPosition(epoch=int(p["epoch"]), base=int(p["base"]), offset=int(p["offset"])) for p in meta["positions"]]
+    positions = [
+        DataPosition(epoch=int(p["epoch"]), base=int(p["base"]), offset=int(p["offset"])) for p in meta["positions"]
+    ]
     position = positions[rank] if same_world else rebase(positions)
     return Loaded(meta, model, optimizer, part, position)
 
 
-def load_latest(root: Path, state: TrainState, rank: int, world_size: int, group: dist.ProcessGroup | None) -> dict[str, Any] | None:
+def load_latest(
+    root: Path, state: TrainState, rank: int, world_size: int, group: dist.ProcessGroup | None
+) -> dict[str, Any] | None:
     """Collective. Load the newest good checkpoint into `state`; its meta.json, or None."""
     rejected: set[str] = set()
     while True:
@@ -117,4 +124,8 @@ def _apply(loaded: Loaded, state: TrainState, world_size: int) -> None:
     if loaded.part is not None:
         state.load_rank_part(loaded.part)
     # Mutate in place: the data stream holds this same object.
-    state.data.epoch, state.data.base, state.data.offset = loaded.position.epoch, loaded.position.base, loaded.position.offset
+    state.data.epoch, state.data.base, state.data.offset = (
+        loaded.position.epoch,
+        loaded.position.base,
+        loaded.position.offset,
+    )

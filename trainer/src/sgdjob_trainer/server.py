@@ -100,7 +100,10 @@ class TrainerServer:
         try:
             self.httpd = _Server((host, port), handler)
         except OSError as err:
-            raise RuntimeError(f"cannot serve /metrics on {host}:{port} ({err}); choose another SGDJOB_METRICS_PORT or training.metricsPort") from err
+            raise RuntimeError(
+                f"cannot serve /metrics on {host}:{port} ({err}); "
+                "choose another SGDJOB_METRICS_PORT or training.metricsPort"
+            ) from err
         self.httpd.daemon_threads = True
         self.port = int(self.httpd.server_address[1])
         self._thread = threading.Thread(target=self.httpd.serve_forever, name="sgdjob-http", daemon=True)
@@ -152,7 +155,9 @@ def _make_handler(server: TrainerServer) -> type[BaseHTTPRequestHandler]:
                 return
             token = control_token()
             if token is None:
-                self._json(403, {"error": "control disabled: no SGDJOB_CONTROL_TOKEN or SGDJOB_CONTROL_TOKEN_FILE configured"})
+                self._json(
+                    403, {"error": "control disabled: no SGDJOB_CONTROL_TOKEN or SGDJOB_CONTROL_TOKEN_FILE configured"}
+                )
                 return
             header = self.headers.get("Authorization", "")
             given = header[7:].strip() if header.lower().startswith("bearer ") else ""
@@ -170,7 +175,9 @@ def _make_handler(server: TrainerServer) -> type[BaseHTTPRequestHandler]:
                 return
             fresh = server.inbox.offer(command)
             if fresh:
-                log.info("control command accepted: epoch %d mode %s reason %r", command.epoch, command.mode, command.reason)
+                log.info(
+                    "control command accepted: epoch %d mode %s reason %r", command.epoch, command.mode, command.reason
+                )
             self._json(202, {"accepted": command.epoch, "ignored": not fresh})
 
     return Handler

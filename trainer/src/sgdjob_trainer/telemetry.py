@@ -56,7 +56,9 @@ class Telemetry:
         self.final_loss = math.nan
         self.loss_history: list[tuple[int, float, float]] = []  # (step, loss, seconds since start)
         self._history_stride = 1
-        self.mode_timeline: list[dict[str, Any]] = [{"timeS": 0.0, "step": 0, "mode": mode.value, "reason": "start mode"}]
+        self.mode_timeline: list[dict[str, Any]] = [
+            {"timeS": 0.0, "step": 0, "mode": mode.value, "reason": "start mode"}
+        ]
         self.end_time: float | None = None
         # Set by recovery: this life's restart count, rank 0's resume history, checkpoint figures.
         self.restart_count: int | None = None
@@ -107,7 +109,9 @@ class Telemetry:
         for m in SyncMode:
             self.m_mode.labels(**{wm.LABEL_MODE: m.value}).set(1 if m == mode else 0)
 
-    def record_step(self, step: int, samples: int, compute_s: float, wait_s: float, step_s: float, loss: float, staleness: float) -> None:
+    def record_step(
+        self, step: int, samples: int, compute_s: float, wait_s: float, step_s: float, loss: float, staleness: float
+    ) -> None:
         with self.lock:
             self.step = step
             self.samples += samples

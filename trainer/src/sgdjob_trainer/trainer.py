@@ -98,7 +98,14 @@ class Trainer:
         optimizer = torch.optim.SGD(model.parameters(), lr=self.lr, momentum=t.momentum)
         self.emulator = ComputeEmulator(t.emulation, self.info.rank, self.info.node, t.batch_size, t.seed)
         scaler = LossScaler(t.precision == Precision.FP16)
-        self.state = TrainState(model=model, optimizer=optimizer, mode=config.mode, groups=t.hierarchical.groups, jitter_rng=self.emulator.rng, scaler=scaler)
+        self.state = TrainState(
+            model=model,
+            optimizer=optimizer,
+            mode=config.mode,
+            groups=t.hierarchical.groups,
+            jitter_rng=self.emulator.rng,
+            scaler=scaler,
+        )
         self.stream = ShardedStream(dataset, self.info.rank, self.info.world_size, t.seed, self.state.data)
         self.eval_x, self.eval_y = (v.to(self.device) for v in eval_batch(dataset))
         loss_fn = build_loss(t.loss, t.dataset, self.eval_y)
@@ -118,7 +125,9 @@ class Trainer:
         # Called on every rank right after each switch (all ranks are at the same point, so an
         # observer may run collectives): lets tests and tools check the model's consistency.
         self.switch_observers: list[Callable[[Trainer], None]] = []
-        self.ctx = Context(self.info, self.device, t, self.state, self.stream, self.emulator, loss_fn, self.lr, self.telemetry, ps)
+        self.ctx = Context(
+            self.info, self.device, t, self.state, self.stream, self.emulator, loss_fn, self.lr, self.telemetry, ps
+        )
         self.interrupted = False  # the run ended by a graceful stop before its last step
         self.stop_seen = False
         # Checkpoints, resume, emulated faults and SIGTERM; resumes here (collective) when a
@@ -160,7 +169,15 @@ class Trainer:
                 start = time.perf_counter()
                 result = strategy.step(offered)
                 state.step += 1
-                telemetry.record_step(state.step, result.samples, result.compute_s, result.wait_s, time.perf_counter() - start, result.loss, result.staleness)
+                telemetry.record_step(
+                    state.step,
+                    result.samples,
+                    result.compute_s,
+                    result.wait_s,
+                    time.perf_counter() - start,
+                    result.loss,
+                    result.staleness,
+                )
                 if not math.isfinite(result.loss):
                     # Fail loudly (torchrun then stops every worker) rather than train on NaNs.
                     raise FloatingPointError(f"loss is {result.loss} at step {state.step} in {state.mode.value} mode")
@@ -191,7 +208,15 @@ class Trainer:
             if state.mode != old_mode:
                 reason = command.reason if command else ""
                 telemetry.record_switch(old_mode, state.mode, state.step, pause, reason)
-                log.info("switched %s -> %s at step %d in %.3f s (epoch %d: %s)", old_mode.value, state.mode.value, state.step, pause, state.control_epoch, reason)
+                log.info(
+                    "switched %s -> %s at step %d in %.3f s (epoch %d: %s)",
+                    old_mode.value,
+                    state.mode.value,
+                    state.step,
+                    pause,
+                    state.control_epoch,
+                    reason,
+                )
         self._finish()
         return state
 
@@ -214,13 +239,21 @@ class Trainer:
             shard = self.stream.size // world  # a batch must fit in one rank's shard of an epoch
             bad = {r: b for r, b in command.batch_sizes.items() if not 0 <= r < world or not 1 <= b <= shard}
             if bad:
-                log.warning("epoch %d: ignoring batch sizes for unknown ranks or outside 1..%d: %s", command.epoch, shard, bad)
+                log.warning(
+                    "epoch %d: ignoring batch sizes for unknown ranks or outside 1..%d: %s", command.epoch, shard, bad
+                )
             state.batch_sizes.update({r: b for r, b in command.batch_sizes.items() if r not in bad})
         if command.groups is not None:
             if valid_groups(command.groups, world):
                 state.groups = [sorted(g) for g in command.groups]
             else:
-                log.warning("epoch %d: groups %s do not cover ranks 0..%d exactly once; keeping %s", command.epoch, command.groups, world - 1, state.groups)
+                log.warning(
+                    "epoch %d: groups %s do not cover ranks 0..%d exactly once; keeping %s",
+                    command.epoch,
+                    command.groups,
+                    world - 1,
+                    state.groups,
+                )
         if command.mode is not None:
             state.mode = command.mode
         state.control_epoch = command.epoch

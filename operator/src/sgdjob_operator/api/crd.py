@@ -115,9 +115,26 @@ PRINTER_COLUMNS = [
     {"name": "Mode", "type": "string", "jsonPath": ".status.mode", "description": "Active synchronisation mode."},
     {"name": "Ready", "type": "string", "jsonPath": ".status.ready", "description": "Ready/desired worker pods."},
     {"name": "Step", "type": "integer", "jsonPath": ".status.step", "description": "Latest optimizer step."},
-    {"name": "Stragglers", "type": "integer", "jsonPath": ".status.stragglerCount", "description": "Ranks found slow now."},
-    {"name": "Target", "type": "string", "jsonPath": ".status.targetMode", "priority": 1, "description": "Mode being switched to."},
-    {"name": "Loss", "type": "number", "jsonPath": ".status.loss", "priority": 1, "description": "Latest training loss."},
+    {
+        "name": "Stragglers",
+        "type": "integer",
+        "jsonPath": ".status.stragglerCount",
+        "description": "Ranks found slow now.",
+    },
+    {
+        "name": "Target",
+        "type": "string",
+        "jsonPath": ".status.targetMode",
+        "priority": 1,
+        "description": "Mode being switched to.",
+    },
+    {
+        "name": "Loss",
+        "type": "number",
+        "jsonPath": ".status.loss",
+        "priority": 1,
+        "description": "Latest training loss.",
+    },
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]
 
@@ -161,7 +178,10 @@ def build_crd() -> dict[str, Any]:
                     "schema": {
                         "openAPIV3Schema": {
                             "type": "object",
-                            "description": "An elastic PyTorch training job that adapts its synchronisation (sync, hierarchical, async) to its workers' measured speed.",
+                            "description": (
+                                "An elastic PyTorch training job that adapts its synchronisation "
+                                "(sync, hierarchical, async) to its workers' measured speed."
+                            ),
                             "required": ["spec"],
                             "properties": {
                                 "apiVersion": {"type": "string", "description": "sgdjob.dev/v1alpha1"},

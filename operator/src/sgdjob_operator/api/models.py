@@ -63,14 +63,48 @@ class Phase(StrEnum):
 class PolicySpec(CamelModel):
     """How the controller watches worker speed and when it adapts the job."""
 
-    interval_seconds: Annotated[float, Field(ge=0.5, le=3600.0, description="Seconds between two policy evaluations (one scrape of every worker).")] = 10.0
-    straggler_threshold: Annotated[float, Field(ge=1.05, le=100.0, description="A rank is a straggler when its step time exceeds the median by this factor.")] = 1.5
-    recover_threshold: Annotated[float, Field(ge=1.0, le=100.0, description="A straggler recovers when its ratio falls below this factor (hysteresis; below stragglerThreshold).")] = 1.2
-    persistence_intervals: Annotated[int, Field(ge=1, le=100, description="Intervals a condition must persist before the policy acts on it.")] = 3
-    cooldown_seconds: Annotated[float, Field(ge=0.0, le=86_400.0, description="Least seconds between two changes to the job.")] = 60.0
-    switch_margin: Annotated[float, Field(ge=0.0, le=10.0, description="Least predicted relative throughput gain (0.1 = 10%) that justifies a change.")] = 0.1
-    staleness_penalty: Annotated[float, Field(ge=0.0, le=1.0, description="Statistical efficiency lost per step of average staleness in the cost model.")] = 0.02
-    allowed_actions: Annotated[list[Action], Field(max_length=4, description="Actions the policy may take: switchMode, rebalance, replaceWorker, rescale.")] = [
+    interval_seconds: Annotated[
+        float,
+        Field(ge=0.5, le=3600.0, description="Seconds between two policy evaluations (one scrape of every worker)."),
+    ] = 10.0
+    straggler_threshold: Annotated[
+        float,
+        Field(
+            ge=1.05, le=100.0, description="A rank is a straggler when its step time exceeds the median by this factor."
+        ),
+    ] = 1.5
+    recover_threshold: Annotated[
+        float,
+        Field(
+            ge=1.0,
+            le=100.0,
+            description=(
+                "A straggler recovers when its ratio falls below this factor (hysteresis; below stragglerThreshold)."
+            ),
+        ),
+    ] = 1.2
+    persistence_intervals: Annotated[
+        int, Field(ge=1, le=100, description="Intervals a condition must persist before the policy acts on it.")
+    ] = 3
+    cooldown_seconds: Annotated[
+        float, Field(ge=0.0, le=86_400.0, description="Least seconds between two changes to the job.")
+    ] = 60.0
+    switch_margin: Annotated[
+        float,
+        Field(
+            ge=0.0, le=10.0, description="Least predicted relative throughput gain (0.1 = 10%) that justifies a change."
+        ),
+    ] = 0.1
+    staleness_penalty: Annotated[
+        float,
+        Field(
+            ge=0.0, le=1.0, description="Statistical efficiency lost per step of average staleness in the cost model."
+        ),
+    ] = 0.02
+    allowed_actions: Annotated[
+        list[Action],
+        Field(max_length=4, description="Actions the policy may take: switchMode, rebalance, replaceWorker, rescale."),
+    ] = [
         Action.SWITCH_MODE,
         Action.REBALANCE,
         Action.REPLACE_WORKER,
@@ -81,7 +115,8 @@ class PolicySpec(CamelModel):
         if self.recover_threshold >= self.straggler_threshold:
             raise cross_field_error(
                 "recoverThreshold",
-                f"recoverThreshold ({self.recover_threshold}) must be below stragglerThreshold ({self.straggler_threshold}) so a straggler cannot flap",
+                f"recoverThreshold ({self.recover_threshold}) must be below "
+                f"stragglerThreshold ({self.straggler_threshold}) so a straggler cannot flap",
             )
         if len(set(self.allowed_actions)) != len(self.allowed_actions):
             raise cross_field_error("allowedActions", "list each action at most once")
@@ -91,29 +126,62 @@ class PolicySpec(CamelModel):
 class RunPolicy(CamelModel):
     """Job lifecycle, as in Kubeflow's RunPolicy."""
 
-    backoff_limit: Annotated[int, Field(ge=0, le=1000, description="Worker restarts allowed before the job is marked Failed.")] = 3
-    active_deadline_seconds: Annotated[int | None, Field(ge=1, le=31_536_000, description="Seconds the job may run before it is marked Failed.")] = None
-    ttl_seconds_after_finished: Annotated[int | None, Field(ge=0, le=31_536_000, description="Seconds after the job finishes before it is deleted; omit to keep it.")] = None
-    clean_pod_policy: Annotated[CleanPodPolicy, Field(description="Which pods to delete when the job finishes: None, Running or All.")] = CleanPodPolicy.RUNNING
-    suspend: Annotated[bool, Field(description="When true, worker pods are removed and the job waits; checkpoints are kept.")] = False
+    backoff_limit: Annotated[
+        int, Field(ge=0, le=1000, description="Worker restarts allowed before the job is marked Failed.")
+    ] = 3
+    active_deadline_seconds: Annotated[
+        int | None, Field(ge=1, le=31_536_000, description="Seconds the job may run before it is marked Failed.")
+    ] = None
+    ttl_seconds_after_finished: Annotated[
+        int | None,
+        Field(ge=0, le=31_536_000, description="Seconds after the job finishes before it is deleted; omit to keep it."),
+    ] = None
+    clean_pod_policy: Annotated[
+        CleanPodPolicy, Field(description="Which pods to delete when the job finishes: None, Running or All.")
+    ] = CleanPodPolicy.RUNNING
+    suspend: Annotated[
+        bool, Field(description="When true, worker pods are removed and the job waits; checkpoints are kept.")
+    ] = False
 
 
 POD_TEMPLATE_DESCRIPTION = (
-    "Worker PodTemplateSpec (image, resources incl. nvidia.com/gpu, nodeSelector, tolerations, volumes). The operator merges its command, env and ports into the first container."
+    "Worker PodTemplateSpec (image, resources incl. nvidia.com/gpu, nodeSelector, tolerations, volumes). "
+    "The operator merges its command, env and ports into the first container."
 )
 
 
 class SGDJobSpec(CamelModel):
     """Desired state of an SGDJob."""
 
-    replicas: Annotated[int, Field(ge=1, le=MAX_WORKERS, description="Worker pods (nodes) to run now; `kubectl scale` changes it.")] = 1
-    min_replicas: Annotated[int | None, Field(ge=1, le=MAX_WORKERS, description="Fewest worker pods training may go on with (torchrun --nnodes min). Defaults to replicas.")] = None
-    max_replicas: Annotated[int | None, Field(ge=1, le=MAX_WORKERS, description="Most worker pods (torchrun --nnodes max). Defaults to replicas.")] = None
-    nproc_per_node: Annotated[int, Field(ge=1, le=64, description="Trainer processes per worker pod, usually its GPU count.")] = 1
-    mode: Annotated[JobMode, Field(description="Synchronisation: sync, hierarchical, async, or auto to switch at run time.")] = JobMode.AUTO
-    training: Annotated[TrainingConfig, Field(description="What each trainer process trains and how.")] = TrainingConfig()
+    replicas: Annotated[
+        int, Field(ge=1, le=MAX_WORKERS, description="Worker pods (nodes) to run now; `kubectl scale` changes it.")
+    ] = 1
+    min_replicas: Annotated[
+        int | None,
+        Field(
+            ge=1,
+            le=MAX_WORKERS,
+            description="Fewest worker pods training may go on with (torchrun --nnodes min). Defaults to replicas.",
+        ),
+    ] = None
+    max_replicas: Annotated[
+        int | None,
+        Field(ge=1, le=MAX_WORKERS, description="Most worker pods (torchrun --nnodes max). Defaults to replicas."),
+    ] = None
+    nproc_per_node: Annotated[
+        int, Field(ge=1, le=64, description="Trainer processes per worker pod, usually its GPU count.")
+    ] = 1
+    mode: Annotated[
+        JobMode, Field(description="Synchronisation: sync, hierarchical, async, or auto to switch at run time.")
+    ] = JobMode.AUTO
+    training: Annotated[TrainingConfig, Field(description="What each trainer process trains and how.")] = (
+        TrainingConfig()
+    )
     policy: Annotated[PolicySpec, Field(description="When and how the controller adapts the job.")] = PolicySpec()
-    template: Annotated[dict[str, Any], Field(description=POD_TEMPLATE_DESCRIPTION, json_schema_extra={"x-kubernetes-preserve-unknown-fields": True})] = {}
+    template: Annotated[
+        dict[str, Any],
+        Field(description=POD_TEMPLATE_DESCRIPTION, json_schema_extra={"x-kubernetes-preserve-unknown-fields": True}),
+    ] = {}
     run_policy: Annotated[RunPolicy, Field(description="Restarts, deadline, clean-up and suspension.")] = RunPolicy()
 
     @property
@@ -131,11 +199,22 @@ class SGDJobSpec(CamelModel):
     @model_validator(mode="after")
     def _cross_fields(self) -> Self:
         if self.min_workers > self.replicas:
-            raise cross_field_error("minReplicas", f"minReplicas ({self.min_workers}) must be <= replicas ({self.replicas}): lower minReplicas or raise replicas")
+            raise cross_field_error(
+                "minReplicas",
+                f"minReplicas ({self.min_workers}) must be <= replicas ({self.replicas}): "
+                "lower minReplicas or raise replicas",
+            )
         if self.max_workers < self.replicas:
-            raise cross_field_error("maxReplicas", f"maxReplicas ({self.max_workers}) must be >= replicas ({self.replicas}): raise maxReplicas or lower replicas")
+            raise cross_field_error(
+                "maxReplicas",
+                f"maxReplicas ({self.max_workers}) must be >= replicas ({self.replicas}): "
+                "raise maxReplicas or lower replicas",
+            )
         if Action.RESCALE in self.policy.allowed_actions and self.min_workers == self.max_workers:
-            raise cross_field_error("policy.allowedActions", "rescale is allowed but minReplicas == maxReplicas: widen the bounds or drop rescale")
+            raise cross_field_error(
+                "policy.allowedActions",
+                "rescale is allowed but minReplicas == maxReplicas: widen the bounds or drop rescale",
+            )
         try:
             self.training.check_world(self.max_world_size)
         except PydanticCustomError as err:
@@ -152,11 +231,16 @@ class SGDJobSpec(CamelModel):
 class Condition(CamelModel):
     """A Kubernetes-style condition."""
 
-    type: Annotated[str, Field(max_length=64, description="Condition type: Created, Running, Adapting, Suspended, Succeeded, Failed.")]
+    type: Annotated[
+        str,
+        Field(max_length=64, description="Condition type: Created, Running, Adapting, Suspended, Succeeded, Failed."),
+    ]
     status: Annotated[str, Field(max_length=16, description="True, False or Unknown.")]
     reason: Annotated[str, Field(max_length=128, description="One CamelCase word for machines.")] = ""
     message: Annotated[str, Field(max_length=4096, description="Human-readable detail.")] = ""
-    last_transition_time: Annotated[str | None, Field(max_length=64, description="When the status last changed (RFC 3339).")] = None
+    last_transition_time: Annotated[
+        str | None, Field(max_length=64, description="When the status last changed (RFC 3339).")
+    ] = None
 
 
 class DecisionRecord(CamelModel):
@@ -188,19 +272,47 @@ class ControllerState(CamelModel):
     resumes where it stopped: the control command it wants applied, nodes it keeps the job off,
     failures already counted against backoffLimit, and the policy's opaque state."""
 
-    command: Annotated[dict[str, Any] | None, Field(description="Latest control command (ControlCommand JSON), re-pushed until rank 0 reports its epoch.", json_schema_extra=_OPAQUE)] = None
-    excluded_nodes: Annotated[list[Annotated[str, Field(max_length=253)]], Field(max_length=256, description="Nodes this job's workers are kept off (replaced stragglers).")] = []
-    counted_failures: Annotated[list[Annotated[str, Field(max_length=64)]], Field(max_length=256, description="UIDs of failed worker pods already counted in restarts.")] = []
-    policy_state: Annotated[str | None, Field(max_length=1_000_000, description="The policy core's state between evaluations, as JSON text (the API server would drop nulls inside arrays).")] = None
-    last_change_time: Annotated[str | None, Field(max_length=64, description="When the operator last changed the job (RFC 3339).")] = None
+    command: Annotated[
+        dict[str, Any] | None,
+        Field(
+            description="Latest control command (ControlCommand JSON), re-pushed until rank 0 reports its epoch.",
+            json_schema_extra=_OPAQUE,
+        ),
+    ] = None
+    excluded_nodes: Annotated[
+        list[Annotated[str, Field(max_length=253)]],
+        Field(max_length=256, description="Nodes this job's workers are kept off (replaced stragglers)."),
+    ] = []
+    counted_failures: Annotated[
+        list[Annotated[str, Field(max_length=64)]],
+        Field(max_length=256, description="UIDs of failed worker pods already counted in restarts."),
+    ] = []
+    policy_state: Annotated[
+        str | None,
+        Field(
+            max_length=1_000_000,
+            description=(
+                "The policy core's state between evaluations, as JSON text "
+                "(the API server would drop nulls inside arrays)."
+            ),
+        ),
+    ] = None
+    last_change_time: Annotated[
+        str | None, Field(max_length=64, description="When the operator last changed the job (RFC 3339).")
+    ] = None
 
 
 class SGDJobStatus(CamelModel):
     """Observed state of an SGDJob, written by the operator."""
 
-    phase: Annotated[Phase, Field(description="Pending, Running, Adapting, Suspended, Succeeded or Failed.")] = Phase.PENDING
+    phase: Annotated[Phase, Field(description="Pending, Running, Adapting, Suspended, Succeeded or Failed.")] = (
+        Phase.PENDING
+    )
     mode: Annotated[str | None, Field(max_length=32, description="Mode the workers report now.")] = None
-    target_mode: Annotated[str | None, Field(max_length=32, description="Mode the controller wants; differs from mode while a switch is in flight.")] = None
+    target_mode: Annotated[
+        str | None,
+        Field(max_length=32, description="Mode the controller wants; differs from mode while a switch is in flight."),
+    ] = None
     replicas: Annotated[int, Field(ge=0, le=MAX_WORKERS, description="Worker pods that exist.")] = 0
     ready_replicas: Annotated[int, Field(ge=0, le=MAX_WORKERS, description="Worker pods running and ready.")] = 0
     ready: Annotated[str, Field(max_length=16, description="ready/desired worker pods, for kubectl get.")] = "0/0"
@@ -209,11 +321,17 @@ class SGDJobStatus(CamelModel):
     step: Annotated[int, Field(ge=0, le=10**12, description="Latest optimizer step reported by the workers.")] = 0
     # Bounds stay inside int64: the API server compares an integral value (a loss of exactly 0) against
     # the bound as an int64, and a larger bound overflows into a rule no value can meet.
-    loss: Annotated[float | None, Field(ge=-LOSS_BOUND, le=LOSS_BOUND, description="Latest training loss (clamped to +-1e15).")] = None
-    throughput: Annotated[float | None, Field(ge=0.0, le=1e12, description="Samples per second over the last interval.")] = None
+    loss: Annotated[
+        float | None, Field(ge=-LOSS_BOUND, le=LOSS_BOUND, description="Latest training loss (clamped to +-1e15).")
+    ] = None
+    throughput: Annotated[
+        float | None, Field(ge=0.0, le=1e12, description="Samples per second over the last interval.")
+    ] = None
     restarts: Annotated[int, Field(ge=0, le=10**6, description="Worker restarts so far.")] = 0
     conditions: Annotated[list[Condition], Field(max_length=16, description="Kubernetes-style conditions.")] = []
-    decisions: Annotated[list[DecisionRecord], Field(max_length=MAX_DECISIONS, description="Most recent policy decisions, oldest first.")] = []
+    decisions: Annotated[
+        list[DecisionRecord], Field(max_length=MAX_DECISIONS, description="Most recent policy decisions, oldest first.")
+    ] = []
     observed_generation: Annotated[int, Field(ge=0, le=2**62, description="metadata.generation last acted on.")] = 0
     start_time: Annotated[str | None, Field(max_length=64, description="When the workers started (RFC 3339).")] = None
     completion_time: Annotated[str | None, Field(max_length=64, description="When the job finished (RFC 3339).")] = None

@@ -9,25 +9,52 @@ import click
 
 
 @click.command("operator")
-@click.option("--namespace", "-n", "namespaces", multiple=True, help="Watch this namespace (repeatable). Default: all namespaces.")
-@click.option("--all-namespaces", "-A", is_flag=True, help="Watch every namespace (the default when no --namespace is given).")
-@click.option("--kubeconfig", type=click.Path(dir_okay=False), default=None, help="Kubeconfig file; default: in-cluster service account, else $KUBECONFIG or ~/.kube/config.")
+@click.option(
+    "--namespace", "-n", "namespaces", multiple=True, help="Watch this namespace (repeatable). Default: all namespaces."
+)
+@click.option(
+    "--all-namespaces", "-A", is_flag=True, help="Watch every namespace (the default when no --namespace is given)."
+)
+@click.option(
+    "--kubeconfig",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Kubeconfig file; default: in-cluster service account, else $KUBECONFIG or ~/.kube/config.",
+)
 @click.option("--context", default=None, help="Kubeconfig context.")
-@click.option("--liveness", default=None, metavar="URL", help="Serve a liveness probe, e.g. http://0.0.0.0:8080/healthz.")
-@click.option("--metrics-port", type=int, default=None, help="Serve the operator's Prometheus metrics on this port (0: off).")
+@click.option(
+    "--liveness", default=None, metavar="URL", help="Serve a liveness probe, e.g. http://0.0.0.0:8080/healthz."
+)
+@click.option(
+    "--metrics-port", type=int, default=None, help="Serve the operator's Prometheus metrics on this port (0: off)."
+)
 @click.option("--metrics-host", default=None, help="Address for the metrics server (default 0.0.0.0).")
-@click.option("--trainer-image", default=None, help="Image for worker pods whose template names none (env SGDJOB_TRAINER_IMAGE).")
-@click.option("--scrape-host", default=None, help="Scrape workers at this host instead of their pod IPs (tests, port-forwarding).")
+@click.option(
+    "--trainer-image", default=None, help="Image for worker pods whose template names none (env SGDJOB_TRAINER_IMAGE)."
+)
+@click.option(
+    "--scrape-host", default=None, help="Scrape workers at this host instead of their pod IPs (tests, port-forwarding)."
+)
 @click.option("--resync", type=float, default=None, help="Seconds between passes over a quiet job (default 30).")
-@click.option("--webhook-port", type=int, default=None, help="Serve the validating admission webhook (path /validate) on this port over TLS.")
+@click.option(
+    "--webhook-port",
+    type=int,
+    default=None,
+    help="Serve the validating admission webhook (path /validate) on this port over TLS.",
+)
 @click.option("--webhook-addr", default=None, help="Address for the webhook server (default 0.0.0.0).")
-@click.option("--webhook-cert", type=click.Path(dir_okay=False), default=None, help="PEM certificate (chain) the webhook serves.")
+@click.option(
+    "--webhook-cert", type=click.Path(dir_okay=False), default=None, help="PEM certificate (chain) the webhook serves."
+)
 @click.option("--webhook-key", type=click.Path(dir_okay=False), default=None, help="PEM private key of --webhook-cert.")
 @click.option(
     "--service-account-dir",
     type=click.Path(file_okay=False),
     default=None,
-    help="In-cluster credentials from this folder (token, ca.crt) instead of /var/run/secrets/kubernetes.io/serviceaccount.",
+    help=(
+        "In-cluster credentials from this folder (token, ca.crt) "
+        "instead of /var/run/secrets/kubernetes.io/serviceaccount."
+    ),
 )
 @click.option("--verbose", "-v", is_flag=True, help="Debug logging.")
 def operator(

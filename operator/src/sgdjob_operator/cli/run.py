@@ -34,12 +34,38 @@ def _select(jobs: list[SGDJob], name: str | None, path: Path) -> SGDJob:
 
 @click.command("run")
 @click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.option("--mode", type=click.Choice([m.value for m in JobMode]), default=None, help="auto (the policy switches at run time) or a fixed mode; overrides spec.mode.")
-@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None, help="Output directory [default: ./runs/<job>-<timestamp>].")
+@click.option(
+    "--mode",
+    type=click.Choice([m.value for m in JobMode]),
+    default=None,
+    help="auto (the policy switches at run time) or a fixed mode; overrides spec.mode.",
+)
+@click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Output directory [default: ./runs/<job>-<timestamp>].",
+)
 @click.option("--job", "name", default=None, help="Which SGDJob to run when FILE holds several (metadata.name).")
-@click.option("--timeout", "timeout_s", type=click.FloatRange(min=1.0), default=None, help="Stop everything after this many seconds (exit 124).")
-@click.option("--poll-interval", "poll_s", type=click.FloatRange(min=0.1), default=1.0, show_default=True, help="Seconds between polls of the workers.")
-def run(file: Path, mode: str | None, out_dir: Path | None, name: str | None, timeout_s: float | None, poll_s: float) -> None:
+@click.option(
+    "--timeout",
+    "timeout_s",
+    type=click.FloatRange(min=1.0),
+    default=None,
+    help="Stop everything after this many seconds (exit 124).",
+)
+@click.option(
+    "--poll-interval",
+    "poll_s",
+    type=click.FloatRange(min=0.1),
+    default=1.0,
+    show_default=True,
+    help="Seconds between polls of the workers.",
+)
+def run(
+    file: Path, mode: str | None, out_dir: Path | None, name: str | None, timeout_s: float | None, poll_s: float
+) -> None:
     """Run the SGDJob in FILE as local worker processes (one torchrun agent per emulated node).
 
     Writes OUT/report.json (throughput, bound, efficiency, losses, mode timeline, decisions,
@@ -53,7 +79,9 @@ def run(file: Path, mode: str | None, out_dir: Path | None, name: str | None, ti
             click.echo(f"{file}: {problem}", err=True)
         sys.exit(EXIT_USAGE)
     job = _select(jobs, name, file)
-    options = RunOptions(out_dir=out_dir or default_out_dir(job), mode=mode, poll_interval_s=poll_s, timeout_s=timeout_s)
+    options = RunOptions(
+        out_dir=out_dir or default_out_dir(job), mode=mode, poll_interval_s=poll_s, timeout_s=timeout_s
+    )
     display = RichDisplay() if sys.stdout.isatty() else PlainDisplay()
     outcome = asyncio.run(run_local(job, options, display))
     if outcome.report is not None and outcome.report_path is not None:

@@ -11,7 +11,13 @@ import click
 
 @click.command()
 @click.argument("scenarios", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path), help="Directory for one <name>.json per scenario.")
+@click.option(
+    "--out",
+    "out_dir",
+    required=True,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Directory for one <name>.json per scenario.",
+)
 def simulate(scenarios: tuple[Path, ...], out_dir: Path) -> None:
     """Simulate each SCENARIO.yaml in sync, rebalanced sync, hierarchical, async and auto (the
     policy in the loop); write OUT/<name>.json and print efficiencies (useful throughput / bound)."""
@@ -40,5 +46,7 @@ def simulate(scenarios: tuple[Path, ...], out_dir: Path) -> None:
         result = simulate_scenario(sc)
         (out_dir / f"{sc.name}.json").write_text(json.dumps(result.to_json(), indent=2) + "\n")
         results.append(result)
-        click.echo(f"{sc.name}: {sc.workers} workers, {sc.duration:.0f} s simulated in {result.seconds:.1f} s", err=True)
+        click.echo(
+            f"{sc.name}: {sc.workers} workers, {sc.duration:.0f} s simulated in {result.seconds:.1f} s", err=True
+        )
     click.echo(table(results))

@@ -57,7 +57,9 @@ class JobRef:
     @classmethod
     def from_body(cls, body: dict[str, Any]) -> JobRef:
         meta = body["metadata"]
-        return cls(name=str(meta["name"]), namespace=str(meta.get("namespace") or "default"), uid=str(meta.get("uid", "")))
+        return cls(
+            name=str(meta["name"]), namespace=str(meta.get("namespace") or "default"), uid=str(meta.get("uid", ""))
+        )
 
     @property
     def service(self) -> str:
@@ -90,10 +92,19 @@ class JobRef:
 
 def owner_reference(job: JobRef) -> dict[str, Any]:
     # controller=True lets `kubectl describe` and the garbage collector treat the SGDJob as the owner.
-    return {"apiVersion": API_VERSION, "kind": KIND, "name": job.name, "uid": job.uid, "controller": True, "blockOwnerDeletion": True}
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "name": job.name,
+        "uid": job.uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
 
 
-def _meta(job: JobRef, name: str, role: str | None = None, extra_labels: dict[str, str] | None = None) -> dict[str, Any]:
+def _meta(
+    job: JobRef, name: str, role: str | None = None, extra_labels: dict[str, str] | None = None
+) -> dict[str, Any]:
     labels = {LABEL_JOB: job.name, "app.kubernetes.io/managed-by": "sgdjob-operator"}
     if role is not None:
         labels[LABEL_ROLE] = role
@@ -119,7 +130,13 @@ def build_service(job: JobRef) -> dict[str, Any]:
 
 def build_secret(job: JobRef, token: str) -> dict[str, Any]:
     """The job's /control bearer token; workers read it from a file, the operator from the Secret."""
-    return {"apiVersion": "v1", "kind": "Secret", "metadata": _meta(job, job.secret), "type": "Opaque", "stringData": {TOKEN_KEY: token}}
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _meta(job, job.secret),
+        "type": "Opaque",
+        "stringData": {TOKEN_KEY: token},
+    }
 
 
 def build_config_map(job: JobRef, spec: SGDJobSpec, mode: SyncMode) -> dict[str, Any]:
@@ -127,7 +144,12 @@ def build_config_map(job: JobRef, spec: SGDJobSpec, mode: SyncMode) -> dict[str,
     operator keeps it at the target mode so a restarted world does not fall back to the initial one."""
     config = run_config(job.name, mode, spec.training, min_nodes=spec.min_workers, nproc_per_node=spec.nproc_per_node)
     text = config.model_dump_json(by_alias=True, indent=2) + "\n"
-    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(job, job.config_map), "data": {CONFIG_FILE: text}}
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(job, job.config_map),
+        "data": {CONFIG_FILE: text},
+    }
 
 
 def config_map_mode(config_map: dict[str, Any]) -> str | None:
@@ -201,7 +223,9 @@ def _trainer_container(containers: list[dict[str, Any]]) -> int:
     return 0
 
 
-def build_worker_pod(job: JobRef, spec: SGDJobSpec, index: int, *, default_image: str, excluded_nodes: Sequence[str] = ()) -> dict[str, Any]:
+def build_worker_pod(
+    job: JobRef, spec: SGDJobSpec, index: int, *, default_image: str, excluded_nodes: Sequence[str] = ()
+) -> dict[str, Any]:
     """Worker pod `index`: the user's template with the operator's contract merged into the trainer
     container (named `trainer`, else the first). Everything else in the template is kept as written:
     resources (incl. nvidia.com/gpu), nodeSelector, tolerations, volumes, sidecars, extra env."""
@@ -223,10 +247,16 @@ def build_worker_pod(job: JobRef, spec: SGDJobSpec, index: int, *, default_image
         main["args"] = list(trainer_args(f"{CONFIG_DIR}/{CONFIG_FILE}"))
     main["env"] = _merge_named(main.get("env") or [], worker_env(job, spec, index))
     base = spec.training.metrics_port
-    ports = [{"name": "metrics" if lr == 0 else f"metrics-{lr}", "containerPort": base + lr, "protocol": "TCP"} for lr in range(spec.nproc_per_node)]
+    ports = [
+        {"name": "metrics" if lr == 0 else f"metrics-{lr}", "containerPort": base + lr, "protocol": "TCP"}
+        for lr in range(spec.nproc_per_node)
+    ]
     taken = {p.get("containerPort") for p in main.get("ports") or []}
     main["ports"] = [*(main.get("ports") or []), *(p for p in ports if p["containerPort"] not in taken)]
-    mounts = [{"name": "sgdjob-config", "mountPath": CONFIG_DIR, "readOnly": True}, {"name": "sgdjob-control", "mountPath": TOKEN_DIR, "readOnly": True}]
+    mounts = [
+        {"name": "sgdjob-config", "mountPath": CONFIG_DIR, "readOnly": True},
+        {"name": "sgdjob-control", "mountPath": TOKEN_DIR, "readOnly": True},
+    ]
     main["volumeMounts"] = _merge_named(main.get("volumeMounts") or [], mounts)
     volumes = [
         {"name": "sgdjob-config", "configMap": {"name": job.config_map}},
@@ -254,7 +284,18 @@ def build_rdzv_pod(job: JobRef, spec: SGDJobSpec, *, default_image: str) -> dict
     pod_spec: dict[str, Any] = copy.deepcopy(spec.template.get("spec") or {})
     containers = pod_spec.get("containers") or [{}]
     image = containers[_trainer_container(containers)].get("image") or default_image
-    keep: dict[str, Any] = {k: pod_spec[k] for k in ("nodeSelector", "tolerations", "imagePullSecrets", "priorityClassName", "serviceAccountName", "securityContext") if k in pod_spec}
+    keep: dict[str, Any] = {
+        k: pod_spec[k]
+        for k in (
+            "nodeSelector",
+            "tolerations",
+            "imagePullSecrets",
+            "priorityClassName",
+            "serviceAccountName",
+            "securityContext",
+        )
+        if k in pod_spec
+    }
     container = {
         "name": "rendezvous",
         "image": image,
@@ -265,7 +306,13 @@ def build_rdzv_pod(job: JobRef, spec: SGDJobSpec, *, default_image: str) -> dict
         "readinessProbe": {"tcpSocket": {"port": RDZV_PORT}, "periodSeconds": 5},
     }
     rdzv_spec = dict(keep)
-    rdzv_spec.update(containers=[container], restartPolicy="Always", hostname=job.rdzv_pod, subdomain=job.service, automountServiceAccountToken=False)
+    rdzv_spec.update(
+        containers=[container],
+        restartPolicy="Always",
+        hostname=job.rdzv_pod,
+        subdomain=job.service,
+        automountServiceAccountToken=False,
+    )
     harden(rdzv_spec, container, non_root=image == default_image)
     return {"apiVersion": "v1", "kind": "Pod", "metadata": _meta(job, job.rdzv_pod, ROLE_RDZV), "spec": rdzv_spec}
 
@@ -279,7 +326,13 @@ def harden(pod_spec: dict[str, Any], container: dict[str, Any], *, non_root: boo
     sc = container.setdefault("securityContext", {})
     if "seccompProfile" not in pod_sc and "seccompProfile" not in sc:
         pod_sc["seccompProfile"] = {"type": "RuntimeDefault"}
-    if non_root and "runAsNonRoot" not in pod_sc and "runAsNonRoot" not in sc and pod_sc.get("runAsUser") != 0 and sc.get("runAsUser") != 0:
+    if (
+        non_root
+        and "runAsNonRoot" not in pod_sc
+        and "runAsNonRoot" not in sc
+        and pod_sc.get("runAsUser") != 0
+        and sc.get("runAsUser") != 0
+    ):
         pod_sc["runAsNonRoot"] = True
     if not sc.get("privileged"):  # the API refuses privileged with allowPrivilegeEscalation false
         sc.setdefault("allowPrivilegeEscalation", False)

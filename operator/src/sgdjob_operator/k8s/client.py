@@ -66,10 +66,24 @@ class Credentials:
         else:
             config.load_kube_config(config_file=kubeconfig, client_configuration=cfg, context=context)  # type: ignore[no-untyped-call]
         keys = cfg.api_key or {}
-        auth = keys.get("authorization") or keys.get("BearerToken") or ""  # the key's name differs between client versions
+        auth = (
+            keys.get("authorization") or keys.get("BearerToken") or ""
+        )  # the key's name differs between client versions
         token = auth.split(" ", 1)[1] if " " in auth else auth or None
-        token_file = SA_TOKEN if kubeconfig is None and os.path.exists(SA_TOKEN) and cfg.host.startswith("https://kubernetes") else None
-        return cls(server=cfg.host.rstrip("/"), token=token, ca_file=cfg.ssl_ca_cert, cert_file=cfg.cert_file, key_file=cfg.key_file, insecure=not cfg.verify_ssl, token_file=token_file)
+        token_file = (
+            SA_TOKEN
+            if kubeconfig is None and os.path.exists(SA_TOKEN) and cfg.host.startswith("https://kubernetes")
+            else None
+        )
+        return cls(
+            server=cfg.host.rstrip("/"),
+            token=token,
+            ca_file=cfg.ssl_ca_cert,
+            cert_file=cfg.cert_file,
+            key_file=cfg.key_file,
+            insecure=not cfg.verify_ssl,
+            token_file=token_file,
+        )
 
     def bearer(self) -> str | None:
         """The token now: a mounted service-account token is rotated by the kubelet, so re-read it."""
@@ -130,7 +144,9 @@ class Kube:
         if self._session is None or self._session.closed:
             headers = {"Accept": "application/json", "User-Agent": EVENT_SOURCE}
             connector = aiohttp.TCPConnector(ssl=self.credentials.ssl_context(), limit=self._limit)
-            self._session = aiohttp.ClientSession(base_url=None, headers=headers, connector=connector, timeout=self._timeout)
+            self._session = aiohttp.ClientSession(
+                base_url=None, headers=headers, connector=connector, timeout=self._timeout
+            )
         return self._session
 
     def _token(self) -> str | None:
@@ -144,7 +160,16 @@ class Kube:
             await self._session.close()
             self._session = None
 
-    async def request(self, method: str, path: str, body: Any = None, *, params: dict[str, str] | None = None, content_type: str = "application/json", ok: tuple[int, ...] = ()) -> tuple[int, Any]:
+    async def request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        params: dict[str, str] | None = None,
+        content_type: str = "application/json",
+        ok: tuple[int, ...] = (),
+    ) -> tuple[int, Any]:
         """One call; returns (status, decoded JSON). Statuses in `ok` are returned, not raised."""
         data = None if body is None else json.dumps(body)
         headers = {"Content-Type": content_type} if data is not None else {}
@@ -152,7 +177,9 @@ class Kube:
         if token:
             headers["Authorization"] = f"Bearer {token}"
         try:
-            async with self._sess().request(method, self.credentials.server + path, data=data, params=params, headers=headers) as resp:
+            async with self._sess().request(
+                method, self.credentials.server + path, data=data, params=params, headers=headers
+            ) as resp:
                 text = await resp.text()
                 if resp.status < 300 or resp.status in ok:
                     return resp.status, json.loads(text) if text else None
@@ -204,7 +231,9 @@ class Kube:
         return await self.patch(job_path(job.namespace, job.name), {"spec": {"replicas": replicas}})
 
     async def delete_job(self, job: JobRef) -> bool:
-        status, _ = await self.request("DELETE", job_path(job.namespace, job.name), {"propagationPolicy": "Background"}, ok=(404,))
+        status, _ = await self.request(
+            "DELETE", job_path(job.namespace, job.name), {"propagationPolicy": "Background"}, ok=(404,)
+        )
         return status != 404
 
     async def job_pods(self, job: JobRef) -> list[dict[str, Any]]:

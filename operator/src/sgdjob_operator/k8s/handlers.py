@@ -55,7 +55,13 @@ def _credentials() -> Credentials:
 def login(**_: Any) -> kopf.ConnectionInfo:
     c = _credentials()
     return kopf.ConnectionInfo(
-        server=c.server, ca_path=c.ca_file, insecure=c.insecure, scheme="Bearer" if c.token else None, token=c.bearer(), certificate_path=c.cert_file, private_key_path=c.key_file
+        server=c.server,
+        ca_path=c.ca_file,
+        insecure=c.insecure,
+        scheme="Bearer" if c.token else None,
+        token=c.bearer(),
+        certificate_path=c.cert_file,
+        private_key_path=c.key_file,
     )
 
 
@@ -64,7 +70,9 @@ async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
     cfg = current()
     # Handler progress and the last-handled spec live in annotations: status belongs to our model.
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=PREFIX)
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=PREFIX, key="last-handled-configuration")
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=PREFIX, key="last-handled-configuration"
+    )
     settings.persistence.finalizer = f"{PREFIX}/finalizer"
     # Our own Events carry the decisions; kopf adds one only for warnings and errors in handlers.
     settings.posting.level = logging.WARNING
@@ -79,7 +87,9 @@ async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
     _State.runtime = Runtime(settings=cfg, kube=kube, http=http)
     if cfg.metrics_port:
         metrics.serve(cfg.metrics_port, cfg.metrics_host)
-    log.info("sgdjob operator started: namespaces %s, trainer image %s", ",".join(cfg.namespaces) or "all", cfg.trainer_image)
+    log.info(
+        "sgdjob operator started: namespaces %s, trainer image %s", ",".join(cfg.namespaces) or "all", cfg.trainer_image
+    )
 
 
 @kopf.on.cleanup()
@@ -121,7 +131,9 @@ async def admit(body: kopf.Body, patch: kopf.Patch, retry: int, **_: Any) -> Non
         await ensure_children(rt, ref, spec, status)
     except ApiError as err:
         if err.retriable or err.status == 403:
-            raise kopf.TemporaryError(f"cannot create the job's objects yet: {err}", delay=min(60, 2 ** min(retry, 5))) from err
+            raise kopf.TemporaryError(
+                f"cannot create the job's objects yet: {err}", delay=min(60, 2 ** min(retry, 5))
+            ) from err
         raise kopf.PermanentError(str(err)) from err
     rt.wake((ref.namespace, ref.name))
 
@@ -167,7 +179,9 @@ def _supervise(rt: Runtime, ref: JobRef) -> None:
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL)
-async def job_event(*, event: kopf.RawEvent, name: str, namespace: str | None, uid: str, meta: kopf.Meta, **_: Any) -> None:
+async def job_event(
+    *, event: kopf.RawEvent, name: str, namespace: str | None, uid: str, meta: kopf.Meta, **_: Any
+) -> None:
     """Every event on an SGDJob (the initial listing included, so a restarted operator adopts every
     job): keep its loop running, wake it for a new generation, clean up after a deletion."""
     rt = _State.runtime
@@ -203,7 +217,11 @@ async def _delete_children(rt: Runtime, ref: JobRef) -> None:
             owners = pod["metadata"].get("ownerReferences") or []
             if any(o.get("uid") == ref.uid for o in owners):
                 await rt.kube.delete("Pod", ref.namespace, pod["metadata"]["name"], grace_s=5)
-        for kind, plural, obj_name in (("Service", "services", ref.service), ("Secret", "secrets", ref.secret), ("ConfigMap", "configmaps", ref.config_map)):
+        for kind, plural, obj_name in (
+            ("Service", "services", ref.service),
+            ("Secret", "secrets", ref.secret),
+            ("ConfigMap", "configmaps", ref.config_map),
+        ):
             obj = await rt.kube.get(f"{core_path(ref.namespace, plural)}/{obj_name}")
             if obj and any(o.get("uid") == ref.uid for o in obj["metadata"].get("ownerReferences") or []):
                 await rt.kube.delete(kind, ref.namespace, obj_name)

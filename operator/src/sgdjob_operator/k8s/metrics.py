@@ -16,12 +16,28 @@ RECONCILE_SECONDS = Histogram(
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
     registry=REGISTRY,
 )
-RECONCILE_ERRORS = Counter("sgdjob_operator_reconcile_errors", "Reconciliations that failed and will be retried.", registry=REGISTRY)
-DECISIONS = Counter("sgdjob_operator_decisions", "Policy decisions applied, by action and reason.", ["action", "reason"], registry=REGISTRY)
-DEFERRED = Counter("sgdjob_operator_decisions_deferred", "Policy decisions not applied because another change was in flight.", ["action"], registry=REGISTRY)
+RECONCILE_ERRORS = Counter(
+    "sgdjob_operator_reconcile_errors", "Reconciliations that failed and will be retried.", registry=REGISTRY
+)
+DECISIONS = Counter(
+    "sgdjob_operator_decisions",
+    "Policy decisions applied, by action and reason.",
+    ["action", "reason"],
+    registry=REGISTRY,
+)
+DEFERRED = Counter(
+    "sgdjob_operator_decisions_deferred",
+    "Policy decisions not applied because another change was in flight.",
+    ["action"],
+    registry=REGISTRY,
+)
 JOBS = Gauge("sgdjob_operator_jobs", "SGDJobs by phase.", ["phase"], registry=REGISTRY)
-SCRAPE_ERRORS = Counter("sgdjob_operator_scrape_errors", "Worker /metrics scrapes that failed or timed out.", registry=REGISTRY)
-CONTROL_PUSHES = Counter("sgdjob_operator_control_pushes", "POST /control attempts, by result.", ["result"], registry=REGISTRY)
+SCRAPE_ERRORS = Counter(
+    "sgdjob_operator_scrape_errors", "Worker /metrics scrapes that failed or timed out.", registry=REGISTRY
+)
+CONTROL_PUSHES = Counter(
+    "sgdjob_operator_control_pushes", "POST /control attempts, by result.", ["result"], registry=REGISTRY
+)
 PODS_CREATED = Counter("sgdjob_operator_pods_created", "Pods the operator created.", ["role"], registry=REGISTRY)
 PODS_DELETED = Counter("sgdjob_operator_pods_deleted", "Pods the operator deleted, by why.", ["why"], registry=REGISTRY)
 

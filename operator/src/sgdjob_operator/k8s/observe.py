@@ -52,7 +52,9 @@ def endpoints(spec: SGDJobSpec, pods: Sequence[PodView], *, host: str = "", sche
     return out
 
 
-async def observe(eps: Sequence[Endpoint], *, now: float, timeout: float, session: aiohttp.ClientSession) -> Observation:
+async def observe(
+    eps: Sequence[Endpoint], *, now: float, timeout: float, session: aiohttp.ClientSession
+) -> Observation:
     """Scrape /metrics of every endpoint concurrently, then rank 0's /status for its control epoch."""
     results = await scrape(eps, timeout=timeout, session=session, clock=lambda: now)
     samples = tuple(r.sample for r in results if r.sample is not None)
@@ -61,7 +63,9 @@ async def observe(eps: Sequence[Endpoint], *, now: float, timeout: float, sessio
     epoch: int | None = None
     job_step: int | None = None
     if control is not None:
-        (status,) = await scrape([control], metrics=False, status=True, timeout=timeout, session=session, clock=lambda: now)
+        (status,) = await scrape(
+            [control], metrics=False, status=True, timeout=timeout, session=session, clock=lambda: now
+        )
         if status.status is not None:
             epoch, job_step = status.status.control_epoch, status.status.step
     return Observation(now, samples, errors, control, epoch, job_step)

@@ -76,17 +76,35 @@ def _count_failures(plan: Plan, spec: SGDJobSpec, ws: Sequence[PodView], now: fl
             infra = pod.reason in INFRA_REASONS
             if not infra:
                 st.restarts += 1
-            detail = f"worker pod {pod.name} failed (exit code {pod.exit_code}, {pod.reason or 'Error'}){': ' + pod.message if pod.message else ''}"
-            budget = "not counted: infrastructure" if infra else f"restart {st.restarts} of backoffLimit {spec.run_policy.backoff_limit}"
+            detail = (
+                f"worker pod {pod.name} failed (exit code {pod.exit_code}, {pod.reason or 'Error'})"
+                f"{': ' + pod.message if pod.message else ''}"
+            )
+            budget = (
+                "not counted: infrastructure"
+                if infra
+                else f"restart {st.restarts} of backoffLimit {spec.run_policy.backoff_limit}"
+            )
             plan.events.append(Event("Warning", "WorkerFailed", f"{detail}; {budget}"))
             if st.restarts > spec.run_policy.backoff_limit:
-                plan.events.append(finish(st, Phase.FAILED, "BackoffLimitExceeded", f"{st.restarts} worker failures exceed backoffLimit {spec.run_policy.backoff_limit}; last: {detail}", now))
+                plan.events.append(
+                    finish(
+                        st,
+                        Phase.FAILED,
+                        "BackoffLimitExceeded",
+                        f"{st.restarts} worker failures exceed backoffLimit {spec.run_policy.backoff_limit}; "
+                        f"last: {detail}",
+                        now,
+                    )
+                )
                 return
         if not pod.deleting:
             plan.delete_pods.append((pod.name, "failed; recreated"))
 
 
-def plan_reconcile(spec: SGDJobSpec, status: SGDJobStatus, pods: Sequence[PodView], *, generation: int, now: float) -> Plan:
+def plan_reconcile(
+    spec: SGDJobSpec, status: SGDJobStatus, pods: Sequence[PodView], *, generation: int, now: float
+) -> Plan:
     """One reconciliation step; `status` is not modified (the plan carries a copy)."""
     st = status.model_copy(deep=True)
     plan = Plan(status=st)
@@ -101,7 +119,15 @@ def plan_reconcile(spec: SGDJobSpec, status: SGDJobStatus, pods: Sequence[PodVie
         deadline = spec.run_policy.active_deadline_seconds
         started = parse_time(st.start_time)
         if deadline is not None and started is not None and now - started > deadline:
-            plan.events.append(finish(st, Phase.FAILED, "DeadlineExceeded", f"the job ran longer than activeDeadlineSeconds ({deadline}s)", now))
+            plan.events.append(
+                finish(
+                    st,
+                    Phase.FAILED,
+                    "DeadlineExceeded",
+                    f"the job ran longer than activeDeadlineSeconds ({deadline}s)",
+                    now,
+                )
+            )
         else:
             _count_failures(plan, spec, ws, now)
 
@@ -119,7 +145,11 @@ def plan_reconcile(spec: SGDJobSpec, status: SGDJobStatus, pods: Sequence[PodVie
         st.phase = Phase.SUSPENDED
         st.start_time = None  # as for Kubernetes Jobs: the deadline counts from the resume
         st.message = "suspended: worker pods removed, checkpoints kept"
-        st.conditions = merge_conditions(st.conditions, desired_conditions(Phase.SUSPENDED, created=True, adapting_reason="", message=st.message), now)
+        st.conditions = merge_conditions(
+            st.conditions,
+            desired_conditions(Phase.SUSPENDED, created=True, adapting_reason="", message=st.message),
+            now,
+        )
         if previous_phase is not Phase.SUSPENDED:
             plan.events.append(Event("Normal", "Suspended", st.message))
         return plan
@@ -131,7 +161,11 @@ def plan_reconcile(spec: SGDJobSpec, status: SGDJobStatus, pods: Sequence[PodVie
             # Workers exit 0 only after the last step; the last scrape came up to an interval earlier,
             # so without this `kubectl get` would show a finished job short of its steps.
             st.step = max(st.step, spec.training.steps)
-            plan.events.append(finish(st, Phase.SUCCEEDED, "WorkersSucceeded", f"{len(succeeded)} worker pods completed successfully", now))
+            plan.events.append(
+                finish(
+                    st, Phase.SUCCEEDED, "WorkersSucceeded", f"{len(succeeded)} worker pods completed successfully", now
+                )
+            )
             _cleanup(plan, spec, pods)
             return plan
     else:
@@ -152,10 +186,22 @@ def plan_reconcile(spec: SGDJobSpec, status: SGDJobStatus, pods: Sequence[PodVie
     if previous_phase is Phase.SUSPENDED:
         plan.events.append(Event("Normal", "Resumed", "job resumed: worker pods recreated"))
     if phase is not previous_phase and phase in (Phase.RUNNING, Phase.ADAPTING):
-        plan.events.append(Event("Normal", phase.value, why or f"{st.ready_replicas} workers ready in mode {st.mode or st.target_mode}"))
+        plan.events.append(
+            Event(
+                "Normal", phase.value, why or f"{st.ready_replicas} workers ready in mode {st.mode or st.target_mode}"
+            )
+        )
     if not succeeded:
-        st.message = why or (f"{st.ready} workers ready" if phase is not Phase.PENDING else f"waiting for workers: {st.ready} ready, at least {spec.min_workers} needed")
-    st.conditions = merge_conditions(st.conditions, desired_conditions(phase, created=True, adapting_reason="ChangeInFlight" if why else "", message=st.message), now)
+        st.message = why or (
+            f"{st.ready} workers ready"
+            if phase is not Phase.PENDING
+            else f"waiting for workers: {st.ready} ready, at least {spec.min_workers} needed"
+        )
+    st.conditions = merge_conditions(
+        st.conditions,
+        desired_conditions(phase, created=True, adapting_reason="ChangeInFlight" if why else "", message=st.message),
+        now,
+    )
     return plan
 
 

@@ -79,7 +79,9 @@ async def post_events(rt: Runtime, ref: JobRef, events: list[Event]) -> None:
             await rt.kube.post_event(ref, ev.type, ev.reason, ev.message)
         except ApiError as err:  # an Event is worth a log line, never a failed pass
             log.warning("cannot post event %s for %s/%s: %s", ev.reason, ref.namespace, ref.name, err)
-        (log.warning if ev.type == "Warning" else log.info)("%s/%s %s: %s", ref.namespace, ref.name, ev.reason, ev.message)
+        (log.warning if ev.type == "Warning" else log.info)(
+            "%s/%s %s: %s", ref.namespace, ref.name, ev.reason, ev.message
+        )
 
 
 async def ensure_children(rt: Runtime, ref: JobRef, spec: SGDJobSpec, status: SGDJobStatus) -> None:
@@ -89,9 +91,15 @@ async def ensure_children(rt: Runtime, ref: JobRef, spec: SGDJobSpec, status: SG
     mode = status.target_mode or spec.initial_mode.value
     config_map = build_config_map(ref, spec, SyncMode(mode))
     try:
-        _, _, fresh = await asyncio.gather(rt.kube.create(build_service(ref)), rt.kube.create(build_secret(ref, secrets.token_urlsafe(32))), rt.kube.create(config_map))
+        _, _, fresh = await asyncio.gather(
+            rt.kube.create(build_service(ref)),
+            rt.kube.create(build_secret(ref, secrets.token_urlsafe(32))),
+            rt.kube.create(config_map),
+        )
         if not fresh:
-            await rt.kube.patch(f"{core_path(ref.namespace, 'configmaps')}/{ref.config_map}", {"data": config_map["data"]})
+            await rt.kube.patch(
+                f"{core_path(ref.namespace, 'configmaps')}/{ref.config_map}", {"data": config_map["data"]}
+            )
     except ApiError:
         rt.last_ensure.pop(ref.uid, None)  # the next pass tries again
         raise
@@ -117,7 +125,9 @@ async def _once(rt: Runtime, ref: JobRef, kind: str, message: str, ev_type: str 
     return [Event(ev_type, kind, message)] if message else []
 
 
-async def _monitor(rt: Runtime, ref: JobRef, spec: SGDJobSpec, st: SGDJobStatus, pods: list[PodView], now: float) -> tuple[Outcome | None, list[Event], SGDJobSpec]:
+async def _monitor(
+    rt: Runtime, ref: JobRef, spec: SGDJobSpec, st: SGDJobStatus, pods: list[PodView], now: float
+) -> tuple[Outcome | None, list[Event], SGDJobSpec]:
     """Scrape, evaluate, apply the decision to `st`, push the desired command. Returns the outcome,
     Events, and the spec as it now stands (a rescale changes replicas)."""
     eps = endpoints(spec, pods, host=rt.settings.scrape_host, scheme=rt.settings.scrape_scheme)
@@ -128,7 +138,9 @@ async def _monitor(rt: Runtime, ref: JobRef, spec: SGDJobSpec, st: SGDJobStatus,
     if obs.errors:
         metrics.SCRAPE_ERRORS.inc(len(obs.errors))
     failing = "; ".join(f"{url}: {err}" for url, err in sorted(obs.errors.items()))
-    events += await _once(rt, ref, "ScrapeFailed", f"cannot scrape {len(obs.errors)} of {len(eps)} workers: {failing}" if failing else "")
+    events += await _once(
+        rt, ref, "ScrapeFailed", f"cannot scrape {len(obs.errors)} of {len(eps)} workers: {failing}" if failing else ""
+    )
     if not obs.samples:
         return None, events, spec
     busy = in_flight(st, spec, pods)
@@ -149,9 +161,18 @@ async def _monitor(rt: Runtime, ref: JobRef, spec: SGDJobSpec, st: SGDJobStatus,
     command = command_to_push(st, obs)
     if command is not None and obs.control is not None:
         token = await job_token(rt, ref)
-        result = await post_control(obs.control, command, token or "", timeout=rt.settings.scrape_timeout_s, session=rt.http)
+        result = await post_control(
+            obs.control, command, token or "", timeout=rt.settings.scrape_timeout_s, session=rt.http
+        )
         metrics.CONTROL_PUSHES.labels(result=str(result.status) if result.status else "error").inc()
-        bad = "" if result.accepted else f"POST {obs.control.url}/control epoch {command.epoch}: {result.error or f'HTTP {result.status} {result.body[:200]}'}"
+        bad = (
+            ""
+            if result.accepted
+            else (
+                f"POST {obs.control.url}/control epoch {command.epoch}: "
+                f"{result.error or f'HTTP {result.status} {result.body[:200]}'}"
+            )
+        )
         events += await _once(rt, ref, "ControlPushFailed", bad)
     if outcome.config_changed:
         await ensure_children(rt, ref, spec, st)
@@ -181,7 +202,9 @@ async def reconcile(rt: Runtime, ref: JobRef) -> float | None:
         await _write(rt, ref, raw_status, st, events)
         return rt.settings.resync_s
     if st.phase is Phase.FAILED and any(c.type == "Failed" and c.reason == "InvalidSpec" for c in st.conditions):
-        st = SGDJobStatus(restarts=st.restarts, decisions=st.decisions, controller=st.controller)  # fixed spec: start over
+        st = SGDJobStatus(
+            restarts=st.restarts, decisions=st.decisions, controller=st.controller
+        )  # fixed spec: start over
     if time.monotonic() - rt.last_ensure.get(ref.uid, -1e9) > rt.settings.resync_s and st.phase not in FINISHED:
         await ensure_children(rt, ref, spec, st)
     pods = [PodView.from_obj(p) for p in await rt.kube.job_pods(ref)]
@@ -192,16 +215,25 @@ async def reconcile(rt: Runtime, ref: JobRef) -> float | None:
         outcome, events, spec = await _monitor(rt, ref, spec, st, pods, now)
     plan = plan_reconcile(spec, st, pods, generation=generation, now=now)
     excluded = controller(plan.status).excluded_nodes
-    creates = [build_worker_pod(ref, spec, i, default_image=rt.settings.trainer_image, excluded_nodes=excluded) for i in plan.create_workers]
+    creates = [
+        build_worker_pod(ref, spec, i, default_image=rt.settings.trainer_image, excluded_nodes=excluded)
+        for i in plan.create_workers
+    ]
     if plan.create_rdzv:
         creates.append(build_rdzv_pod(ref, spec, default_image=rt.settings.trainer_image))
     results = await asyncio.gather(*(rt.kube.create(pod) for pod in creates), return_exceptions=True)
-    failed = [f"{pod['metadata']['name']}: {result}" for pod, result in zip(creates, results, strict=True) if isinstance(result, BaseException)]
+    failed = [
+        f"{pod['metadata']['name']}: {result}"
+        for pod, result in zip(creates, results, strict=True)
+        if isinstance(result, BaseException)
+    ]
     for pod, result in zip(creates, results, strict=True):
         if result is True:
             metrics.PODS_CREATED.labels(role=pod["metadata"]["labels"].get("sgdjob.dev/role", "worker")).inc()
     # Admission refusals repeat every pass until someone fixes the cause: one Event per distinct cause.
-    events += await _once(rt, ref, "CreateFailed", f"cannot create {len(failed)} pods; first: {failed[0]}" if failed else "")
+    events += await _once(
+        rt, ref, "CreateFailed", f"cannot create {len(failed)} pods; first: {failed[0]}" if failed else ""
+    )
     deletes = list(plan.delete_pods)
     if outcome is not None and outcome.delete_pod and outcome.delete_pod not in {n for n, _ in deletes}:
         deletes.append((outcome.delete_pod, "replaced by the policy"))
@@ -213,7 +245,17 @@ async def reconcile(rt: Runtime, ref: JobRef) -> float | None:
     metrics.set_phases(rt.phases.values())
     metrics.RECONCILE_SECONDS.observe(time.perf_counter() - started)
     if plan.delete_job:
-        await post_events(rt, ref, [Event("Normal", "Deleted", f"ttlSecondsAfterFinished ({spec.run_policy.ttl_seconds_after_finished}s) elapsed")])
+        await post_events(
+            rt,
+            ref,
+            [
+                Event(
+                    "Normal",
+                    "Deleted",
+                    f"ttlSecondsAfterFinished ({spec.run_policy.ttl_seconds_after_finished}s) elapsed",
+                )
+            ],
+        )
         await rt.kube.delete_job(ref)
         return None
     delay = next_delay(rt, ref, spec, plan.status, pods)

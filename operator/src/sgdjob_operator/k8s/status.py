@@ -12,7 +12,15 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from sgdjob_operator.api.models import MAX_DECISIONS, Condition, ControllerState, DecisionRecord, Phase, SGDJobSpec, SGDJobStatus
+from sgdjob_operator.api.models import (
+    MAX_DECISIONS,
+    Condition,
+    ControllerState,
+    DecisionRecord,
+    Phase,
+    SGDJobSpec,
+    SGDJobStatus,
+)
 from sgdjob_operator.k8s.builders import LABEL_INDEX, LABEL_ROLE, ROLE_RDZV, ROLE_WORKER
 from sgdjob_operator.policy.driver import issue, load_state
 from sgdjob_trainer.config import SyncMode
@@ -21,7 +29,19 @@ from sgdjob_trainer.wire.control import ControlCommand
 FINISHED = (Phase.SUCCEEDED, Phase.FAILED)
 ACTIVE_POD_PHASES = ("Pending", "Running", "Unknown")
 # Pod failures caused by the infrastructure, not by the training: restarted without spending backoffLimit.
-INFRA_REASONS = frozenset({"Evicted", "NodeLost", "Preempting", "Shutdown", "NodeShutdown", "Terminated", "UnexpectedAdmissionError", "OutOfcpu", "OutOfmemory"})
+INFRA_REASONS = frozenset(
+    {
+        "Evicted",
+        "NodeLost",
+        "Preempting",
+        "Shutdown",
+        "NodeShutdown",
+        "Terminated",
+        "UnexpectedAdmissionError",
+        "OutOfcpu",
+        "OutOfmemory",
+    }
+)
 # Conditions always shown; the others appear once they have been true.
 ALWAYS_CONDITIONS = ("Created", "Running")
 CONDITION_ORDER = ("Created", "Running", "Adapting", "Suspended", "Succeeded", "Failed")
@@ -95,7 +115,9 @@ class PodView:
 
 
 def workers(pods: Iterable[PodView]) -> list[PodView]:
-    return sorted((p for p in pods if p.role == ROLE_WORKER and p.index is not None), key=lambda p: (p.index or 0, p.name))
+    return sorted(
+        (p for p in pods if p.role == ROLE_WORKER and p.index is not None), key=lambda p: (p.index or 0, p.name)
+    )
 
 
 def rdzv_pods(pods: Iterable[PodView]) -> list[PodView]:
@@ -144,7 +166,10 @@ def _compact(value: Any) -> Any:
 def dump_status(status: SGDJobStatus) -> dict[str, Any]:
     """Status as a merge patch: top-level nulls delete stale members; list items are compacted."""
     raw = status.model_dump(mode="json", by_alias=True, exclude_none=False)
-    return {k: (_compact(v) if isinstance(v, list | dict) and k != "controller" else (None if v == "" else v)) for k, v in raw.items()}
+    return {
+        k: (_compact(v) if isinstance(v, list | dict) and k != "controller" else (None if v == "" else v))
+        for k, v in raw.items()
+    }
 
 
 def controller(status: SGDJobStatus) -> ControllerState:
@@ -153,9 +178,26 @@ def controller(status: SGDJobStatus) -> ControllerState:
     return status.controller
 
 
-def record_decision(status: SGDJobStatus, now: float, action: str, reason: str, *, mode: str | None = None, rank: int | None = None, replicas: int | None = None) -> DecisionRecord:
+def record_decision(
+    status: SGDJobStatus,
+    now: float,
+    action: str,
+    reason: str,
+    *,
+    mode: str | None = None,
+    rank: int | None = None,
+    replicas: int | None = None,
+) -> DecisionRecord:
     """Append to the bounded history (oldest dropped first)."""
-    record = DecisionRecord(time=rfc3339(now), action=action, reason=reason[:4096], mode=mode, rank=rank, replicas=replicas, step=status.step or None)
+    record = DecisionRecord(
+        time=rfc3339(now),
+        action=action,
+        reason=reason[:4096],
+        mode=mode,
+        rank=rank,
+        replicas=replicas,
+        step=status.step or None,
+    )
     status.decisions = [*status.decisions, record][-MAX_DECISIONS:]
     return record
 
@@ -171,19 +213,43 @@ def new_command(status: SGDJobStatus, now: float, reason: str, *, mode: str) -> 
     return ctl.command or {}
 
 
-def desired_conditions(phase: Phase, *, created: bool, adapting_reason: str, message: str) -> dict[str, tuple[bool, str, str]]:
+def desired_conditions(
+    phase: Phase, *, created: bool, adapting_reason: str, message: str
+) -> dict[str, tuple[bool, str, str]]:
     """Condition type -> (true?, reason, message) for a phase."""
     return {
-        "Created": (created, "ObjectsCreated" if created else "Creating", "service, secret, config and pods created" if created else ""),
-        "Running": (phase in (Phase.RUNNING, Phase.ADAPTING), "WorkersRunning" if phase in (Phase.RUNNING, Phase.ADAPTING) else phase.value, message if phase is Phase.RUNNING else ""),
+        "Created": (
+            created,
+            "ObjectsCreated" if created else "Creating",
+            "service, secret, config and pods created" if created else "",
+        ),
+        "Running": (
+            phase in (Phase.RUNNING, Phase.ADAPTING),
+            "WorkersRunning" if phase in (Phase.RUNNING, Phase.ADAPTING) else phase.value,
+            message if phase is Phase.RUNNING else "",
+        ),
         "Adapting": (phase is Phase.ADAPTING, adapting_reason or "Stable", message if phase is Phase.ADAPTING else ""),
-        "Suspended": (phase is Phase.SUSPENDED, "JobSuspended" if phase is Phase.SUSPENDED else "JobResumed", message if phase is Phase.SUSPENDED else ""),
-        "Succeeded": (phase is Phase.SUCCEEDED, "WorkersSucceeded" if phase is Phase.SUCCEEDED else "", message if phase is Phase.SUCCEEDED else ""),
-        "Failed": (phase is Phase.FAILED, adapting_reason if phase is Phase.FAILED else "", message if phase is Phase.FAILED else ""),
+        "Suspended": (
+            phase is Phase.SUSPENDED,
+            "JobSuspended" if phase is Phase.SUSPENDED else "JobResumed",
+            message if phase is Phase.SUSPENDED else "",
+        ),
+        "Succeeded": (
+            phase is Phase.SUCCEEDED,
+            "WorkersSucceeded" if phase is Phase.SUCCEEDED else "",
+            message if phase is Phase.SUCCEEDED else "",
+        ),
+        "Failed": (
+            phase is Phase.FAILED,
+            adapting_reason if phase is Phase.FAILED else "",
+            message if phase is Phase.FAILED else "",
+        ),
     }
 
 
-def merge_conditions(previous: Sequence[Condition], wanted: dict[str, tuple[bool, str, str]], now: float) -> list[Condition]:
+def merge_conditions(
+    previous: Sequence[Condition], wanted: dict[str, tuple[bool, str, str]], now: float
+) -> list[Condition]:
     """Kubernetes conventions: lastTransitionTime changes only when the status flips; optional
     conditions are listed once they have been true."""
     old = {c.type: c for c in previous}
@@ -195,7 +261,9 @@ def merge_conditions(previous: Sequence[Condition], wanted: dict[str, tuple[bool
             continue
         value = "True" if true else "False"
         when = prior.last_transition_time if prior is not None and prior.status == value else rfc3339(now)
-        out.append(Condition(type=ctype, status=value, reason=reason, message=message[:4096], last_transition_time=when))
+        out.append(
+            Condition(type=ctype, status=value, reason=reason, message=message[:4096], last_transition_time=when)
+        )
     return out
 
 
@@ -230,5 +298,7 @@ def finish(status: SGDJobStatus, phase: Phase, reason: str, message: str, now: f
         status.phase = phase
         status.completion_time = rfc3339(now)
         status.message = message
-        status.conditions = merge_conditions(status.conditions, desired_conditions(phase, created=True, adapting_reason=reason, message=message), now)
+        status.conditions = merge_conditions(
+            status.conditions, desired_conditions(phase, created=True, adapting_reason=reason, message=message), now
+        )
     return Event("Normal" if phase is Phase.SUCCEEDED else "Warning", reason, message)

@@ -46,7 +46,9 @@ async def _serve(settings: kopf.OperatorSettings, **_: Any) -> None:
     cfg = _Config.value
     if cfg is None:
         return
-    settings.admission.server = kopf.WebhookServer(addr=cfg.webhook_addr, port=cfg.webhook_port, certfile=cfg.webhook_cert, pkeyfile=cfg.webhook_key)
+    settings.admission.server = kopf.WebhookServer(
+        addr=cfg.webhook_addr, port=cfg.webhook_port, certfile=cfg.webhook_cert, pkeyfile=cfg.webhook_key
+    )
     settings.admission.managed = None  # the chart owns the ValidatingWebhookConfiguration
     log.info("admission webhook on https://%s:%d%s", cfg.webhook_addr, cfg.webhook_port, PATH)
 

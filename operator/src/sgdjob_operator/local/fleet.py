@@ -78,9 +78,15 @@ class Fleet:
         return sum(len(a.plan.metrics_ports) for a in self.active())
 
     def endpoints(self) -> tuple[Endpoint, ...]:
-        return tuple(Endpoint(f"http://{LOOPBACK}:{port}", node=a.plan.node) for a in self.active() for port in a.plan.metrics_ports)
+        return tuple(
+            Endpoint(f"http://{LOOPBACK}:{port}", node=a.plan.node)
+            for a in self.active()
+            for port in a.plan.metrics_ports
+        )
 
-    async def apply(self, change: MembershipChange, mode: SyncMode, *, action: str, reason: str, elapsed_s: float) -> None:
+    async def apply(
+        self, change: MembershipChange, mode: SyncMode, *, action: str, reason: str, elapsed_s: float
+    ) -> None:
         """Retire the leaving agents (in a worker thread: it waits for them), then start the new ones."""
         loop = asyncio.get_running_loop()
         began = time.monotonic()
@@ -91,7 +97,9 @@ class Fleet:
         if change.add:
             nproc = self.plan.context.job.spec.nproc_per_node
             bases = free_port_blocks(len(change.add), nproc)
-            plans = [plan_agent(self.plan.context, index, mode, base) for index, base in zip(change.add, bases, strict=True)]
+            plans = [
+                plan_agent(self.plan.context, index, mode, base) for index, base in zip(change.add, bases, strict=True)
+            ]
             for p in plans:
                 write_run_config(p)
             self.procs.start(plans)

@@ -256,11 +256,15 @@ def plan_launch(
     spec = job.spec
     if len(metrics_bases) != spec.replicas:
         raise ValueError(f"need {spec.replicas} metrics port bases, got {len(metrics_bases)}")
-    ctx = LaunchContext(job, out_dir, rdzv_port, token, python, base_env, trainer_module, may_change_membership(job, auto))
+    ctx = LaunchContext(
+        job, out_dir, rdzv_port, token, python, base_env, trainer_module, may_change_membership(job, auto)
+    )
     agents = tuple(plan_agent(ctx, i, mode, base) for i, base in enumerate(metrics_bases))
     extra_notes = list(notes)
     if ctx.checkpoint_dir is not None:
-        extra_notes.append(f"checkpoints go to {ctx.checkpoint_dir} (this run's own directory, not spec.training.checkpoint.dir)")
+        extra_notes.append(
+            f"checkpoints go to {ctx.checkpoint_dir} (this run's own directory, not spec.training.checkpoint.dir)"
+        )
     return LaunchPlan(
         job=job_name(job),
         mode=mode,

@@ -43,7 +43,10 @@ class RichDisplay:
         self._info = info
         for line in info.notes:
             self.console.print(f"[yellow]note:[/] {line}")
-        self.console.print(f"[bold]sgdjob run {info.job}[/]: {info.nodes} local node(s), {info.workers} worker process(es), mode {info.mode}, {info.steps} steps")
+        self.console.print(
+            f"[bold]sgdjob run {info.job}[/]: {info.nodes} local node(s), {info.workers} worker process(es), "
+            f"mode {info.mode}, {info.steps} steps"
+        )
         self.console.print(f"output: {info.out_dir}")
         self._live = Live(Text("starting workers ..."), console=self.console, refresh_per_second=4, transient=False)
         self._live.start()
@@ -58,7 +61,8 @@ class RichDisplay:
         loss = f"{snap.loss:.4f}" if snap.loss is not None else "-"
         head = Text.assemble(
             ("mode ", "dim"), (snap.mode, "bold cyan"), ("   step ", "dim"), (f"{snap.step}/{total}", "bold"),
-            ("   loss ", "dim"), (loss, "bold"), ("   samples/s ", "dim"), (rate, "bold"), (f" vs bound {bound:,.0f}{eff}", "dim"),
+            ("   loss ", "dim"), (loss, "bold"), ("   samples/s ", "dim"), (rate, "bold"),
+            (f" vs bound {bound:,.0f}{eff}", "dim"),
             ("   ETA ", "dim"), (f"{eta:.0f}s" if eta is not None else "-", "bold"),
         )  # fmt: skip
         table = Table(expand=True, box=None, pad_edge=False)
@@ -68,7 +72,9 @@ class RichDisplay:
         for w in snap.workers:
             style = "dim" if not w.fresh or w.done else ""
             bar = ProgressBar(total=fastest, completed=w.speed, width=30)
-            table.add_row(str(w.rank), w.node or "-", bar, f"{w.speed:,.0f}", str(w.step), f"{w.wait_s:.1f}", w.mode, style=style)
+            table.add_row(
+                str(w.rank), w.node or "-", bar, f"{w.speed:,.0f}", str(w.step), f"{w.wait_s:.1f}", w.mode, style=style
+            )
         parts: list[Any] = [head, table]
         if self._notes:
             parts.append(Text("\n".join(self._notes), style="yellow"))
@@ -82,7 +88,9 @@ class RichDisplay:
 
     def note(self, text: str) -> None:
         self._notes.append(text)
-        self.console.print(f"[yellow]{text}[/]") if self._live is None else self._live.console.print(f"[yellow]{text}[/]")
+        self.console.print(f"[yellow]{text}[/]") if self._live is None else self._live.console.print(
+            f"[yellow]{text}[/]"
+        )
 
     def resize(self, nodes: int, workers: int) -> None:
         if self._info is not None:

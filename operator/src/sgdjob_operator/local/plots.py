@@ -21,7 +21,9 @@ def _mark_modes(ax: Axes, report: Mapping[str, Any]) -> None:
     # The runner's own clock (seconds since it started), the same as the other series.
     for t, mode in (report.get("timeline") or {}).get("mode_changes", []):
         ax.axvline(t, color="black", linestyle="--", linewidth=1)
-        ax.annotate(str(mode), (t, 1.0), xycoords=("data", "axes fraction"), rotation=90, va="top", ha="right", fontsize=8)
+        ax.annotate(
+            str(mode), (t, 1.0), xycoords=("data", "axes fraction"), rotation=90, va="top", ha="right", fontsize=8
+        )
 
 
 def _subtitle(report: Mapping[str, Any]) -> str:
@@ -41,7 +43,11 @@ def write_plots(report: Mapping[str, Any], out_dir: Path) -> list[Path]:
     for rank, points in sorted(per_rank.items()):
         ax.plot([p[0] for p in points], [p[1] for p in points], marker=".", label=f"rank {rank}")
     _mark_modes(ax, report)
-    ax.set(xlabel="time since start (s)", ylabel="wall seconds per step", title=f"Per-rank step time, mode changes dashed\n{_subtitle(report)}")
+    ax.set(
+        xlabel="time since start (s)",
+        ylabel="wall seconds per step",
+        title=f"Per-rank step time, mode changes dashed\n{_subtitle(report)}",
+    )
     if per_rank:
         ax.legend(fontsize=8, ncol=4)
     fig.tight_layout()
@@ -65,7 +71,11 @@ def write_plots(report: Mapping[str, Any], out_dir: Path) -> list[Path]:
         ax.plot([p[0] for p in job], [p[3] for p in job], linestyle=":", label="bound: sum of per-worker speeds")
         ax.legend(fontsize=8)
     _mark_modes(ax, report)
-    ax.set(xlabel="time since start (s)", ylabel="samples/s", title=f"Throughput vs bound (efficiency {report.get('efficiency', 0) or 0:.2f})\n{_subtitle(report)}")
+    ax.set(
+        xlabel="time since start (s)",
+        ylabel="samples/s",
+        title=f"Throughput vs bound (efficiency {report.get('efficiency', 0) or 0:.2f})\n{_subtitle(report)}",
+    )
     fig.tight_layout()
     fig.savefig(paths[2], dpi=100)
     plt.close(fig)

@@ -80,7 +80,9 @@ def free_port_blocks(count: int, size: int = 1, host: str = LOOPBACK, attempts: 
             held.extend(block)
             bases.append(base)
         if len(bases) < count:
-            raise OSError(f"could not find {count} blocks of {size} free ports on {host} between {low} and {high + size}")
+            raise OSError(
+                f"could not find {count} blocks of {size} free ports on {host} between {low} and {high + size}"
+            )
         return bases
     finally:
         for sock in held:

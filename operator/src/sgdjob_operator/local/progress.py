@@ -91,7 +91,9 @@ def worker_from_status(status: WorkerStatus) -> WorkerView:
     )
 
 
-def summarize(results: Sequence[ScrapeResult], *, now: float, start: float, previous: ProgressFrame | None = None) -> ProgressFrame:
+def summarize(
+    results: Sequence[ScrapeResult], *, now: float, start: float, previous: ProgressFrame | None = None
+) -> ProgressFrame:
     """Fold one poll into a ProgressFrame. Workers that did not answer keep their last view (not fresh),
     so totals do not drop while a worker is briefly unreachable or after its server has closed."""
     seen: dict[int, WorkerView] = {w.rank: replace(w, fresh=False) for w in (previous.workers if previous else ())}
@@ -113,7 +115,11 @@ def progress_line(snap: ProgressFrame, total_steps: int, expected_workers: int) 
     """One plain progress line."""
     loss = f"{snap.loss:.4f}" if snap.loss is not None else "n/a"
     rate = f"{snap.samples_per_s:.1f}" if snap.samples_per_s is not None else "n/a"
-    return f"[{snap.elapsed_s:6.1f}s] step {snap.step}/{total_steps}  loss {loss}  samples/s {rate} (bound {snap.bound_per_s:.1f})  mode {snap.mode}  workers {snap.reachable}/{expected_workers}"
+    return (
+        f"[{snap.elapsed_s:6.1f}s] step {snap.step}/{total_steps}  loss {loss}  "
+        f"samples/s {rate} (bound {snap.bound_per_s:.1f})  mode {snap.mode}  "
+        f"workers {snap.reachable}/{expected_workers}"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,7 +164,10 @@ class PlainDisplay:
         self._info = info
         for line in info.notes:
             self._print(f"note: {line}")
-        self._print(f"sgdjob run {info.job}: {info.nodes} local node(s), {info.workers} worker process(es), mode {info.mode}, {info.steps} steps")
+        self._print(
+            f"sgdjob run {info.job}: {info.nodes} local node(s), {info.workers} worker process(es), "
+            f"mode {info.mode}, {info.steps} steps"
+        )
         self._print(f"output: {info.out_dir}")
 
     def update(self, snap: ProgressFrame) -> None:

@@ -67,7 +67,9 @@ def per_rank_entry(doc: Mapping[str, Any]) -> dict[str, Any]:
 def diverged(doc: Mapping[str, Any]) -> bool:
     """True when a rank's loss went non-finite (the trainer reports NaN/inf losses as null)."""
     history = doc.get("lossHistory")
-    bad_history = isinstance(history, list) and any(isinstance(p, list) and len(p) >= 2 and _loss(p[1]) is None for p in history)
+    bad_history = isinstance(history, list) and any(
+        isinstance(p, list) and len(p) >= 2 and _loss(p[1]) is None for p in history
+    )
     return bad_history or (_loss(doc.get("initialLoss")) is not None and _loss(doc.get("finalLoss")) is None)
 
 
@@ -197,19 +199,28 @@ def summary_lines(report: Mapping[str, Any]) -> list[str]:
 
     emulation = report.get("emulation")
     lines = [
-        f"mode {report.get('mode')}  workers {report.get('workers')}  steps {report.get('steps')}  wall {fmt(report.get('wall_s'), '.1f')}s",
+        (
+            f"mode {report.get('mode')}  workers {report.get('workers')}  steps {report.get('steps')}  "
+            f"wall {fmt(report.get('wall_s'), '.1f')}s"
+        ),
         f"throughput {fmt(report.get('throughput_samples_per_s'), '.1f')} samples/s  "
-        f"bound {fmt(report.get('bound_samples_per_s'), '.1f')} samples/s  efficiency {fmt(report.get('efficiency'), '.2f')}",
+        f"bound {fmt(report.get('bound_samples_per_s'), '.1f')} samples/s  "
+        f"efficiency {fmt(report.get('efficiency'), '.2f')}",
         f"loss {fmt(report.get('initial_loss'), '.4f')} -> {fmt(report.get('final_loss'), '.4f')}"
-        + (f"  (DIVERGED: non-finite loss on ranks {report['diverged_ranks']})" if report.get("diverged_ranks") else ""),
+        + (
+            f"  (DIVERGED: non-finite loss on ranks {report['diverged_ranks']})" if report.get("diverged_ranks") else ""
+        ),
         "emulation: " + (json.dumps(emulation, sort_keys=True) if emulation else "none (real compute)"),
     ]
     for r in report.get("per_rank", []):
         lines.append(
-            f"  rank {r['rank']} ({r['node']}): {r['speed_samples_per_s']:.1f} samples/s when busy, compute {r['compute_s']:.1f}s wait {r['wait_s']:.1f}s, {r['samples']} samples in {r['steps']} steps"
+            f"  rank {r['rank']} ({r['node']}): {r['speed_samples_per_s']:.1f} samples/s when busy, "
+            f"compute {r['compute_s']:.1f}s wait {r['wait_s']:.1f}s, {r['samples']} samples in {r['steps']} steps"
         )
     if report.get("restarts"):
-        lines.append(f"restarts {report['restarts']} (resumed from checkpoints), steps redone {report.get('lost_steps')}")
+        lines.append(
+            f"restarts {report['restarts']} (resumed from checkpoints), steps redone {report.get('lost_steps')}"
+        )
     if report.get("missing_ranks"):
         lines.append(f"missing rank reports: {report['missing_ranks']}")
     return lines

@@ -194,7 +194,9 @@ async def _supervise(
             return "stop"
         if failed_at is None and any(a.returncode not in (0, None) for a in procs.agents if not a.retired):
             failed_at = now
-            display.note(f"an agent failed; stopping the others if they do not exit within {options.failure_grace_s:.0f}s")
+            display.note(
+                f"an agent failed; stopping the others if they do not exit within {options.failure_grace_s:.0f}s"
+            )
         if failed_at is not None and now - failed_at > options.failure_grace_s:
             return "failure"
         if options.timeout_s is not None and now - start > options.timeout_s:

@@ -55,7 +55,9 @@ class Timeline:
             steps = worker.step - old.step
             if steps <= 0 or dt <= 0:
                 continue
-            self.ranks.append(RankPoint(snap.elapsed_s, worker.rank, dt / steps, max(0.0, worker.compute_s - old.compute_s) / steps))
+            self.ranks.append(
+                RankPoint(snap.elapsed_s, worker.rank, dt / steps, max(0.0, worker.compute_s - old.compute_s) / steps)
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return {

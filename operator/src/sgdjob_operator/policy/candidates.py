@@ -14,7 +14,13 @@ from sgdjob_operator.policy.cost import CostInputs, Prediction, predict_async, p
 from sgdjob_operator.policy.decisions import Decision, Rebalance, ReplaceWorker, Rescale, SwitchMode
 from sgdjob_operator.policy.health import JobHealth, Shape
 from sgdjob_operator.policy.job import JobView
-from sgdjob_operator.policy.plans import group_size_target, node_groups, paced_group_batches, rebalanced_batches, speed_groups
+from sgdjob_operator.policy.plans import (
+    group_size_target,
+    node_groups,
+    paced_group_batches,
+    rebalanced_batches,
+    speed_groups,
+)
 
 # A decision factory: (reason, predicted gain) -> Decision.
 Make = Callable[[str, float], Decision]
@@ -62,9 +68,18 @@ def current_groups(ctx: DecisionContext) -> list[list[int]]:
     return speed_groups(ctx.speeds, view.policy.recover_threshold, group_size_target(len(ctx.speeds)))
 
 
-def predict_config(ctx: DecisionContext, mode: str, speeds: Mapping[int, float], batches: Mapping[int, int], groups: list[list[int]] | None, label: str) -> Prediction:
+def predict_config(
+    ctx: DecisionContext,
+    mode: str,
+    speeds: Mapping[int, float],
+    batches: Mapping[int, int],
+    groups: list[list[int]] | None,
+    label: str,
+) -> Prediction:
     if mode == "async":
-        return predict_async(speeds, batches, ctx.ci, ctx.measured_staleness if ctx.view.mode == "async" else None, label)
+        return predict_async(
+            speeds, batches, ctx.ci, ctx.measured_staleness if ctx.view.mode == "async" else None, label
+        )
     if mode == "hierarchical":
         return predict_hierarchical(speeds, batches, groups or current_groups(ctx), ctx.ci, label)
     return predict_sync(speeds, batches, ctx.ci, label)
@@ -85,11 +100,27 @@ def build(ctx: DecisionContext) -> list[Candidate]:
     out: list[Candidate] = []
     if shape is Shape.HOMOGENEOUS:
         if view.mode == "sync" and unequal and view.allows(Action.REBALANCE):
-            out.append(_candidate("plain", lambda why, g: Rebalance(plain, why, g), predict_sync(ctx.speeds, plain, ctx.ci, "plain sync"), view.switch_seconds, restoring=True))
+            out.append(
+                _candidate(
+                    "plain",
+                    lambda why, g: Rebalance(plain, why, g),
+                    predict_sync(ctx.speeds, plain, ctx.ci, "plain sync"),
+                    view.switch_seconds,
+                    restoring=True,
+                )
+            )
         elif view.mode != "sync" and switch:
             back = plain if unequal else None
             pred = predict_sync(ctx.speeds, plain, ctx.ci, "plain sync")
-            out.append(_candidate("switch:sync", lambda why, g: SwitchMode("sync", why, None, back, g), pred, view.switch_seconds, restoring=True))
+            out.append(
+                _candidate(
+                    "switch:sync",
+                    lambda why, g: SwitchMode("sync", why, None, back, g),
+                    pred,
+                    view.switch_seconds,
+                    restoring=True,
+                )
+            )
         return out
     if shape is Shape.SINGLE_STRAGGLER:
         out.extend(_membership(ctx))
@@ -98,13 +129,21 @@ def build(ctx: DecisionContext) -> list[Candidate]:
     if view.allows(Action.REBALANCE) and (view.mode == "sync" or switch):
         b = rebalanced_batches(ctx.speeds, total, caps)
         pred = predict_sync(ctx.speeds, b, ctx.ci, "rebalanced sync")
-        make: Make = (lambda why, g: Rebalance(b, why, g)) if view.mode == "sync" else (lambda why, g: SwitchMode("sync", why, None, b, g))
+        make: Make = (
+            (lambda why, g: Rebalance(b, why, g))
+            if view.mode == "sync"
+            else (lambda why, g: SwitchMode("sync", why, None, b, g))
+        )
         out.append(_candidate("rebalance", make, pred, view.switch_seconds))
     if switch:
         if view.mode != "sync":
             back = plain if unequal else None
             pred = predict_sync(ctx.speeds, plain, ctx.ci, "plain sync")
-            out.append(_candidate("switch:sync", lambda why, g: SwitchMode("sync", why, None, back, g), pred, view.switch_seconds))
+            out.append(
+                _candidate(
+                    "switch:sync", lambda why, g: SwitchMode("sync", why, None, back, g), pred, view.switch_seconds
+                )
+            )
         groups = speed_groups(ctx.speeds, view.policy.recover_threshold, group_size_target(len(ctx.speeds)))
         if len(groups) > 1:
             hb = paced_group_batches(ctx.speeds, groups, total, caps) if view.allows(Action.REBALANCE) else plain
@@ -112,16 +151,28 @@ def build(ctx: DecisionContext) -> list[Candidate]:
             hb_out = hb if hb != plain or unequal else None
             pred = predict_hierarchical(ctx.speeds, hb, groups, ctx.ci)
             out.append(
-                _candidate("switch:hierarchical", lambda why, g: SwitchMode("hierarchical", why, frozen, hb_out, g), pred, view.switch_seconds, CLUSTER_PREFERENCE if shape is Shape.CLUSTERS else 0.0)
+                _candidate(
+                    "switch:hierarchical",
+                    lambda why, g: SwitchMode("hierarchical", why, frozen, hb_out, g),
+                    pred,
+                    view.switch_seconds,
+                    CLUSTER_PREFERENCE if shape is Shape.CLUSTERS else 0.0,
+                )
             )
         if view.mode != "async":
             back = plain if unequal else None
             pred = predict_async(ctx.speeds, plain, ctx.ci)
-            out.append(_candidate("switch:async", lambda why, g: SwitchMode("async", why, None, back, g), pred, view.switch_seconds))
+            out.append(
+                _candidate(
+                    "switch:async", lambda why, g: SwitchMode("async", why, None, back, g), pred, view.switch_seconds
+                )
+            )
     return out
 
 
-def _candidate(key: str, make: Make, pred: Prediction, cost: float, preference: float = 0.0, restoring: bool = False) -> Candidate:
+def _candidate(
+    key: str, make: Make, pred: Prediction, cost: float, preference: float = 0.0, restoring: bool = False
+) -> Candidate:
     return Candidate(key, make, pred, cost, preference, restoring)
 
 
@@ -155,7 +206,15 @@ def _membership(ctx: DecisionContext) -> list[Candidate]:
         exclude = node if node_bound else None
         pod = ctx.pods.get(rank)
         key = f"replace:{node if node is not None else rank}"
-        out.append(_candidate(key, lambda why, g: ReplaceWorker(rank, why, pod, exclude, g), pred, view.restart_seconds, REPLACE_PREFERENCE))
+        out.append(
+            _candidate(
+                key,
+                lambda why, g: ReplaceWorker(rank, why, pod, exclude, g),
+                pred,
+                view.restart_seconds,
+                REPLACE_PREFERENCE,
+            )
+        )
     if view.allows(Action.RESCALE) and view.replicas - 1 >= view.min_replicas:
         rest = {r: v for r, v in ctx.speeds.items() if r not in on_node}
         if rest:

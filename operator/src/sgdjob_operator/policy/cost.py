@@ -50,7 +50,9 @@ def _noise(ci: CostInputs, n: int) -> float:
     return 1.0 + ci.jitter * math.log(n) if n > 1 else 1.0
 
 
-def predict_sync(speeds: Mapping[int, float], batches: Mapping[int, int], ci: CostInputs, label: str = "sync") -> Prediction:
+def predict_sync(
+    speeds: Mapping[int, float], batches: Mapping[int, int], ci: CostInputs, label: str = "sync"
+) -> Prediction:
     n = len(speeds)
     if n == 0:
         return Prediction(label, 0.0, 0.0, 1.0)
@@ -59,7 +61,13 @@ def predict_sync(speeds: Mapping[int, float], batches: Mapping[int, int], ci: Co
     return Prediction(label, sum(batches[r] for r in speeds) / step, 0.0, 1.0)
 
 
-def predict_hierarchical(speeds: Mapping[int, float], batches: Mapping[int, int], groups: Sequence[Sequence[int]], ci: CostInputs, label: str = "hierarchical") -> Prediction:
+def predict_hierarchical(
+    speeds: Mapping[int, float],
+    batches: Mapping[int, int],
+    groups: Sequence[Sequence[int]],
+    ci: CostInputs,
+    label: str = "hierarchical",
+) -> Prediction:
     groups = [[r for r in g if r in speeds] for g in groups]
     groups = [g for g in groups if g]
     n = sum(len(g) for g in groups)
@@ -83,7 +91,13 @@ def predict_hierarchical(speeds: Mapping[int, float], batches: Mapping[int, int]
     return Prediction(label, throughput, staleness, stat_efficiency(staleness, ci.penalty))
 
 
-def predict_async(speeds: Mapping[int, float], batches: Mapping[int, int], ci: CostInputs, measured_staleness: float | None = None, label: str = "async") -> Prediction:
+def predict_async(
+    speeds: Mapping[int, float],
+    batches: Mapping[int, int],
+    ci: CostInputs,
+    measured_staleness: float | None = None,
+    label: str = "async",
+) -> Prediction:
     n = len(speeds)
     if n == 0:
         return Prediction(label, 0.0, 0.0, 1.0)

@@ -37,7 +37,12 @@ class SwitchMode:
     action: str = field(default=SWITCH_MODE, init=False)
 
     def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"action": self.action, "reason": self.reason, "mode": self.mode, "predictedGain": self.predicted_gain}
+        out: dict[str, Any] = {
+            "action": self.action,
+            "reason": self.reason,
+            "mode": self.mode,
+            "predictedGain": self.predicted_gain,
+        }
         if self.groups is not None:
             out["groups"] = [list(g) for g in self.groups]
         if self.batch_sizes is not None:

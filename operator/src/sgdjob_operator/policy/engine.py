@@ -50,7 +50,11 @@ def evaluate(state: PolicyState, samples: Sequence[WorkerSample], job: JobView, 
     p = job.policy
     window = measure(state.ranks, samples, job.world_size)
     a = assess(window, state, p)
-    comm = job.comm if job.comm.gradient_bytes or not window.gradient_bytes else job.comm.with_gradient_bytes(window.gradient_bytes)
+    comm = (
+        job.comm
+        if job.comm.gradient_bytes or not window.gradient_bytes
+        else job.comm.with_gradient_bytes(window.gradient_bytes)
+    )
     jitter = jitter_coefficient(window, comm, state.jitter)
     base = PolicyState(
         ranks=a.ranks,
@@ -74,7 +78,9 @@ def evaluate(state: PolicyState, samples: Sequence[WorkerSample], job: JobView, 
     nodes = {r: (a.ranks[r].node if r in a.ranks else None) for r in speeds}
     pods = {r: (window.latest[r].pod if r in window.latest else None) for r in speeds}
     stale = [w.staleness for w in window.ranks.values() if w.mode == "async"]
-    ci = CostInputs(comm, jitter, p.staleness_penalty, job.average_every, job.hier_staleness, job.async_staleness, job.ps_shards)
+    ci = CostInputs(
+        comm, jitter, p.staleness_penalty, job.average_every, job.hier_staleness, job.async_staleness, job.ps_shards
+    )
     ctx = DecisionContext(health, job, speeds, nodes, pods, ci, sum(stale) / len(stale) if stale else None)
     current = predict_current(ctx)
     candidates = build(ctx)
@@ -86,7 +92,10 @@ def evaluate(state: PolicyState, samples: Sequence[WorkerSample], job: JobView, 
     streak = state.candidate_streak + 1 if chosen.key == state.candidate else 1
     waiting = replace(base, candidate=chosen.key, candidate_streak=streak)
     gain = _gain(chosen.prediction, current)
-    what = f"{chosen.prediction.label} predicts {chosen.prediction.useful:.4g} useful samples/s vs {current.useful:.4g} now ({gain:+.0%})"
+    what = (
+        f"{chosen.prediction.label} predicts {chosen.prediction.useful:.4g} useful samples/s "
+        f"vs {current.useful:.4g} now ({gain:+.0%})"
+    )
     if job.in_flight:
         # Persistence starts over once the change has landed: no cooldown starts, no streak grows.
         held = chosen.make(f"{health.summary}; {what}", round(gain, 4))
@@ -132,7 +141,9 @@ def _choose(candidates: list[Candidate], current: Prediction, job: JobView, prev
     if not viable:
         return None
     best = max(viable, key=lambda c: c.prediction.useful)
-    favourites = [c for c in viable if c.preference > 0 and c.prediction.useful >= best.prediction.useful * (1 - c.preference)]
+    favourites = [
+        c for c in viable if c.preference > 0 and c.prediction.useful >= best.prediction.useful * (1 - c.preference)
+    ]
     if favourites:
         return max(favourites, key=lambda c: c.preference)
     for c in viable:
@@ -145,9 +156,15 @@ def _keep_reason(health: JobHealth, current: Prediction, candidates: list[Candid
     if health.shape is Shape.HOMOGENEOUS:
         return f"{health.summary}; nothing to change"
     if not candidates:
-        return f"{health.summary}; no allowed action applies (allowedActions: {', '.join(a.value for a in job.policy.allowed_actions) or 'none'})"
+        return (
+            f"{health.summary}; no allowed action applies "
+            f"(allowedActions: {', '.join(a.value for a in job.policy.allowed_actions) or 'none'})"
+        )
     best = max(candidates, key=lambda c: c.prediction.useful)
-    return f"{health.summary}; best alternative {best.prediction.label} predicts {_gain(best.prediction, current):+.0%} (a change needs {job.policy.switch_margin:+.0%} and must repay its pause)"
+    return (
+        f"{health.summary}; best alternative {best.prediction.label} predicts {_gain(best.prediction, current):+.0%} "
+        f"(a change needs {job.policy.switch_margin:+.0%} and must repay its pause)"
+    )
 
 
 def _forget_replaced(ranks: Mapping[int, RankState], decision: Decision, ctx: DecisionContext) -> dict[int, RankState]:

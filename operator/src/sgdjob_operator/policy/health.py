@@ -115,7 +115,9 @@ def _fingerprint(ranks: set[int] | list[int]) -> str:
     return f"{zlib.crc32(','.join(map(str, sorted(ranks))).encode()):08x}"
 
 
-def _raw_shape(speeds: Mapping[int, float], flagged: set[int], nodes: Mapping[int, str | None], p: PolicySpec) -> tuple[Shape, str]:
+def _raw_shape(
+    speeds: Mapping[int, float], flagged: set[int], nodes: Mapping[int, str | None], p: PolicySpec
+) -> tuple[Shape, str]:
     slow_nodes = {_node_key(r, nodes.get(r)) for r in flagged}
     # The rest of the fleet, without the slow node's other ranks (they may sit just under the
     # threshold while their node degrades).
@@ -151,7 +153,11 @@ def assess(window: Window, state: PolicyState, p: PolicySpec) -> Assessment:
         elif spread < p.recover_threshold:
             heterogeneous = False
         flagged_now = {r for r in measured if ranks[r].flagged}
-        raw, key = (Shape.HOMOGENEOUS, Shape.HOMOGENEOUS.value) if not heterogeneous else _raw_shape(measured, flagged_now, nodes, p)
+        raw, key = (
+            (Shape.HOMOGENEOUS, Shape.HOMOGENEOUS.value)
+            if not heterogeneous
+            else _raw_shape(measured, flagged_now, nodes, p)
+        )
     streak = state.shape_streak + 1 if key == state.shape else 1
     if raw is Shape.UNKNOWN:
         streak = state.shape_streak
@@ -199,7 +205,15 @@ def assess(window: Window, state: PolicyState, p: PolicySpec) -> Assessment:
     return Assessment(health, ranks, heterogeneous, key, streak)
 
 
-def _summary(shape: Shape, raw: Shape, table: Mapping[int, RankHealth], clusters: tuple[tuple[int, ...], ...], spread: float, streak: int, p: PolicySpec) -> str:
+def _summary(
+    shape: Shape,
+    raw: Shape,
+    table: Mapping[int, RankHealth],
+    clusters: tuple[tuple[int, ...], ...],
+    spread: float,
+    streak: int,
+    p: PolicySpec,
+) -> str:
     if shape is Shape.UNKNOWN:
         return "not enough ranks measured this window"
     if shape is Shape.TRANSIENT:
@@ -209,9 +223,14 @@ def _summary(shape: Shape, raw: Shape, table: Mapping[int, RankHealth], clusters
     if shape is Shape.SINGLE_STRAGGLER:
         worst = max((h for h in table.values() if h.flagged), key=lambda h: h.ratio, default=None)
         if worst is not None:
-            return f"single straggler: rank {worst.rank} on {worst.node or 'an unknown node'} is {worst.ratio:.2f}x slower than the median"
+            return (
+                f"single straggler: rank {worst.rank} on {worst.node or 'an unknown node'} "
+                f"is {worst.ratio:.2f}x slower than the median"
+            )
     if shape is Shape.CLUSTERS:
-        parts = [f"{len(c)} ranks at {median([table[r].speed for r in c if r in table] or [0.0]):.4g}/s" for c in clusters]
+        parts = [
+            f"{len(c)} ranks at {median([table[r].speed for r in c if r in table] or [0.0]):.4g}/s" for c in clusters
+        ]
         return f"{len(clusters)} speed clusters: " + ", ".join(parts)
     return f"dispersed: fastest/slowest {spread:.2f}x"
 

@@ -71,7 +71,9 @@ class JobView:
     @property
     def plain(self) -> bool:
         """Synchronous with every rank at the spec batch: where a job rests when nothing is wrong."""
-        return self.mode == SyncMode.SYNC.value and all(self.batch(r) == self.base_batch for r in range(self.world_size))
+        return self.mode == SyncMode.SYNC.value and all(
+            self.batch(r) == self.base_batch for r in range(self.world_size)
+        )
 
 
 def job_view(

@@ -74,7 +74,13 @@ def latest_by_rank(samples: Iterable[WorkerSample], world_size: int) -> dict[int
 
 def _reset(prev: RankState, s: WorkerSample) -> bool:
     moved = prev.node is not None and s.node is not None and prev.node != s.node
-    return moved or s.steps < prev.steps or s.samples < prev.samples or s.compute_seconds < prev.compute - _EPS or s.comm_wait_seconds < prev.wait - _EPS
+    return (
+        moved
+        or s.steps < prev.steps
+        or s.samples < prev.samples
+        or s.compute_seconds < prev.compute - _EPS
+        or s.comm_wait_seconds < prev.wait - _EPS
+    )
 
 
 def measure(previous: Mapping[int, RankState], samples: Iterable[WorkerSample], world_size: int) -> Window:
@@ -120,7 +126,9 @@ def measure(previous: Mapping[int, RankState], samples: Iterable[WorkerSample], 
     return Window(ranks, tuple(baseline), tuple(restarted), tuple(idle), missing, latest, gradient_bytes, world_size)
 
 
-def next_rank_states(previous: Mapping[int, RankState], window: Window, flags: Mapping[int, tuple[float, bool]]) -> dict[int, RankState]:
+def next_rank_states(
+    previous: Mapping[int, RankState], window: Window, flags: Mapping[int, tuple[float, bool]]
+) -> dict[int, RankState]:
     """Counters to difference against next time, with each measured rank's new (speed, flagged);
     other ranks carry their speed, streak and flag over."""
     out: dict[int, RankState] = {}
@@ -137,7 +145,9 @@ def next_rank_states(previous: Mapping[int, RankState], window: Window, flags: M
             speed, flagged, streak = None, False, 0
         else:
             speed, flagged, streak = prev.speed, prev.flagged, prev.streak
-        out[rank] = RankState(s.time, s.steps, s.samples, s.compute_seconds, s.comm_wait_seconds, s.node, speed, streak, flagged)
+        out[rank] = RankState(
+            s.time, s.steps, s.samples, s.compute_seconds, s.comm_wait_seconds, s.node, speed, streak, flagged
+        )
     # Missing ranks keep their last state: a scrape that failed once must not erase a streak.
     for rank, prev in previous.items():
         if rank not in out and rank < window.world_size:

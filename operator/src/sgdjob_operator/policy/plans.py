@@ -84,7 +84,9 @@ def node_groups(nodes: Mapping[int, str | None]) -> list[list[int]]:
     return sorted(by_node.values())
 
 
-def paced_group_batches(speeds: Mapping[int, float], groups: Sequence[Sequence[int]], total: int, caps: Mapping[int, int]) -> dict[int, int]:
+def paced_group_batches(
+    speeds: Mapping[int, float], groups: Sequence[Sequence[int]], total: int, caps: Mapping[int, int]
+) -> dict[int, int]:
     """Batch sizes for hierarchical groups that keep pace with each other: a group steps at its
     slowest member's pace, so every member of a group gets a batch proportional to that speed.
     (The trainer bounds how far a group may run ahead, so unpaced groups end up at the slowest

@@ -56,7 +56,11 @@ def simulate_scenario(sc: Scenario, modes: tuple[str, ...] = SYSTEMS) -> Scenari
 def table(results: list[ScenarioResult]) -> str:
     """Efficiency (useful throughput / bound) per scenario and mode, with auto's distance to the
     best static mode and its changes."""
-    head = f"{'scenario':<28} {'workers':>7} " + " ".join(f"{m:>12}" for m in SYSTEMS) + f" {'best static':>18} {'auto/best':>9} {'changes':>7} {'detect s':>8} {'sim s':>6}"
+    head = (
+        f"{'scenario':<28} {'workers':>7} "
+        + " ".join(f"{m:>12}" for m in SYSTEMS)
+        + f" {'best static':>18} {'auto/best':>9} {'changes':>7} {'detect s':>8} {'sim s':>6}"
+    )
     lines = [head, "-" * len(head)]
     for res in results:
         best, value = res.best_static

@@ -80,7 +80,11 @@ class Env:
         else:
             # A dead worker (speed 0) takes forever: inf, not a warning.
             out = np.divide(batches, speeds, out=np.full(workers.size, np.inf), where=speeds > 0)
-        noise = self._jitter(workers.size * steps).reshape(steps, workers.size) if self.noise > 0 else np.ones((steps, workers.size))
+        noise = (
+            self._jitter(workers.size * steps).reshape(steps, workers.size)
+            if self.noise > 0
+            else np.ones((steps, workers.size))
+        )
         rows: Floats = out * noise
         return rows[0] if steps == 1 else rows
 

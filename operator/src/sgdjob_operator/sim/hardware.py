@@ -47,7 +47,9 @@ class SimulatedFleet:
                 lo, hi = event.duration_seconds
                 for _ in range(event.count):
                     start = float(rng.uniform(0, horizon))
-                    rows.append((int(rng.integers(self.nodes)), _STEP, start, start + float(rng.uniform(lo, hi)), event.factor))
+                    rows.append(
+                        (int(rng.integers(self.nodes)), _STEP, start, start + float(rng.uniform(lo, hi)), event.factor)
+                    )
         table = np.array(rows, dtype=np.float64).reshape(-1, 5)
         self._ev_node = table[:, 0].astype(np.int64)
         self._ev_kind = table[:, 1].astype(np.int64)
@@ -113,7 +115,11 @@ class SimulatedFleet:
 
     def deaths(self) -> list[tuple[float, int]]:
         """(time, node) of each node death, in time order."""
-        pairs = {(float(s), int(n)) for s, n, k in zip(self._ev_start, self._ev_node, self._ev_kind, strict=True) if k == _DEATH}
+        pairs = {
+            (float(s), int(n))
+            for s, n, k in zip(self._ev_start, self._ev_node, self._ev_kind, strict=True)
+            if k == _DEATH
+        }
         return sorted(pairs)
 
     def bound(self, duration: float, points: int = 2000) -> float:

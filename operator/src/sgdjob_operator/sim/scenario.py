@@ -26,7 +26,9 @@ class GpuType(CamelModel):
     name: Annotated[str, Field(min_length=1, max_length=64, description="Label, e.g. A100.")]
     nodes: Annotated[int, Field(ge=1, le=MAX_SIM_WORKERS, description="How many nodes of this kind.")]
     speed: Annotated[float, Field(gt=0, le=1e7, description="Samples per second of one GPU when it never waits.")]
-    max_batch: Annotated[int | None, Field(ge=1, le=65_536, description="Largest per-GPU batch its memory holds (caps rebalancing).")] = None
+    max_batch: Annotated[
+        int | None, Field(ge=1, le=65_536, description="Largest per-GPU batch its memory holds (caps rebalancing).")
+    ] = None
 
 
 class Slowdown(CamelModel):
@@ -74,8 +76,12 @@ class Network(CamelModel):
 
     latency_seconds: Annotated[float, Field(ge=0, le=1.0)] = 2e-5
     bandwidth_gbps: Annotated[float, Field(gt=0, le=10_000, description="Gigabytes per second of one link.")] = 12.5
-    gradient_mb: Annotated[float, Field(ge=0, le=1e6, description="Megabytes of one gradient (the model's parameters).")] = 100.0
-    ps_apply_seconds: Annotated[float, Field(ge=0, le=1.0, description="A parameter-server shard's fixed work per push.")] = 5e-4
+    gradient_mb: Annotated[
+        float, Field(ge=0, le=1e6, description="Megabytes of one gradient (the model's parameters).")
+    ] = 100.0
+    ps_apply_seconds: Annotated[
+        float, Field(ge=0, le=1.0, description="A parameter-server shard's fixed work per push.")
+    ] = 5e-4
 
 
 class Costs(CamelModel):
@@ -94,11 +100,19 @@ class Scenario(CamelModel):
     nproc_per_node: Annotated[int, Field(ge=1, le=64)] = 1
     fleet: Annotated[list[GpuType], Field(min_length=1, max_length=64)]
     duration_seconds: Annotated[float | None, Field(gt=0, le=1e7)] = None
-    steps: Annotated[int | None, Field(ge=1, le=10_000_000, description="Run as long as this many plain-sync steps take on the nominal fleet.")] = None
-    noise: Annotated[float, Field(ge=0, le=2.0, description="Per-step compute noise (sigma of a mean-1 lognormal).")] = 0.03
+    steps: Annotated[
+        int | None,
+        Field(ge=1, le=10_000_000, description="Run as long as this many plain-sync steps take on the nominal fleet."),
+    ] = None
+    noise: Annotated[
+        float, Field(ge=0, le=2.0, description="Per-step compute noise (sigma of a mean-1 lognormal).")
+    ] = 0.03
     network: Network = Network()
     costs: Costs = Costs()
-    job: Annotated[dict[str, Any], Field(description="SGDJob spec fields (training, policy, minReplicas...); replicas comes from the fleet.")] = {}
+    job: Annotated[
+        dict[str, Any],
+        Field(description="SGDJob spec fields (training, policy, minReplicas...); replicas comes from the fleet."),
+    ] = {}
     events: Annotated[list[Event], Field(max_length=10_000)] = []
 
     @property
@@ -131,13 +145,22 @@ class Scenario(CamelModel):
         for i, event in enumerate(self.events):
             for node in getattr(event, "nodes", []):
                 if node >= self.nodes:
-                    raise cross_field_error(f"events[{i}].nodes", f"node {node} does not exist (the fleet has {self.nodes} nodes, 0..{self.nodes - 1})")
+                    raise cross_field_error(
+                        f"events[{i}].nodes",
+                        f"node {node} does not exist (the fleet has {self.nodes} nodes, 0..{self.nodes - 1})",
+                    )
             if isinstance(event, Drift) and event.end_seconds <= event.start_seconds:
                 raise cross_field_error(f"events[{i}].endSeconds", "endSeconds must be after startSeconds")
-            if isinstance(event, Slowdown) and event.until_seconds is not None and event.until_seconds <= event.at_seconds:
+            if (
+                isinstance(event, Slowdown)
+                and event.until_seconds is not None
+                and event.until_seconds <= event.at_seconds
+            ):
                 raise cross_field_error(f"events[{i}].untilSeconds", "untilSeconds must be after atSeconds")
             if isinstance(event, Hiccups) and not 0 < event.duration_seconds[0] <= event.duration_seconds[1]:
-                raise cross_field_error(f"events[{i}].durationSeconds", "give [shortest, longest] with 0 < shortest <= longest")
+                raise cross_field_error(
+                    f"events[{i}].durationSeconds", "give [shortest, longest] with 0 < shortest <= longest"
+                )
         try:
             self.spec(JobMode.AUTO)
         except ValidationError as err:

@@ -20,7 +20,13 @@ from sgdjob_operator.api.models import JobMode
 from sgdjob_operator.policy import Decision, SwitchMode, WorkerSample
 from sgdjob_operator.policy.driver import Costs, DriverState, Observed, Push, Replace, Scale, act, drive
 from sgdjob_operator.policy.job import DEFAULT_MAX_BATCH_FACTOR
-from sgdjob_operator.policy.plans import group_size_target, node_groups, paced_group_batches, rebalanced_batches, speed_groups
+from sgdjob_operator.policy.plans import (
+    group_size_target,
+    node_groups,
+    paced_group_batches,
+    rebalanced_batches,
+    speed_groups,
+)
 from sgdjob_operator.sim.engines import AsyncEngine, Counters, Engine, Env, HierarchicalEngine, SyncEngine
 from sgdjob_operator.sim.hardware import Floats, SimulatedFleet
 from sgdjob_operator.sim.loss import loss_after
@@ -80,7 +86,14 @@ class Run:
         self.duration = sc.duration
         n = self.fleet.size
         self.counters = Counters(n)
-        self.env = Env(self.fleet, self.counters, np.random.default_rng(sc.seed + 1), sc.comm(), sc.noise, self.spec.policy.staleness_penalty)
+        self.env = Env(
+            self.fleet,
+            self.counters,
+            np.random.default_rng(sc.seed + 1),
+            sc.comm(),
+            sc.noise,
+            self.spec.policy.staleness_penalty,
+        )
         self.alive = np.ones(n, dtype=bool)
         self.base = self.spec.training.batch_size
         self.caps = [c or DEFAULT_MAX_BATCH_FACTOR * self.base for c in self.fleet.caps]
@@ -117,7 +130,9 @@ class Run:
         if self.mode == "hierarchical":
             groups = self.groups or node_groups({int(w): self.fleet.worker_node_name(int(w)) for w in members})
             arrays = [np.array(g, dtype=np.int64) for g in groups if g]
-            return HierarchicalEngine(self.env, arrays, self.batches, t0, training.hierarchical.average_every, training.hierarchical.staleness)
+            return HierarchicalEngine(
+                self.env, arrays, self.batches, t0, training.hierarchical.average_every, training.hierarchical.staleness
+            )
         return SyncEngine(self.env, members, self.batches, t0)
 
     # ------------------------------------------------------------------ membership

@@ -254,7 +254,14 @@ async def scrape(
     own = session is None
     sess = session or aiohttp.ClientSession()
     try:
-        return list(await asyncio.gather(*(_scrape_one(sess, ep, timeout=timeout, metrics=metrics, status=status, clock=clock, gate=gate) for ep in endpoints)))
+        return list(
+            await asyncio.gather(
+                *(
+                    _scrape_one(sess, ep, timeout=timeout, metrics=metrics, status=status, clock=clock, gate=gate)
+                    for ep in endpoints
+                )
+            )
+        )
     finally:
         if own:
             await sess.close()

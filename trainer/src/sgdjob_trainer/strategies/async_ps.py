@@ -37,7 +37,13 @@ class AsyncStrategy(Strategy):
         self.fresh = torch.zeros(self.numel)
         cfg = self.ctx.training.async_
         bound = "unbounded (ASP)" if cfg.staleness is None else f"at most {cfg.staleness} steps"
-        log.info("async: %d parameter-server shard(s) on ranks %s, staleness %s, lr damping %s", len(self.server.hosts), self.server.hosts, bound, cfg.staleness_lr.value)
+        log.info(
+            "async: %d parameter-server shard(s) on ranks %s, staleness %s, lr damping %s",
+            len(self.server.hosts),
+            self.server.hosts,
+            bound,
+            cfg.staleness_lr.value,
+        )
         self.reset_optimizer()
 
     def step(self, offered_epoch: int) -> StepResult:

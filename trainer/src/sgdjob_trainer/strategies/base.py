@@ -161,7 +161,9 @@ class Strategy(ABC):
         """Momentum from another mode's update rule does not carry over a switch."""
         self.ctx.state.optimizer.state.clear()
 
-    def weighted_allreduce(self, group: dist.ProcessGroup | None, samples: int, offered_epoch: int) -> tuple[float, int, bool, bool]:
+    def weighted_allreduce(
+        self, group: dist.ProcessGroup | None, samples: int, offered_epoch: int
+    ) -> tuple[float, int, bool, bool]:
         """Sample-weighted gradient average over `group`: each rank sends grad x its samples, its
         samples, its offered control epoch (rank 0's is the only non-zero one, so the sum is that
         epoch) and whether it is stopping. Uncompressed this is ONE allreduce; with bf16

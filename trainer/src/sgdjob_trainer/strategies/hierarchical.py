@@ -8,10 +8,10 @@ world, and consumes the result `staleness` rounds later by applying
 `params += (average - snapshot) / (1 + staleness)`, keeping its own progress since the snapshot.
 The damping matters: a full correction that is s rounds old drives the groups' disagreement d by
 d[t+1] = d[t] - d[t-s], which oscillates and grows for s >= 2 (spectral radius 1.15 at s=2, and
-the run diverges); with 1/(1+s) the radius stays below 1 (0.84 at s=2, 0.96 at s=8). A round's allreduce completes only when every group
-reached that round, so a fast group runs at most `staleness` rounds ahead of the slowest and then
-waits; a slow group never stalls a fast one beyond that bound. staleness 0 is plain periodic
-model averaging.
+the run diverges); with 1/(1+s) the radius stays below 1 (0.84 at s=2, 0.96 at s=8). A round's
+allreduce completes only when every group reached that round, so a fast group runs at most
+`staleness` rounds ahead of the slowest and then waits; a slow group never stalls a fast one
+beyond that bound. staleness 0 is plain periodic model averaging.
 
 Control: rank 0 adds its pending command epoch to each round's buffer; a round is consumed at the
 same step number by every rank (round r at boundary r + staleness), so all ranks see the epoch
@@ -82,7 +82,12 @@ class HierarchicalStrategy(Strategy):
                 ctx.group_cache[key] = dist.new_group(ranks=list(group))
             if ctx.info.rank in group:
                 self.group_pg = ctx.group_cache[key]
-        log.info("hierarchical: groups %s, model average every %d steps, at most %d rounds behind", self.groups, self.every, self.staleness)
+        log.info(
+            "hierarchical: groups %s, model average every %d steps, at most %d rounds behind",
+            self.groups,
+            self.every,
+            self.staleness,
+        )
         self.local_steps = 0
         self.outstanding: deque[tuple[dist.Work, torch.Tensor, torch.Tensor]] = deque()
         self.reset_optimizer()
@@ -118,7 +123,11 @@ class HierarchicalStrategy(Strategy):
         if self.local_steps % self.every == 0:
             snapshot = self.flat_params()
             # A stop travels with the round like the epoch: consumed at the same step everywhere.
-            tail = torch.tensor([float(offered_epoch), 1.0 if ctx.stopping.is_set() else 0.0], device=snapshot.device, dtype=snapshot.dtype)
+            tail = torch.tensor(
+                [float(offered_epoch), 1.0 if ctx.stopping.is_set() else 0.0],
+                device=snapshot.device,
+                dtype=snapshot.dtype,
+            )
             buf = torch.cat([snapshot / ctx.info.world_size, tail])
             work = dist.all_reduce(buf, async_op=True)
             assert work is not None
@@ -129,7 +138,15 @@ class HierarchicalStrategy(Strategy):
                 seen = max(seen, epoch)
                 stopping = stopping or stop
         age = len(self.outstanding) * self.every + self.local_steps % self.every
-        return StepResult(loss=loss, samples=samples if finite else 0, compute_s=compute, wait_s=wait, staleness=float(age), seen_epoch=seen, interrupted=stopping)
+        return StepResult(
+            loss=loss,
+            samples=samples if finite else 0,
+            compute_s=compute,
+            wait_s=wait,
+            staleness=float(age),
+            seen_epoch=seen,
+            interrupted=stopping,
+        )
 
     def checkpoint_weight(self) -> int:
         """Each group's lowest rank saves the group's model, weighted by the group's size."""

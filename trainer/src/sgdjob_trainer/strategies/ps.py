@@ -21,10 +21,11 @@ gradient may be) without that. `staleness: null` applies everything (ASP).
 End of an async phase: shard 0 raises `stop` when any worker's push completes step `steps`
 (the job's steps are the fastest worker's, per TrainingConfig.steps); every worker stops at its
 next reply. Control epochs travel the same way (rank 0's pending epoch in every shard-0 reply), and
-so do a graceful stop (`interrupt`, raised by any worker's push flagged `stopping`) and checkpoint requests (`checkpoint_request`: the step
-of the checkpoint every worker must write its part of). The learning rate follows the schedule by
-the pushing worker's step (`lr_factor`). Checkpoints: `snapshot()` gives a host's shards and
-`restore()` puts them back after `load()` when a resumed job re-enters async mode.
+so do a graceful stop (`interrupt`, raised by any worker's push flagged `stopping`) and checkpoint
+requests (`checkpoint_request`: the step of the checkpoint every worker must write its part of).
+The learning rate follows the schedule by the pushing worker's step (`lr_factor`). Checkpoints:
+`snapshot()` gives a host's shards and `restore()` puts them back after `load()` when a resumed
+job re-enters async mode.
 
 Limits: each shard is one Python thread serialising its pushes (measured on the quickstart MLP,
 4 processes on a loaded 2-core machine: about 3 ms per exchange for a remote worker, 0.4 ms for
@@ -102,7 +103,9 @@ class Shard:
             self.base = [self.version] * self.world_size
             self.lr, self.total_batch = lr, total_batch
 
-    def apply(self, worker: int, grad: torch.Tensor, batch_size: int, out: torch.Tensor, lr_factor: float = 1.0) -> Reply:
+    def apply(
+        self, worker: int, grad: torch.Tensor, batch_size: int, out: torch.Tensor, lr_factor: float = 1.0
+    ) -> Reply:
         """Apply (or discard) one worker's gradient and copy the fresh slice into `out`."""
         with self.lock:
             staleness = (self.version - self.base[worker]) / max(1, self.world_size - 1)
@@ -161,12 +164,22 @@ class ParameterServer:
         self.bounds = [(cuts[j], cuts[j + 1]) for j in range(count)]
         self.hosts = [j * world_size // count for j in range(count)]
         distributed = world_size > 1
-        self.groups: list[dist.ProcessGroup | None] = [dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT) if distributed else None for _ in range(count)]
+        self.groups: list[dist.ProcessGroup | None] = [
+            dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT) if distributed else None for _ in range(count)
+        ]
         # CPU (gloo) group over all ranks for loading and gathering shards, whatever the training backend is.
         self.ctl = ctl
-        self.shards = {j: Shard(hi - lo, world_size, cfg, momentum) for j, (lo, hi) in enumerate(self.bounds) if self.hosts[j] == rank}
+        self.shards = {
+            j: Shard(hi - lo, world_size, cfg, momentum)
+            for j, (lo, hi) in enumerate(self.bounds)
+            if self.hosts[j] == rank
+        }
         self.stop_flag = False
-        self.threads = [threading.Thread(target=self._serve, args=(j,), name=f"sgdjob-ps-{j}", daemon=True) for j in self.shards if distributed]
+        self.threads = [
+            threading.Thread(target=self._serve, args=(j,), name=f"sgdjob-ps-{j}", daemon=True)
+            for j in self.shards
+            if distributed
+        ]
         for thread in self.threads:
             thread.start()
 
@@ -193,7 +206,17 @@ class ParameterServer:
             logging.shutdown()
             os._exit(1)
 
-    def _apply(self, j: int, shard: Shard, worker: int, grad: torch.Tensor, step: int, batch: int, out: torch.Tensor, stopping: bool = False) -> Reply:
+    def _apply(
+        self,
+        j: int,
+        shard: Shard,
+        worker: int,
+        grad: torch.Tensor,
+        step: int,
+        batch: int,
+        out: torch.Tensor,
+        stopping: bool = False,
+    ) -> Reply:
         reply = shard.apply(worker, grad, batch, out, self.lr_factor(step))
         if j == 0:
             if stopping:  # a worker got SIGTERM: shard 0 tells every worker at its next exchange
@@ -225,7 +248,11 @@ class ParameterServer:
             keep += [header, payload]
             for tensor, tag in ((header, TAG_PUSH), (payload, TAG_GRAD)):
                 works.append(_req(dist.isend(tensor, dst=host, group=group, tag=tag)))
-        local = [self._apply(j, shard, self.rank, grad[lo:hi], step, batch, out[lo:hi], stopping) for j, shard in self.shards.items() for lo, hi in [self.bounds[j]]]
+        local = [
+            self._apply(j, shard, self.rank, grad[lo:hi], step, batch, out[lo:hi], stopping)
+            for j, shard in self.shards.items()
+            for lo, hi in [self.bounds[j]]
+        ]
         for work in works:
             work.wait(COLLECTIVE_TIMEOUT)  # a lost shard host surfaces as an error, not a hang
         merged = local + [_decode(r) for r in replies]
@@ -275,7 +302,9 @@ class ParameterServer:
         if self.world_size > 1:
             for j, host in enumerate(self.hosts):
                 if (host + 1) % self.world_size == self.rank:
-                    dist.send(torch.tensor([STOP, 0, 0, 0], dtype=torch.int64), dst=host, group=self.groups[j], tag=TAG_PUSH)
+                    dist.send(
+                        torch.tensor([STOP, 0, 0, 0], dtype=torch.int64), dst=host, group=self.groups[j], tag=TAG_PUSH
+                    )
         for thread in self.threads:
             thread.join(timeout=30)
 
@@ -286,10 +315,26 @@ def _req(work: dist.Work | None) -> dist.Work:
 
 
 def _encode(reply: Reply) -> torch.Tensor:
-    words = [reply.version, reply.epoch, int(reply.stop), round(reply.staleness * 1000), int(reply.applied), int(reply.interrupted), reply.checkpoint]
+    words = [
+        reply.version,
+        reply.epoch,
+        int(reply.stop),
+        round(reply.staleness * 1000),
+        int(reply.applied),
+        int(reply.interrupted),
+        reply.checkpoint,
+    ]
     return torch.tensor(words, dtype=torch.int64)
 
 
 def _decode(t: torch.Tensor) -> Reply:
     v = [int(x) for x in t.tolist()]
-    return Reply(version=v[0], epoch=v[1], stop=bool(v[2]), staleness=v[3] / 1000, applied=bool(v[4]), interrupted=bool(v[5]), checkpoint=v[6])
+    return Reply(
+        version=v[0],
+        epoch=v[1],
+        stop=bool(v[2]),
+        staleness=v[3] / 1000,
+        applied=bool(v[4]),
+        interrupted=bool(v[5]),
+        checkpoint=v[6],
+    )

@@ -19,4 +19,11 @@ class SyncStrategy(Strategy):
         loss, compute, samples = self.compute_gradients()
         wait, seen, stopping, finite = self.weighted_allreduce(None, samples, offered_epoch)
         compute += self.optimizer_step(finite)
-        return StepResult(loss=loss, samples=samples if finite else 0, compute_s=compute, wait_s=wait, seen_epoch=seen, interrupted=stopping)
+        return StepResult(
+            loss=loss,
+            samples=samples if finite else 0,
+            compute_s=compute,
+            wait_s=wait,
+            seen_epoch=seen,
+            interrupted=stopping,
+        )
