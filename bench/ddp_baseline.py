@@ -24,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 from sgdjob_trainer.__main__ import load_run_config
 from sgdjob_trainer.data import ShardedStream, build_dataset, eval_batch
 from sgdjob_trainer.emulation import ComputeEmulator
-from sgdjob_trainer.models import build_loss, build_model
+from sgdjob_trainer.networks import build_loss, build_model
 from sgdjob_trainer.runtime import WorldInfo
 
 # Every step, like the trainer's loss history, so time-to-target is read at the same resolution.

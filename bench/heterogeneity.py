@@ -20,7 +20,8 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from bench.measure import (
+from bench.plot import plot_results
+from bench.results import (
     SMOOTH_POINTS,
     SYSTEMS,
     TARGET_MULTIPLE,
@@ -32,7 +33,6 @@ from bench.measure import (
     target_checks,
     target_loss,
 )
-from bench.plot import plot_results
 from bench.scenarios import SCENARIO_NAMES, BenchConfig, Scenario, bound, build_scenario, emulation, rank_speeds
 from bench.systems import RunRecord, run_ddp, run_sgdjob
 

@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.measure import SYSTEMS
+from bench.results import SYSTEMS
 
 COLORS = {"ddp": "#7f7f7f", "sync": "#1f77b4", "hierarchical": "#2ca02c", "async": "#ff7f0e", "auto": "#d62728"}
 

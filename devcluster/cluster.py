@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from devcluster.controlplane import ControlPlane
-from devcluster.kube import Kube
+from devcluster.kube import KubeApi
 from devcluster.node_agent import NodeAgent, NodeSpec
 from devcluster.proctree import alive, kill_tagged, reap_orphans
 
@@ -67,8 +67,8 @@ class LocalCluster:
     def ca_file(self) -> Path:
         return self.plane.workdir / "certs" / "apiserver.crt"  # kube-apiserver's self-signed bundle
 
-    def kube(self) -> Kube:
-        return Kube(self.kubeconfig, ca_file=self.ca_file)
+    def kube(self) -> KubeApi:
+        return KubeApi(self.kubeconfig, ca_file=self.ca_file)
 
     def start(self, timeout: float = 60.0) -> LocalCluster:
         self.plane.start()

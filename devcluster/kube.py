@@ -33,8 +33,8 @@ PATCH_TYPES = {
 KubeError = ApiError
 
 
-class Kube:
-    """`Kube(kubeconfig).get("/api/v1/nodes")`; every method returns the decoded JSON body."""
+class KubeApi:
+    """`KubeApi(kubeconfig).get("/api/v1/nodes")`; every method returns the decoded JSON body."""
 
     def __init__(self, kubeconfig: Path | str, timeout: float = 30.0, ca_file: Path | None = None) -> None:
         """`ca_file` verifies the server even where the kubeconfig skips verification (the local plane's

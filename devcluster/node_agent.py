@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from devcluster import podspec
-from devcluster.kube import Kube, KubeError
+from devcluster.kube import KubeApi, KubeError
 from devcluster.pod_runner import CONTAINER_ID_SCHEME, PodRunner, RunnerConfig, now_iso
 from devcluster.proctree import kill_tagged, new_agent_tag, tagged_pids
 
@@ -87,7 +87,7 @@ class NodeAgent:
         # Pods get 127.<octet>.x.y (x >= 1), nodes 127.<octet>.0.n: one /16 per agent, away from
         # 127.0.0.0/24 and from the Service range 127.96.0.0/16 of devcluster/controlplane.py.
         self.octet = net_octet or random.randint(1, 95)
-        self.kube = Kube(kubeconfig, ca_file=ca_file)
+        self.kube = KubeApi(kubeconfig, ca_file=ca_file)
         self.api_port = self.kube.port
         self.isolation, self.isolation_error = False, ""
         self.runner_cfg = RunnerConfig(

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from devcluster import podspec, probes
-from devcluster.kube import Kube, KubeError, pod_path
+from devcluster.kube import KubeApi, KubeError, pod_path
 from devcluster.proctree import TAG_KEY, kill_tagged
 
 log = logging.getLogger("devcluster.node_agent")
@@ -40,7 +40,7 @@ def now_iso() -> str:
 class RunnerConfig:
     """What every runner shares with its agent."""
 
-    kube: Kube
+    kube: KubeApi
     api_port: int
     tag: str  # the agent's tag prefix, "<agent>/"
     path: str  # PATH for containers: the venv's bin first, so `python`/`torchrun`/`sgdjob` are ours
@@ -139,7 +139,7 @@ class PodRunner(threading.Thread):
         self.finalize_pod(self.cfg.kube, self.pod["metadata"])
 
     @staticmethod
-    def finalize_pod(kube: Kube, meta: Obj) -> None:
+    def finalize_pod(kube: KubeApi, meta: Obj) -> None:
         """Delete the pod object with grace 0 (what a kubelet does once its containers are gone)."""
         opts = {
             "apiVersion": "v1",

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from devcluster.cluster import LocalCluster
-from devcluster.kube import Kube, pod_path
+from devcluster.kube import KubeApi, pod_path
 from devcluster.pod_runner import CONTAINER_ID_SCHEME
 
 T = TypeVar("T")
@@ -29,7 +29,7 @@ def wait_for(check: Callable[[], T | None], timeout: float, what: str) -> T:
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
-def wait_ready_namespace(kube: Kube, ns: str) -> None:
+def wait_ready_namespace(kube: KubeApi, ns: str) -> None:
     """Pods are refused until the namespace's default ServiceAccount has its token (controller-made)."""
     wait_for(
         lambda: (kube.get_or_none(f"/api/v1/namespaces/{ns}/serviceaccounts/default") or {}).get("secrets"),
@@ -38,7 +38,7 @@ def wait_ready_namespace(kube: Kube, ns: str) -> None:
     )
 
 
-def new_namespace(kube: Kube, prefix: str) -> str:
+def new_namespace(kube: KubeApi, prefix: str) -> str:
     """A fresh namespace, ready for pods."""
     name = f"{prefix}-{secrets.token_hex(3)}"
     kube.create("/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}})
@@ -51,7 +51,7 @@ def apply(cluster: LocalCluster, ns: str, manifest: str) -> None:
     cluster.plane.kubectl("apply", "-n", ns, "-f", "-", input_text=textwrap.dedent(manifest))
 
 
-def phase_in(kube: Kube, ns: str, name: str, *phases: str) -> Obj | None:
+def phase_in(kube: KubeApi, ns: str, name: str, *phases: str) -> Obj | None:
     """The pod when its phase is one of `phases`, else None."""
     pod = kube.get_or_none(pod_path(ns, name))
     return pod if pod and pod.get("status", {}).get("phase") in phases else None

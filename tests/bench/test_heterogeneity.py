@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 
 from bench.apiproxy import classify
-from bench.measure import (
+from bench.operator_scale import percentile
+from bench.results import (
     SYSTEMS,
     curve_from_ddp,
     curve_from_report,
@@ -22,7 +23,6 @@ from bench.measure import (
     target_checks,
     time_to_target,
 )
-from bench.operator_scale import percentile
 from bench.scenarios import (
     SCENARIO_NAMES,
     BenchConfig,
@@ -34,7 +34,7 @@ from bench.scenarios import (
     rank_speeds,
 )
 from sgdjob_operator.api.validation import validate_job
-from sgdjob_trainer.wire.launch import RunConfig
+from sgdjob_trainer.wire.launch_contract import RunConfig
 
 
 def test_time_to_target_uses_the_smoothed_curve() -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from devcluster.kube import Kube, pod_path
+from devcluster.kube import KubeApi, pod_path
 from devcluster.proctree import alive, tagged_pids
 from devcluster.testing import container_pid, phase_in, wait_for, wait_ready_namespace
 
@@ -32,7 +32,7 @@ def test_cluster_command_brings_a_cluster_up_and_leaves_nothing_behind(k8s_asset
         assert up.returncode == 0, up.stderr
         assert up.stdout.startswith("export KUBECONFIG=")
         info = json.loads(state.read_text())
-        kube = Kube(up.stdout.strip().split("=", 1)[1], ca_file=Path(info["workdir"]) / "certs" / "apiserver.crt")
+        kube = KubeApi(up.stdout.strip().split("=", 1)[1], ca_file=Path(info["workdir"]) / "certs" / "apiserver.crt")
         assert [n["metadata"]["name"] for n in kube.get("/api/v1/nodes")["items"]] == ["node-0"]
         wait_ready_namespace(kube, "default")
         pod = {

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from devcluster.cluster import LocalCluster
-from devcluster.kube import Kube, pod_path
+from devcluster.kube import KubeApi, pod_path
 from devcluster.node_agent import NodeAgent, NodeSpec
 from devcluster.proctree import alive, tagged_pids
 from devcluster.testing import apply, container_pid, new_namespace, phase_in, script, wait_for
@@ -26,12 +26,12 @@ Obj = dict[str, Any]
 
 
 @pytest.fixture(scope="module")
-def kube(cluster: LocalCluster) -> Kube:
+def kube(cluster: LocalCluster) -> KubeApi:
     return cluster.kube()
 
 
 @pytest.fixture(scope="module")
-def ns(kube: Kube) -> Iterator[str]:
+def ns(kube: KubeApi) -> Iterator[str]:
     name = new_namespace(kube, "agent")
     yield name
     kube.delete(f"/api/v1/namespaces/{name}")
@@ -55,7 +55,7 @@ ENV_SCRIPT = script("""
 """)
 
 
-def test_pod_runs_to_completion_with_env_volumes_and_exit_code(cluster: LocalCluster, kube: Kube, ns: str) -> None:
+def test_pod_runs_to_completion_with_env_volumes_and_exit_code(cluster: LocalCluster, kube: KubeApi, ns: str) -> None:
     apply(
         cluster,
         ns,
@@ -165,7 +165,7 @@ volumeMounts: [{{name: scratch, mountPath: /scratch}}]}}
     assert (failed["status"]["phase"], terminated["exitCode"], terminated["reason"]) == ("Failed", 7, "Error")
 
 
-def test_on_failure_restarts_with_backoff_until_success(cluster: LocalCluster, kube: Kube, ns: str) -> None:
+def test_on_failure_restarts_with_backoff_until_success(cluster: LocalCluster, kube: KubeApi, ns: str) -> None:
     # Fails twice, then succeeds: the emptyDir outlives container restarts, as in Kubernetes.
     apply(
         cluster,
@@ -201,7 +201,7 @@ echo $((n+1)) > /data/n; echo "run $n"; test "$n" -ge 2']
     assert cluster.agent.logs(ns, "flaky").split() == ["run", "0", "run", "1", "run", "2"]
 
 
-def test_gpu_pods_schedule_onto_gpu_nodes_only(cluster: LocalCluster, kube: Kube, ns: str) -> None:
+def test_gpu_pods_schedule_onto_gpu_nodes_only(cluster: LocalCluster, kube: KubeApi, ns: str) -> None:
     pods = "\n---\n".join(
         f"""
         apiVersion: v1
@@ -255,7 +255,7 @@ def test_gpu_pods_schedule_onto_gpu_nodes_only(cluster: LocalCluster, kube: Kube
     wait_for(lambda: not kube.get(pod_path(ns), labelSelector="app=gpu")["items"], 30, "GPU pods to be gone")
 
 
-def test_headless_service_names_resolve_to_pod_ips_inside_pods(cluster: LocalCluster, kube: Kube, ns: str) -> None:
+def test_headless_service_names_resolve_to_pod_ips_inside_pods(cluster: LocalCluster, kube: KubeApi, ns: str) -> None:
     assert cluster.agent.isolation, f"per-pod /etc/hosts unavailable: {cluster.agent.isolation_error}"
     server = script("""
         import json, os, socket
@@ -345,7 +345,7 @@ like torchrun workers
 """)
 
 
-def test_deleting_a_pod_kills_all_its_processes_and_finalizes_it(cluster: LocalCluster, kube: Kube, ns: str) -> None:
+def test_deleting_a_pod_kills_all_its_processes_and_finalizes_it(cluster: LocalCluster, kube: KubeApi, ns: str) -> None:
     apply(
         cluster,
         ns,
@@ -404,7 +404,7 @@ def test_deleting_a_pod_kills_all_its_processes_and_finalizes_it(cluster: LocalC
 
 
 def test_node_loss_and_no_process_outlives_the_agent(
-    cluster: LocalCluster, kube: Kube, ns: str, tmp_path: Path
+    cluster: LocalCluster, kube: KubeApi, ns: str, tmp_path: Path
 ) -> None:
     # A second agent with a tainted node of its own, so no other test's pod lands there.
     taint = {"key": "sgdjob.dev/spare", "value": "true", "effect": "NoSchedule"}

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from devcluster.cluster import LocalCluster
-from devcluster.kube import Kube
+from devcluster.kube import KubeApi
 from devcluster.testing import Obj, new_namespace, wait_for
 
 SGDJOBS = "/apis/sgdjob.dev/v1alpha1/namespaces/{ns}/sgdjobs"
@@ -69,21 +69,21 @@ def sgdjob_manifest(
     )
 
 
-def get_job(kube: Kube, ns: str, name: str) -> Obj | None:
+def get_job(kube: KubeApi, ns: str, name: str) -> Obj | None:
     return kube.get_or_none(f"{SGDJOBS.format(ns=ns)}/{name}")
 
 
-def job_status(kube: Kube, ns: str, name: str) -> Obj:
+def job_status(kube: KubeApi, ns: str, name: str) -> Obj:
     return (get_job(kube, ns, name) or {}).get("status") or {}
 
 
-def worker_pods(kube: Kube, ns: str, job: str) -> list[Obj]:
+def worker_pods(kube: KubeApi, ns: str, job: str) -> list[Obj]:
     """The job's worker pods (terminating ones included), by name."""
     pods = kube.get(f"/api/v1/namespaces/{ns}/pods", labelSelector=f"{LABEL_JOB}={job},sgdjob.dev/role=worker")["items"]
     return sorted(pods, key=lambda p: str(p["metadata"]["name"]))
 
 
-def job_events(kube: Kube, ns: str, name: str) -> list[Obj]:
+def job_events(kube: KubeApi, ns: str, name: str) -> list[Obj]:
     """Events about the SGDJob (what `kubectl describe sgdjob` lists), oldest first."""
     items = kube.get(
         f"/api/v1/namespaces/{ns}/events", fieldSelector=f"involvedObject.kind=SGDJob,involvedObject.name={name}"
@@ -119,7 +119,7 @@ def http_json(url: str, timeout: float = 3.0) -> Obj | None:
         return None
 
 
-def assert_children_gone(kube: Kube, ns: str, job: str, timeout: float = 90) -> None:
+def assert_children_gone(kube: KubeApi, ns: str, job: str, timeout: float = 90) -> None:
     """Pods (by label), Service, Secret and ConfigMap of `job` all deleted (the operator and the GC)."""
 
     def left() -> list[str]:

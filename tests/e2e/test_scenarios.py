@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from devcluster.cluster import LocalCluster
-from devcluster.kube import Kube
+from devcluster.kube import KubeApi
 from devcluster.testing import Obj, apply, wait_for
 from tests.e2e.helpers import (
     OperatorProcess,
@@ -47,7 +47,7 @@ RECOVER_TIMEOUT = 240.0  # a membership change: torchrun's re-rendezvous (incl. 
 @dataclass
 class Env:
     cluster: LocalCluster
-    kube: Kube
+    kube: KubeApi
     ns: str
     operator: OperatorProcess
     tmp: Path

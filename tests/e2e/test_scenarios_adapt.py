@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from devcluster.cluster import LocalCluster
-from devcluster.kube import Kube
+from devcluster.kube import KubeApi
 from devcluster.testing import Obj, apply, wait_for
 from tests.e2e.helpers import (
     OperatorProcess,
@@ -50,7 +50,7 @@ POLICY = {
 @dataclass
 class Env:
     cluster: LocalCluster
-    kube: Kube
+    kube: KubeApi
     ns: str
     tmp: Path
     operator: OperatorProcess

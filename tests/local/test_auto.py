@@ -6,7 +6,7 @@ import pytest
 
 from sgdjob_operator.local.auto import applied_epoch
 from sgdjob_operator.workers.scrape import Endpoint, ScrapeResult
-from sgdjob_trainer.wire.status import WorkerStatus
+from sgdjob_trainer.wire.worker_status import WorkerStatus
 from tests.local.example_runs import RunExample, processes_mentioning
 
 

@@ -143,7 +143,7 @@ def test_signal_stops_every_process(tmp_path: Path, sig: signal.Signals, code: i
 
 def test_process_set_kills_term_ignoring_workers_and_escaped_grandchildren(tmp_path: Path) -> None:
     from sgdjob_operator.local.launch import AgentPlan
-    from sgdjob_trainer.wire.launch import RunConfig
+    from sgdjob_trainer.wire.launch_contract import RunConfig
 
     script = tmp_path / "agent.py"
     script.write_text(

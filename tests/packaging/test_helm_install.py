@@ -21,7 +21,7 @@ import yaml
 
 from devcluster.cluster import LocalCluster
 from devcluster.controlplane import free_port
-from devcluster.kube import Kube
+from devcluster.kube import KubeApi
 from devcluster.testing import new_namespace, wait_for
 from tests.packaging.recording_proxy import RecordingProxy
 from tests.packaging.test_chart import CHART, _helm, _render
@@ -66,12 +66,12 @@ def proxy(cluster_crd: LocalCluster) -> Iterator[RecordingProxy]:
         recorder.stop()
 
 
-def _operator_pods(kube: Kube) -> list[dict[str, Any]]:
+def _operator_pods(kube: KubeApi) -> list[dict[str, Any]]:
     pods = kube.get(f"/api/v1/namespaces/{NS}/pods", labelSelector=f"app.kubernetes.io/instance={RELEASE}")["items"]
     return [p for p in pods if not p["metadata"].get("deletionTimestamp")]
 
 
-def _running_operator(cluster: LocalCluster, kube: Kube, not_uid: str = "") -> dict[str, Any]:
+def _running_operator(cluster: LocalCluster, kube: KubeApi, not_uid: str = "") -> dict[str, Any]:
     def ready() -> dict[str, Any] | None:
         pods = [
             p

@@ -23,7 +23,7 @@ import torch.multiprocessing as mp
 from bench.trainer_modes import free_port_base
 from sgdjob_trainer.levers import lr_factor
 from sgdjob_trainer.trainer import Trainer
-from sgdjob_trainer.wire.launch import RunConfig
+from sgdjob_trainer.wire.launch_contract import RunConfig
 
 pytestmark = pytest.mark.multiproc
 REFERENCE = 4

@@ -20,7 +20,7 @@ import torch
 
 from bench.trainer_modes import read_reports
 from sgdjob_trainer.data import build_dataset, eval_batch
-from sgdjob_trainer.models import build_loss, build_model
+from sgdjob_trainer.networks import build_loss, build_model
 
 pytestmark = pytest.mark.multiproc
 WORLD = 4

@@ -25,10 +25,10 @@ from torch.nn.parallel import DistributedDataParallel
 from bench.trainer_modes import free_port_base
 from sgdjob_trainer.config import SyncMode
 from sgdjob_trainer.data import ShardedStream, build_dataset
-from sgdjob_trainer.models import build_model
+from sgdjob_trainer.networks import build_model
 from sgdjob_trainer.trainer import Trainer
 from sgdjob_trainer.wire.control import ControlCommand
-from sgdjob_trainer.wire.launch import RunConfig
+from sgdjob_trainer.wire.launch_contract import RunConfig
 
 pytestmark = pytest.mark.multiproc
 WORLD = 4

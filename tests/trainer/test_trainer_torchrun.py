@@ -12,7 +12,7 @@ import pytest
 from bench.trainer_modes import SWITCH_SEQUENCE, free_port_base, launch, post_control, read_reports, wait_status
 from sgdjob_operator.workers.scrape import parse_metrics
 from sgdjob_trainer.config import Compression
-from sgdjob_trainer.models import build_model
+from sgdjob_trainer.networks import build_model
 from sgdjob_trainer.strategies.base import exchange_bytes
 
 pytestmark = pytest.mark.multiproc

@@ -13,7 +13,7 @@ from sgdjob_trainer.config import AsyncConfig, Emulation, SpeedChange, Staleness
 from sgdjob_trainer.data import SYNTHETIC_NOISE_FLOOR, ShardedStream, build_dataset, digits_dataset, synthetic_dataset
 from sgdjob_trainer.emulation import ComputeEmulator
 from sgdjob_trainer.hooks import load_hook
-from sgdjob_trainer.models import build_loss, build_model
+from sgdjob_trainer.networks import build_loss, build_model
 from sgdjob_trainer.server import ControlInbox
 from sgdjob_trainer.strategies.hierarchical import group_by_node, group_by_speed, valid_groups
 from sgdjob_trainer.strategies.ps import Shard, damping

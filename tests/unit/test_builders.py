@@ -17,7 +17,7 @@ from sgdjob_operator.k8s.builders import (
     config_map_mode,
 )
 from sgdjob_trainer.config import SyncMode
-from sgdjob_trainer.wire.launch import RunConfig
+from sgdjob_trainer.wire.launch_contract import RunConfig
 
 JOB = JobRef(name="j", namespace="ns", uid="u-1")
 IMAGE = "registry/trainer:1"

@@ -17,8 +17,8 @@ from sgdjob_operator.local.progress import PlainDisplay, RunInfo, summarize
 from sgdjob_operator.local.report import build_report, mode_timeline, summary_lines, with_status_fallback
 from sgdjob_operator.workers.scrape import Endpoint, ScrapeResult
 from sgdjob_trainer.config import SyncMode
-from sgdjob_trainer.wire.launch import RunConfig
-from sgdjob_trainer.wire.status import WorkerStatus
+from sgdjob_trainer.wire.launch_contract import RunConfig
+from sgdjob_trainer.wire.worker_status import WorkerStatus
 
 EMULATION = {"computeSeconds": 0.05, "jitter": 0.0, "slowdowns": [{"rank": 1, "factor": 3.0}]}
 

@@ -26,7 +26,7 @@ from sgdjob_operator.workers.scrape import (
 from sgdjob_trainer.config import SyncMode
 from sgdjob_trainer.runtime import WorldInfo
 from sgdjob_trainer.telemetry import Telemetry
-from sgdjob_trainer.wire import metrics as wm
+from sgdjob_trainer.wire import metric_names as wm
 from sgdjob_trainer.wire.control import ControlCommand
 
 

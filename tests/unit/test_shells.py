@@ -21,7 +21,7 @@ from sgdjob_operator.sim.simulation import Run
 from sgdjob_operator.workers.scrape import ControlResult, Endpoint, ScrapeResult
 from sgdjob_trainer.config import SyncMode
 from sgdjob_trainer.wire.control import ControlCommand
-from sgdjob_trainer.wire.status import WorkerStatus
+from sgdjob_trainer.wire.worker_status import WorkerStatus
 from tests.unit.policy_feed import INTERVAL, STRAGGLER, Scrapes, feed
 
 Decisions = list[tuple[float, str, str]]

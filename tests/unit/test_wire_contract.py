@@ -23,8 +23,8 @@ from sgdjob_trainer.runtime import WorldInfo
 from sgdjob_trainer.server import TrainerServer
 from sgdjob_trainer.strategies.base import exchange_bytes
 from sgdjob_trainer.telemetry import Telemetry
-from sgdjob_trainer.wire.launch import AGENT_MODULE, RunConfig, option_env
-from sgdjob_trainer.wire.status import CheckpointReport, Figures, ResumeRecord
+from sgdjob_trainer.wire.launch_contract import AGENT_MODULE, RunConfig, option_env
+from sgdjob_trainer.wire.worker_status import CheckpointReport, Figures, ResumeRecord
 
 
 def _telemetry(rank: int = 1) -> Telemetry:

@@ -24,7 +24,7 @@ import yaml
 
 from sgdjob_trainer.recovery import EXIT_STOPPED
 from sgdjob_trainer.trainer import Trainer
-from sgdjob_trainer.wire.launch import RunConfig
+from sgdjob_trainer.wire.launch_contract import RunConfig
 
 
 def load_run_config(path: Path) -> RunConfig:

@@ -37,7 +37,7 @@ from sgdjob_trainer.checkpoint import Checkpointer, Snapshot, claim_dir, read_pr
 from sgdjob_trainer.config import SyncMode
 from sgdjob_trainer.resume import load_latest
 from sgdjob_trainer.strategies import Context, StepResult, Strategy
-from sgdjob_trainer.wire.status import CheckpointReport, Figures, ResumeRecord
+from sgdjob_trainer.wire.worker_status import CheckpointReport, Figures, ResumeRecord
 
 if TYPE_CHECKING:
     from sgdjob_trainer.server import ControlInbox

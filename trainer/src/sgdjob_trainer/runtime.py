@@ -17,7 +17,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from sgdjob_trainer.wire.launch import ENV_NODE_NAME
+from sgdjob_trainer.wire.launch_contract import ENV_NODE_NAME
 
 log = logging.getLogger("sgdjob_trainer")
 

@@ -26,7 +26,7 @@ from pydantic import ValidationError
 
 from sgdjob_trainer.telemetry import Telemetry
 from sgdjob_trainer.wire.control import ControlCommand, merge
-from sgdjob_trainer.wire.launch import ENV_CONTROL_TOKEN, ENV_CONTROL_TOKEN_FILE
+from sgdjob_trainer.wire.launch_contract import ENV_CONTROL_TOKEN, ENV_CONTROL_TOKEN_FILE
 
 log = logging.getLogger("sgdjob_trainer.server")
 MAX_BODY = 1 << 20

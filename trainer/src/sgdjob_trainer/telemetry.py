@@ -21,8 +21,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 
 from sgdjob_trainer.config import SyncMode
 from sgdjob_trainer.runtime import WorldInfo
-from sgdjob_trainer.wire import metrics as wm
-from sgdjob_trainer.wire.status import CheckpointReport, ResumeRecord, SwitchRecord, WorkerStatus
+from sgdjob_trainer.wire import metric_names as wm
+from sgdjob_trainer.wire.worker_status import CheckpointReport, ResumeRecord, SwitchRecord, WorkerStatus
 
 # `*_created` series double every counter's output and no consumer here reads them.
 disable_created_metrics()  # type: ignore[no-untyped-call]

@@ -37,7 +37,7 @@ from sgdjob_trainer.config import LrScaling, Precision, TrainingConfig
 from sgdjob_trainer.data import ShardedStream, build_dataset, eval_batch
 from sgdjob_trainer.emulation import ComputeEmulator
 from sgdjob_trainer.levers import LossScaler, lr_factor
-from sgdjob_trainer.models import build_loss, build_model
+from sgdjob_trainer.networks import build_loss, build_model
 from sgdjob_trainer.recovery import Recovery
 from sgdjob_trainer.runtime import WorldInfo, choose_device, init_distributed, setup_logging, shutdown_distributed
 from sgdjob_trainer.server import ControlInbox, TrainerServer
@@ -48,7 +48,7 @@ from sgdjob_trainer.strategies.ps import ParameterServer
 from sgdjob_trainer.telemetry import Telemetry
 from sgdjob_trainer.train_state import TrainState
 from sgdjob_trainer.wire.control import ControlCommand
-from sgdjob_trainer.wire.launch import ENV_METRICS_HOST, ENV_METRICS_PORT, ENV_REPORT_DIR, RunConfig
+from sgdjob_trainer.wire.launch_contract import ENV_METRICS_HOST, ENV_METRICS_PORT, ENV_REPORT_DIR, RunConfig
 
 log = logging.getLogger("sgdjob_trainer")
 

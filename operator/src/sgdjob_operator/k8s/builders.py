@@ -20,7 +20,7 @@ from typing import Any
 
 from sgdjob_operator.api.models import API_VERSION, KIND, SGDJobSpec
 from sgdjob_trainer.config import SyncMode
-from sgdjob_trainer.wire.launch import (
+from sgdjob_trainer.wire.launch_contract import (
     ENV_CONTROL_TOKEN_FILE,
     ENV_METRICS_HOST,
     ENV_NODE_NAME,

@@ -21,9 +21,9 @@ from sgdjob_operator.api.models import SGDJob
 from sgdjob_operator.local.progress import Display, ProgressFrame
 from sgdjob_operator.policy.decisions import Decision, SwitchMode
 from sgdjob_operator.policy.driver import (
-    Costs,
     DriverState,
     Observed,
+    PlatformCosts,
     Push,
     Replace,
     Scale,
@@ -77,7 +77,7 @@ def applied_epoch(results: Sequence[ScrapeResult]) -> int | None:
 # What a membership change costs on one machine, for the policy's payback test: stopping the
 # leaving agent at an agreed step, a new rendezvous round and every worker resuming from the
 # checkpoint, about 10-15 s on 2 cores (the operator's default of 60 s is for pods on new nodes).
-LOCAL_COSTS = Costs(restart_seconds=15.0)
+LOCAL_COSTS = PlatformCosts(restart_seconds=15.0)
 # A membership change that has not settled by then is left to the supervisor's failure handling.
 SETTLE_TIMEOUT_S = 180.0
 

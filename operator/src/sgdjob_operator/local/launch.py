@@ -20,7 +20,7 @@ from pathlib import Path
 
 from sgdjob_operator.api.models import Action, JobMode, SGDJob
 from sgdjob_trainer.config import SyncMode, TrainingConfig
-from sgdjob_trainer.wire.launch import (
+from sgdjob_trainer.wire.launch_contract import (
     AGENT_MODULE,
     ENV_CONTROL_TOKEN,
     ENV_CONTROL_TOKEN_FILE,

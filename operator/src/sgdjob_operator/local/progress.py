@@ -15,7 +15,7 @@ from typing import Any, Protocol, TextIO
 
 from sgdjob_operator.local.report import rank_speed, summary_lines
 from sgdjob_operator.workers.scrape import ScrapeResult
-from sgdjob_trainer.wire.status import WorkerStatus
+from sgdjob_trainer.wire.worker_status import WorkerStatus
 
 
 @dataclass(frozen=True, slots=True)

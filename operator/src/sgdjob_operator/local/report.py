@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from sgdjob_trainer.wire.status import WorkerStatus
+from sgdjob_trainer.wire.worker_status import WorkerStatus
 
 RANK_FILE_GLOB = "rank-*.json"
 

@@ -35,8 +35,8 @@ from sgdjob_operator.local.timeline import Timeline
 from sgdjob_operator.workers.scrape import ControlResult, Endpoint, ScrapeResult, post_control, scrape
 from sgdjob_trainer.config import SyncMode
 from sgdjob_trainer.wire.control import ControlCommand
-from sgdjob_trainer.wire.launch import TRAINER_MODULE
-from sgdjob_trainer.wire.status import WorkerStatus
+from sgdjob_trainer.wire.launch_contract import TRAINER_MODULE
+from sgdjob_trainer.wire.worker_status import WorkerStatus
 
 EXIT_FAILED = 1
 EXIT_TIMEOUT = 124

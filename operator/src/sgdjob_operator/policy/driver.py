@@ -111,7 +111,7 @@ def unanimous_mode(samples: Sequence[WorkerSample]) -> str | None:
 
 
 @dataclass(frozen=True, slots=True)
-class Costs:
+class PlatformCosts:
     """What the shell knows about its platform, for the cost model (defaults: pods on a cluster)."""
 
     comm: CommModel | None = None
@@ -226,7 +226,9 @@ def issue(state: DriverState, change: ControlCommand, applied_epoch: int | None 
     return dataclasses.replace(state, command=command, epoch=epoch)
 
 
-def drive(state: DriverState, observed: Observed, spec: SGDJobSpec, now: float, costs: Costs = Costs()) -> Step:
+def drive(
+    state: DriverState, observed: Observed, spec: SGDJobSpec, now: float, costs: PlatformCosts = PlatformCosts()
+) -> Step:
     """One policy interval: evaluate (held while a change is in flight) and turn the decision into
     an action. A failure of the policy, or a decision no shell may carry out, is a keep with the
     problem reported and the state before it kept, so the cooldown never starts for nothing."""

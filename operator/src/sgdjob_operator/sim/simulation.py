@@ -18,7 +18,7 @@ import numpy as np
 
 from sgdjob_operator.api.models import JobMode
 from sgdjob_operator.policy import Decision, SwitchMode, WorkerSample
-from sgdjob_operator.policy.driver import Costs, DriverState, Observed, Push, Replace, Scale, act, drive
+from sgdjob_operator.policy.driver import DriverState, Observed, PlatformCosts, Push, Replace, Scale, act, drive
 from sgdjob_operator.policy.job import DEFAULT_MAX_BATCH_FACTOR
 from sgdjob_operator.policy.plans import (
     group_size_target,
@@ -208,7 +208,7 @@ class Run:
             batch_sizes={r: int(self.batches[w]) for r, w in enumerate(workers)},
             groups=[[rank_of[w] for w in g] for g in self.groups or []] if hierarchical else None,
         )
-        costs = Costs(
+        costs = PlatformCosts(
             comm=self.env.comm,
             max_batch_sizes={r: self.caps[w] for r, w in enumerate(workers)},
             restart_seconds=self.sc.costs.restart_seconds,

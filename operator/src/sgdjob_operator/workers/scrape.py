@@ -21,9 +21,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
 from sgdjob_operator.policy.samples import WorkerSample
-from sgdjob_trainer.wire import metrics as wm
+from sgdjob_trainer.wire import metric_names as wm
 from sgdjob_trainer.wire.control import ControlCommand
-from sgdjob_trainer.wire.status import WorkerStatus
+from sgdjob_trainer.wire.worker_status import WorkerStatus
 
 # Sample names as the trainer exports them; gradient bytes are optional (older trainers lack them).
 STEPS = wm.sample_name(wm.STEPS)

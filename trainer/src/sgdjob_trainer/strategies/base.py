@@ -28,7 +28,7 @@ from sgdjob_trainer.config import Compression, SyncMode, TrainingConfig
 from sgdjob_trainer.data import ShardedStream
 from sgdjob_trainer.emulation import ComputeEmulator
 from sgdjob_trainer.levers import autocast, lr_factor
-from sgdjob_trainer.models import LossFn
+from sgdjob_trainer.networks import LossFn
 from sgdjob_trainer.runtime import WorldInfo
 from sgdjob_trainer.telemetry import Telemetry
 from sgdjob_trainer.train_state import TrainState
