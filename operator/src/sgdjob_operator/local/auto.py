@@ -33,6 +33,7 @@ from sgdjob_operator.policy.driver import (
     restarted,
     unanimous_mode,
 )
+from sgdjob_operator.policy.samples import WorkerSample
 from sgdjob_operator.workers.scrape import ControlResult, ScrapeResult
 from sgdjob_trainer.config import SyncMode
 from sgdjob_trainer.wire.control import ControlCommand
@@ -74,6 +75,13 @@ def applied_epoch(results: Sequence[ScrapeResult]) -> int | None:
     return None
 
 
+def training_start(samples: Sequence[WorkerSample], snap: ProgressFrame) -> float | None:
+    """Seconds into the run when the first of these workers began training, None when none dates
+    its start. Sample times and the frame are both this controller's clock (pure)."""
+    starts = [s.time - s.training_seconds for s in samples if s.training_seconds is not None]
+    return min(starts) - (snap.time - snap.elapsed_s) if starts else None
+
+
 # What a membership change costs on one machine, for the policy's payback test: stopping the
 # leaving agent at an agreed step, a new rendezvous round and every worker resuming from the
 # checkpoint, about 10-15 s on 2 cores (the operator's default of 60 s is for pods on new nodes).
@@ -100,12 +108,17 @@ class AutoController:
     last_eval: float | None = None
     settling_since: float | None = None  # a membership change waits for the new world to report
     problem: str = ""
+    training_start_s: float | None = None  # seconds into the run when the first world began training
 
     async def __call__(self, run: RunHandle, results: list[ScrapeResult], snap: ProgressFrame) -> None:
         run.report_extra["mode"] = "auto"
         run.report_extra["decisions"] = self.decisions
         epoch = applied_epoch(results)
         samples = [r.sample for r in results if r.sample is not None]
+        if self.training_start_s is None:
+            self.training_start_s = training_start(samples, snap)
+            if self.training_start_s is not None:
+                run.report_extra["training_start_s"] = round(self.training_start_s, 3)
         if self.settling_since is not None:
             if not settled(results, run.fleet.world_size()) and self.clock() - self.settling_since < SETTLE_TIMEOUT_S:
                 return
