@@ -30,4 +30,10 @@ def test_quickstart_switches_mode_with_a_reason_and_writes_plots(run_example: Ru
     assert report["final_loss"] < report["initial_loss"]
     for name in ("step_times.png", "loss.png", "throughput.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    print(f"quickstart (300 steps) auto: efficiency {report['efficiency']:.2f}, switches {len(switches)}")
+    first = report["first_decision"]
+    assert first is not None and first["time_s"] is not None, "the real trainer dates its training start"
+    assert (first["step"], first["action"]) == (report["decisions"][0]["step"], report["decisions"][0]["action"])
+    print(
+        f"quickstart (300 steps) auto: efficiency {report['efficiency']:.2f}, switches {len(switches)}, "
+        f"first decision at step {first['step']}, {first['time_s']:.1f} s after training began"
+    )

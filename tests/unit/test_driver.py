@@ -48,6 +48,26 @@ def test_a_straggler_is_rebalanced_after_persisting() -> None:
     assert steps[3].state.policy.last_change == 30.0
 
 
+def dated(scrapes: Scrapes) -> Scrapes:
+    """The same scrapes from trainers that say how long they have trained (training began at t=0)."""
+    return [(t, [dataclasses.replace(s, training_seconds=t) for s in samples]) for t, samples in scrapes]
+
+
+@pytest.mark.parametrize("persistence", [1, 2, 3, 5])
+def test_a_straggler_from_the_start_is_acted_on_at_the_first_interval_where_persistence_holds(
+    persistence: int,
+) -> None:
+    spec = spec_for(policy={"allowedActions": ["rebalance"], "persistenceIntervals": persistence})
+    interval = spec.policy.interval_seconds
+    # Training begins at t=0; the shell's first policy call comes one interval later.
+    scrapes = feed([STRAGGLER] * 8)[1:]
+    acted = [s.state.policy.last_change for s in run_driver(spec, dated(scrapes)) if s.action is not None]
+    assert acted[0] == persistence * interval, "every interval since training start counts"
+    # A trainer that does not date its start costs the first call as a baseline: one interval more.
+    undated = [s.state.policy.last_change for s in run_driver(spec, scrapes) if s.action is not None]
+    assert undated[0] == (persistence + 1) * interval
+
+
 def test_in_flight_holds_without_starting_a_cooldown_and_persistence_starts_over() -> None:
     spec = spec_for(policy={"allowedActions": ["rebalance"]})
     busy = {30.0: "worker pods terminating", 40.0: "worker pods terminating"}

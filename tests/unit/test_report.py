@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import io
 import socket
 from pathlib import Path
@@ -9,16 +11,19 @@ from typing import Any
 
 import pytest
 
-from sgdjob_operator.api.models import JobMode
+from sgdjob_operator.api.models import JobMode, SGDJob
 from sgdjob_operator.api.validation import validate_job
+from sgdjob_operator.local.auto import AutoController, training_start
 from sgdjob_operator.local.launch import plan_launch, resolve_mode
 from sgdjob_operator.local.procs import PORT_FLOOR, ephemeral_ports, free_port_blocks
-from sgdjob_operator.local.progress import PlainDisplay, RunInfo, summarize
+from sgdjob_operator.local.progress import PlainDisplay, ProgressFrame, RunInfo, summarize
 from sgdjob_operator.local.report import build_report, mode_timeline, summary_lines, with_status_fallback
 from sgdjob_operator.workers.scrape import Endpoint, ScrapeResult
 from sgdjob_trainer.config import SyncMode
 from sgdjob_trainer.wire.launch_contract import RunConfig
 from sgdjob_trainer.wire.worker_status import WorkerStatus
+from tests.unit.policy_feed import INTERVAL, STRAGGLER, feed, spec_for
+from tests.unit.test_shells import FakeRun
 
 EMULATION = {"computeSeconds": 0.05, "jitter": 0.0, "slowdowns": [{"rank": 1, "factor": 3.0}]}
 
@@ -77,6 +82,50 @@ def test_report_lists_missing_ranks_and_never_divides_by_zero() -> None:
     )
     assert report["diverged_ranks"] == [1] and any("DIVERGED" in line for line in summary_lines(report))
     assert build_report([], job="j", mode="sync", expected_workers=1, emulation=None)["workers"] == 0
+
+
+def test_an_auto_report_times_its_first_decision_from_the_training_start() -> None:
+    decisions = [
+        {"time_s": 9.5, "step": 38, "action": "switchMode", "mode": "async", "reason": "r", "applied": True},
+        {"time_s": 30.0, "step": 150, "action": "rebalance", "reason": "r", "applied": True},
+    ]
+    docs = [rank_doc(0, 3200, 10.0, 1.0, 16.0)]
+    extra = {"mode": "auto", "decisions": decisions, "training_start_s": 3.25}
+    report = build_report(docs, job="j", mode="sync", expected_workers=1, emulation=None, extra=extra)
+    assert report["first_decision"] == {"time_s": 6.25, "step": 38, "action": "switchMode", "run_time_s": 9.5}
+    assert "first decision: switchMode at step 38, 6.2s after training began" in summary_lines(report)
+    # Every other field is still there, the decisions and the training start included.
+    plain = build_report(docs, job="j", mode="sync", expected_workers=1, emulation=None)
+    assert set(report) == set(plain) | {"decisions", "training_start_s", "first_decision"}
+    assert report["decisions"] == decisions and report["training_start_s"] == 3.25
+    # No worker dated its start (an older trainer): the step and the run's clock only.
+    undated = build_report(
+        docs, job="j", mode="sync", expected_workers=1, emulation=None, extra={"decisions": decisions}
+    )
+    assert undated["first_decision"]["time_s"] is None and undated["first_decision"]["run_time_s"] == 9.5
+    # An auto run that decided nothing says so.
+    none = build_report(docs, job="j", mode="auto", expected_workers=1, emulation=None, extra={"decisions": []})
+    assert none["first_decision"] is None
+
+
+def test_the_auto_controller_dates_the_training_start_in_the_runs_clock() -> None:
+    # The run began 4 s before training (process start-up); the first poll comes 10 s into training.
+    scrapes = feed([STRAGGLER] * 6)[1:]
+    frame = {t: ProgressFrame(time=1000.0 + t, elapsed_s=4.0 + t) for t, _ in scrapes}
+    dated = [(t, [dataclasses.replace(s, time=1000.0 + t, training_seconds=t) for s in ss]) for t, ss in scrapes]
+    assert training_start(dated[0][1], frame[dated[0][0]]) == 4.0
+    assert training_start(scrapes[0][1], frame[scrapes[0][0]]) is None
+    spec = spec_for(policy={"allowedActions": ["rebalance"], "persistenceIntervals": 2})
+    clock = [0.0]
+    auto = AutoController(SGDJob(spec=spec), PlainDisplay(stream=io.StringIO()), clock=lambda: clock[0])
+    run = FakeRun()
+    for t, samples in dated:
+        clock[0] = 1000.0 + t
+        results = [ScrapeResult(Endpoint(f"http://127.0.0.1:{9000 + s.rank}"), s.time, s, None) for s in samples]
+        asyncio.run(auto(run, results, frame[t]))
+    assert run.report_extra["training_start_s"] == 4.0
+    report = build_report([], job="j", mode="sync", expected_workers=4, emulation=None, extra=run.report_extra)
+    assert report["first_decision"]["time_s"] == 2 * INTERVAL and report["first_decision"]["action"] == "rebalance"
 
 
 def test_mode_timeline_always_starts_with_the_start_mode() -> None:

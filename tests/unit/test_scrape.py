@@ -74,6 +74,20 @@ def test_parse_metrics_falls_back_to_endpoint_hints_and_drops_nan_loss() -> None
         parse_metrics(text, time=1.0)
 
 
+def test_parse_metrics_reads_training_seconds_only_once_training_began() -> None:
+    telemetry = trainer_telemetry()
+    assert parse_metrics(telemetry.render_metrics().decode(), time=1.0).training_seconds is None  # NaN: not begun
+    telemetry.begin_training()
+    text = telemetry.render_metrics().decode()
+    trained = parse_metrics(text, time=1.0).training_seconds
+    assert trained is not None and 0.0 <= trained <= telemetry.training_seconds()
+    # An older trainer without the series, or a value that cannot be a duration: not known.
+    older = "\n".join(line for line in text.splitlines() if wm.TRAINING_SECONDS not in line) + "\n"
+    assert parse_metrics(older, time=1.0).training_seconds is None
+    negative = older + f"# TYPE {wm.TRAINING_SECONDS} gauge\n{wm.TRAINING_SECONDS} -3.0\n"
+    assert parse_metrics(negative, time=1.0).training_seconds is None
+
+
 def test_parse_metrics_names_missing_series() -> None:
     reg = CollectorRegistry()
     Counter(wm.STEPS, "steps", registry=reg).inc(1)

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import io
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from sgdjob_operator.api.models import JobMode, SGDJob, SGDJobSpec, SGDJobStatus
 from sgdjob_operator.k8s.actuator import apply_step, evaluate_job
@@ -22,7 +26,7 @@ from sgdjob_operator.workers.scrape import ControlResult, Endpoint, ScrapeResult
 from sgdjob_trainer.config import SyncMode
 from sgdjob_trainer.wire.control import ControlCommand
 from sgdjob_trainer.wire.worker_status import WorkerStatus
-from tests.unit.policy_feed import INTERVAL, STRAGGLER, Scrapes, feed
+from tests.unit.policy_feed import INTERVAL, STRAGGLER, Scrapes, feed, spec_for
 
 Decisions = list[tuple[float, str, str]]
 
@@ -140,3 +144,65 @@ def test_the_three_shells_make_the_same_decisions_for_the_same_scrapes(tmp_path:
     assert [c.model_dump() for c in k8s_pushed] == [c.model_dump() for c in local_pushed]
     assert [c.epoch for c in k8s_pushed] == [1, 2]
     assert k8s_pushed[-1].batch_sizes == dict(enumerate(batches)) == {r: 32 for r in range(4)}
+
+
+def test_workers_that_date_their_training_start_get_decisions_one_interval_sooner_in_every_shell(
+    tmp_path: Path,
+) -> None:
+    # Training begins at t=0 and the first look comes an interval later: with the start dated, that
+    # look already has a rate, so persistence (3) is met at 30 s instead of 40 s, in all three shells.
+    undated = feed(SHIFTING)[1:]
+    dated = [(t, [dataclasses.replace(s, training_seconds=t) for s in samples]) for t, samples in undated]
+    for scrapes, first in ((undated, 40.0), (dated, 30.0)):
+        sim, _, spec = simulator_shell(tmp_path, scrapes)
+        k8s, _ = kubernetes_shell(spec, scrapes)
+        local, _ = local_shell(spec, scrapes)
+        assert k8s == local == sim and k8s[0][:2] == (first, "rebalance"), k8s
+
+
+def sync_job_at(t: float, began: float | None, batch: int = 32) -> list[WorkerSample]:
+    """A synchronous job of STRAGGLER's speeds that began training at t=0, scraped at `t`; it dates
+    its start when `began` is set (the first step is under way from 0, as in the trainer)."""
+    cost = [batch / v for v in STRAGGLER]
+    wall = max(cost) + 0.01
+    steps = math.floor(t / wall)
+    return [
+        WorkerSample(
+            rank=r,
+            time=t,
+            steps=steps,
+            samples=steps * batch,
+            compute_seconds=steps * cost[r],
+            comm_wait_seconds=steps * (wall - cost[r]),
+            mode="sync",
+            batch_size=batch,
+            node=f"node-{r}",
+            world_size=len(STRAGGLER),
+            training_seconds=None if began is None else t - began,
+        )
+        for r in range(len(STRAGGLER))
+    ]
+
+
+def test_the_local_controller_acts_within_persistence_intervals_of_the_training_start() -> None:
+    # Polls every 1.05 s (a second's wait plus the scrape) from just after the training start, as
+    # `sgdjob run` polls; a 2 s interval
+    # and persistence 2, as examples/quickstart.yaml: the straggler is acted on within 4 s.
+    spec = spec_for(policy={"intervalSeconds": 2, "persistenceIntervals": 2, "allowedActions": ["rebalance"]})
+    bound = spec.policy.persistence_intervals * spec.policy.interval_seconds
+    firsts = []
+    now = [0.0]
+    for began in (0.0, None):
+        auto = AutoController(SGDJob(spec=spec), PlainDisplay(stream=io.StringIO()), clock=lambda: now[0])
+        run = FakeRun()
+        for poll in range(12):
+            now[0] = t = 0.3 + 1.05 * poll
+            results = [
+                ScrapeResult(LOCAL_ENDPOINTS[s.rank], t, s, WorkerStatus(rank=s.rank, control_epoch=run.applied))
+                for s in sync_job_at(t, began)
+            ]
+            asyncio.run(auto(run, results, ProgressFrame(time=t, elapsed_s=t)))
+        firsts.append(auto.decisions[0]["time_s"])
+    dated, undated = firsts
+    assert dated <= bound < undated, firsts
+    assert undated == pytest.approx(dated + 1.05)  # the undated run spends its first poll on a baseline

@@ -155,6 +155,18 @@ def test_auto_acts_once_and_stays_within_10_percent_of_the_best_static_mode(
     assert [d["action"] for d in auto.decisions] == ([expect] if expect else [])
 
 
+@pytest.mark.parametrize("persistence", [2, 3])
+def test_a_fleet_mixed_from_the_start_is_acted_on_within_persistence_intervals(persistence: int) -> None:
+    # The simulated workers date their training start (t=0), so the first policy call (t=10)
+    # already has a rate: the change comes after `persistence` intervals, not one more.
+    fleet = [{"name": "a100", "nodes": 7, "speed": 1400.0}, {"name": "slow", "nodes": 1, "speed": 400.0}]
+    policy = {"intervalSeconds": 10, "persistenceIntervals": persistence, "allowedActions": ["rebalance"]}
+    sc = scenario(fleet=fleet, job={"training": {"batchSize": 50}, "policy": policy})
+    auto = run_mode(sc, "auto")
+    assert [d["action"] for d in auto.decisions] == ["rebalance"]
+    assert auto.detection_delay_s == persistence * 10.0
+
+
 def test_auto_at_1024_workers_is_within_10_percent_of_the_best_static_mode() -> None:
     for name in ("homogeneous-1024", "mixed-fleet-1024"):
         result = simulate_scenario(load_scenario(EXAMPLES / f"{name}.yaml"))

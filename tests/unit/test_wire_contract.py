@@ -52,10 +52,16 @@ def test_the_trainers_metrics_give_the_policy_every_field_it_reads() -> None:
     telemetry = _telemetry()
     nbytes = exchange_bytes(list(_model().parameters()), Compression.NONE)
     telemetry.set_gradient_bytes(nbytes)
+    text = telemetry.render_metrics().decode()
+    assert parse_metrics(text, time=1.0).training_seconds is None, "before training began, its start is not known"
+    telemetry.begin_training()
     for step in (1, 2, 3):
         telemetry.record_step(step, samples=16, compute_s=0.5, wait_s=0.25, step_s=0.8, loss=0.75, staleness=2.0)
     endpoint = Endpoint("http://10.0.0.9:9401", pod="job-worker-0", rank=7, node="hint")
+    before = telemetry.training_seconds()
     sample = parse_metrics(telemetry.render_metrics().decode(), time=50.0, endpoint=endpoint)
+    after = telemetry.training_seconds()
+    assert sample.training_seconds is not None and before <= sample.training_seconds <= after
     expected = WorkerSample(
         rank=1,
         time=50.0,
@@ -71,6 +77,7 @@ def test_the_trainers_metrics_give_the_policy_every_field_it_reads() -> None:
         staleness=2.0,
         world_size=3,
         gradient_bytes=nbytes,
+        training_seconds=sample.training_seconds,
     )
     assert sample == expected
     zero = WorkerSample(0, 0.0, steps=0, samples=0, compute_seconds=0.0, comm_wait_seconds=0.0, mode="", batch_size=0)

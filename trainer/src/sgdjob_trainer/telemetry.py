@@ -60,6 +60,7 @@ class Telemetry:
             {"timeS": 0.0, "step": 0, "mode": mode.value, "reason": "start mode"}
         ]
         self.end_time: float | None = None
+        self._training_since: float | None = None  # monotonic; set by begin_training
         # Set by recovery: this life's restart count, rank 0's resume history, checkpoint figures.
         self.restart_count: int | None = None
         self.resumes: list[ResumeRecord] | None = None
@@ -96,6 +97,10 @@ class Telemetry:
             [wm.LABEL_MODE],
             registry=r,
         )
+        self.m_training = Gauge(
+            wm.TRAINING_SECONDS, "Seconds this process has trained (NaN before training began).", registry=r
+        )
+        self.m_training.set_function(self.training_seconds)
         self.m_info = Gauge(wm.WORKER_INFO, "Identity of this process.", list(wm.WORKER_INFO_LABELS), registry=r)
         self.m_switches = Counter(wm.SWITCHES, "Mode switches done.", registry=r)
         self.m_pause = Counter(wm.SWITCH_PAUSE_SECONDS, "Seconds spent paused in mode switches.", registry=r)
@@ -108,6 +113,17 @@ class Telemetry:
     def _set_mode_gauge(self, mode: SyncMode) -> None:
         for m in SyncMode:
             self.m_mode.labels(**{wm.LABEL_MODE: m.value}).set(1 if m == mode else 0)
+
+    def begin_training(self) -> None:
+        """The training loop starts: every counter is still zero, and counts from now."""
+        with self.lock:
+            self.start_time = time.time()
+            self._training_since = time.monotonic()
+
+    def training_seconds(self) -> float:
+        """Seconds since `begin_training`, on this process's monotonic clock; NaN before it."""
+        since = self._training_since
+        return math.nan if since is None else time.monotonic() - since
 
     def record_step(
         self, step: int, samples: int, compute_s: float, wait_s: float, step_s: float, loss: float, staleness: float

@@ -159,7 +159,7 @@ class Trainer:
     def train(self) -> TrainState:
         state, t, telemetry = self.state, self.training, self.telemetry
         telemetry.initial_loss = self.evaluate()
-        telemetry.start_time = time.time()
+        telemetry.begin_training()
         strategy = self._make()
         while True:
             done = state.step >= t.steps

@@ -2,7 +2,9 @@
 
 A poll hook for `run_local`. The wanted control command is level-triggered (re-sent on every poll
 until rank 0 reports its epoch); every `policy.intervalSeconds` the latest scrape goes to the
-driver and its action is carried out by `LocalActuator`. Membership changes (replace a worker,
+driver and its action is carried out by `LocalActuator`. The first call waits, if the workers date
+their training start, until the window from that start is long enough to give every rank a rate
+(`policy.measure.FirstWindow`), so no interval is spent on a baseline. Membership changes (replace a worker,
 rescale) go through the run's `replace`/`rescale`, which stop and start agents; until every rank of
 the new world reports, the change is in flight, and then the driver starts over (ranks were handed
 out anew) with its cooldown running from the change.
@@ -33,6 +35,8 @@ from sgdjob_operator.policy.driver import (
     restarted,
     unanimous_mode,
 )
+from sgdjob_operator.policy.measure import FirstWindow
+from sgdjob_operator.policy.samples import WorkerSample
 from sgdjob_operator.workers.scrape import ControlResult, ScrapeResult
 from sgdjob_trainer.config import SyncMode
 from sgdjob_trainer.wire.control import ControlCommand
@@ -74,6 +78,19 @@ def applied_epoch(results: Sequence[ScrapeResult]) -> int | None:
     return None
 
 
+def training_began(samples: Sequence[WorkerSample]) -> float | None:
+    """When the first of these workers began training, in the samples' (this controller's) clock;
+    None when none dates its start (pure)."""
+    starts = [s.time - s.training_seconds for s in samples if s.training_seconds is not None]
+    return min(starts) if starts else None
+
+
+def training_start(samples: Sequence[WorkerSample], snap: ProgressFrame) -> float | None:
+    """Seconds into the run when the first of these workers began training (pure)."""
+    began = training_began(samples)
+    return None if began is None else began - (snap.time - snap.elapsed_s)
+
+
 # What a membership change costs on one machine, for the policy's payback test: stopping the
 # leaving agent at an agreed step, a new rendezvous round and every worker resuming from the
 # checkpoint, about 10-15 s on 2 cores (the operator's default of 60 s is for pods on new nodes).
@@ -100,12 +117,17 @@ class AutoController:
     last_eval: float | None = None
     settling_since: float | None = None  # a membership change waits for the new world to report
     problem: str = ""
+    training_start_s: float | None = None  # seconds into the run when the first world began training
 
     async def __call__(self, run: RunHandle, results: list[ScrapeResult], snap: ProgressFrame) -> None:
         run.report_extra["mode"] = "auto"
         run.report_extra["decisions"] = self.decisions
         epoch = applied_epoch(results)
         samples = [r.sample for r in results if r.sample is not None]
+        if self.training_start_s is None:
+            self.training_start_s = training_start(samples, snap)
+            if self.training_start_s is not None:
+                run.report_extra["training_start_s"] = round(self.training_start_s, 3)
         if self.settling_since is not None:
             if not settled(results, run.fleet.world_size()) and self.clock() - self.settling_since < SETTLE_TIMEOUT_S:
                 return
@@ -115,8 +137,12 @@ class AutoController:
         if command is not None:
             await run.push(command)  # level-triggered: re-sent until rank 0 reports it
         now = self.clock()
-        if not samples or (self.last_eval is not None and now - self.last_eval < self.job.spec.policy.interval_seconds):
+        interval = self.job.spec.policy.interval_seconds
+        if not samples or (self.last_eval is not None and now - self.last_eval < interval):
             return
+        began = training_began(samples)
+        if self.last_eval is None and began is not None and now - began < FirstWindow.for_interval(interval).shortest:
+            return  # the first call waits until the window from the training start gives a rate
         self.last_eval = now
         finishing = "a worker has finished" if any(w.done for w in snap.workers) else ""
         observed = Observed(samples, replicas=len(run.fleet.nodes()), applied_epoch=epoch, in_flight=finishing)

@@ -5,6 +5,9 @@ Definitions (the design's performance yardstick):
   `wallSeconds`, which starts after rendezvous, so process start-up is not charged to a mode);
 - a rank's speed = its samples / its compute seconds (emulated compute included): what it would do
   if it never waited; bound = sum of the speeds; efficiency = throughput / bound.
+- first_decision (auto runs) = the policy's first decision: its time since the first worker began
+  training (`time_s`; None when no worker dated its start), its step, its action, and its time
+  since the run began (`run_time_s`, which includes process start-up);
 - restarts = how many times the workers were restarted and resumed (the control rank's restart
   history, which survives restarts in the checkpoint directory); lost_steps = steps redone after
   them (reached before the failure minus the checkpoint step resumed from). The figures cover the
@@ -104,6 +107,21 @@ def restart_summary(control: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+def first_decision(decisions: Sequence[Mapping[str, Any]], training_start_s: float | None) -> dict[str, Any] | None:
+    """The first of an auto run's recorded decisions, timed from the training start (pure)."""
+    if not decisions:
+        return None
+    first = decisions[0]
+    run_time = _num(first, "time_s")
+    since_start = round(run_time - training_start_s, 3) if training_start_s is not None else None
+    return {
+        "time_s": since_start,
+        "step": int(_num(first, "step")),
+        "action": first.get("action"),
+        "run_time_s": run_time,
+    }
+
+
 def build_report(
     rank_docs: Sequence[Mapping[str, Any]],
     *,
@@ -152,6 +170,10 @@ def build_report(
     }
     if extra:
         report.update(extra)
+    decisions = report.get("decisions")
+    if isinstance(decisions, list):
+        start = report.get("training_start_s")
+        report["first_decision"] = first_decision(decisions, start if isinstance(start, int | float) else None)
     return report
 
 
@@ -217,6 +239,10 @@ def summary_lines(report: Mapping[str, Any]) -> list[str]:
             f"  rank {r['rank']} ({r['node']}): {r['speed_samples_per_s']:.1f} samples/s when busy, "
             f"compute {r['compute_s']:.1f}s wait {r['wait_s']:.1f}s, {r['samples']} samples in {r['steps']} steps"
         )
+    first = report.get("first_decision")
+    if isinstance(first, Mapping):
+        since = f"{fmt(first.get('time_s'), '.1f')}s after training began"
+        lines.append(f"first decision: {first.get('action')} at step {first.get('step')}, {since}")
     if report.get("restarts"):
         lines.append(
             f"restarts {report['restarts']} (resumed from checkpoints), steps redone {report.get('lost_steps')}"

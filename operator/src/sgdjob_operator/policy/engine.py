@@ -17,7 +17,7 @@ from sgdjob_operator.policy.cost import CostInputs, Prediction
 from sgdjob_operator.policy.decisions import Decision, Keep, ReplaceWorker, Rescale
 from sgdjob_operator.policy.health import JobHealth, Shape, assess, jitter_coefficient
 from sgdjob_operator.policy.job import JobView
-from sgdjob_operator.policy.measure import measure
+from sgdjob_operator.policy.measure import FirstWindow, measure
 from sgdjob_operator.policy.samples import WorkerSample
 from sgdjob_operator.policy.state import PolicyState, RankState
 from sgdjob_operator.policy.stats import median
@@ -48,7 +48,7 @@ class Evaluation:
 def evaluate(state: PolicyState, samples: Sequence[WorkerSample], job: JobView, now: float) -> Evaluation:
     """Evaluate one policy interval. Pure: `now` and the samples' times are the only clock."""
     p = job.policy
-    window = measure(state.ranks, samples, job.world_size)
+    window = measure(state.ranks, samples, job.world_size, FirstWindow.for_interval(p.interval_seconds))
     a = assess(window, state, p)
     comm = (
         job.comm

@@ -11,7 +11,7 @@ from typing import Any
 
 from sgdjob_operator.api.models import PolicySpec
 from sgdjob_operator.policy.comm import CommModel
-from sgdjob_operator.policy.measure import Window, next_rank_states
+from sgdjob_operator.policy.measure import Window, next_rank_states, same_worker
 from sgdjob_operator.policy.state import PolicyState, RankState
 from sgdjob_operator.policy.stats import gap_clusters, log_spread, median, robust_scores
 
@@ -139,9 +139,10 @@ def assess(window: Window, state: PolicyState, p: PolicySpec) -> Assessment:
     med = median(list(measured.values())) if measured else 0.0
     flags: dict[int, tuple[float, bool]] = {}
     for r, speed in measured.items():
-        old = state.ranks[r]
+        old = same_worker(state.ranks.get(r), window.latest[r])  # None: a new worker, measured from its start
         ratio = med / speed
-        flags[r] = speed, ratio >= p.straggler_threshold or (old.flagged and ratio > p.recover_threshold)
+        was_flagged = old is not None and old.flagged
+        flags[r] = speed, ratio >= p.straggler_threshold or (was_flagged and ratio > p.recover_threshold)
     ranks = next_rank_states(state.ranks, window, flags)
     nodes = {r: s.node for r, s in ranks.items()}
     spread = log_spread(list(measured.values()))

@@ -27,3 +27,7 @@ class WorkerSample:
     # Bytes of one gradient exchange (the model's parameter bytes); 0 when the trainer does not
     # say. With it the cost model prices communication instead of inferring it from waits.
     gradient_bytes: int = 0
+    # Seconds this process had trained at `time`, on its own clock (None: not said, or not begun).
+    # Its counters were all zero at `time - training_seconds`, which dates that zero in the shell's
+    # clock without comparing two hosts' clocks.
+    training_seconds: float | None = None

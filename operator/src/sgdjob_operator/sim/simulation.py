@@ -86,6 +86,7 @@ class Run:
         self.duration = sc.duration
         n = self.fleet.size
         self.counters = Counters(n)
+        self.training_start = 0.0  # when the workers' processes began training (counters count from it)
         self.env = Env(
             self.fleet,
             self.counters,
@@ -155,10 +156,11 @@ class Run:
         for node in drop:
             self.alive[self.fleet.node_of == node] = False
         c.reset()
+        self.training_start = t + self.sc.costs.restart_seconds
         if self.groups is not None:
             alive = set(self._workers())
             self.groups = [kept for g in self.groups if (kept := [w for w in g if w in alive])]
-        self.engine = self._engine(t + self.sc.costs.restart_seconds)
+        self.engine = self._engine(self.training_start)
 
     def _detect_deaths(self, until: float, pending: list[tuple[float, int]]) -> None:
         while pending and pending[0][0] <= until:
@@ -173,6 +175,7 @@ class Run:
         c = self.counters
         stale = c.take_staleness()
         nbytes = self.env.comm.gradient_bytes
+        trained = now - self.training_start if now >= self.training_start else None
         out = []
         for rank, w in enumerate(workers):
             node = self.fleet.worker_node_name(w)
@@ -191,6 +194,7 @@ class Run:
                     staleness=float(stale[w]),
                     world_size=len(workers),
                     gradient_bytes=nbytes,
+                    training_seconds=trained,
                 )
             )
         return out

@@ -25,7 +25,8 @@ from sgdjob_trainer.wire import metric_names as wm
 from sgdjob_trainer.wire.control import ControlCommand
 from sgdjob_trainer.wire.worker_status import WorkerStatus
 
-# Sample names as the trainer exports them; gradient bytes are optional (older trainers lack them).
+# Sample names as the trainer exports them; gradient bytes and training seconds are optional (older
+# trainers lack them).
 STEPS = wm.sample_name(wm.STEPS)
 SAMPLES = wm.sample_name(wm.SAMPLES)
 COMPUTE = wm.sample_name(wm.COMPUTE_SECONDS)
@@ -144,7 +145,14 @@ def parse_metrics(text: str, *, time: float, endpoint: Endpoint | None = None) -
         staleness=_finite(_first(series, wm.STALENESS)) or 0.0,
         world_size=int(_finite(_first(series, wm.WORLD_SIZE)) or 0),
         gradient_bytes=int(_finite(_first(series, wm.GRADIENT_BYTES)) or 0),
+        training_seconds=_training_seconds(_first(series, wm.TRAINING_SECONDS)),
     )
+
+
+def _training_seconds(value: float | None) -> float | None:
+    """Absent (an older trainer), NaN (training not begun) or negative: not known."""
+    known = _finite(value)
+    return known if known is not None and known >= 0 else None
 
 
 def parse_status(text: str) -> WorkerStatus:

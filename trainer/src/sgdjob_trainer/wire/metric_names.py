@@ -24,6 +24,9 @@ WORLD_SIZE = "sgdjob_world_size"
 BATCH_SIZE = "sgdjob_batch_size"
 CONTROL_EPOCH = "sgdjob_control_epoch"
 GRADIENT_BYTES = "sgdjob_gradient_bytes"
+# Seconds this process has trained, on its own clock, as of the scrape (NaN before its first step
+# began). With it a controller dates the counters' zero in its own clock, with no clock shared.
+TRAINING_SECONDS = "sgdjob_training_seconds"
 MODE = "sgdjob_mode"  # one series per mode, labelled LABEL_MODE: 1 for the active one
 WORKER_INFO = "sgdjob_worker_info"  # always 1, labelled with the process's identity
 
