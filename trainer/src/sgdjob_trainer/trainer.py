@@ -19,6 +19,10 @@ loop continues from its step in its mode; checkpoints are taken every `intervalS
 and, when `onStop`, at the end and on SIGTERM. SIGTERM: the stop travels with the active mode's
 exchange so every rank stops at the same step; the process then exits 143 (not 0), so torchrun
 counts a stopped member as a failure and restarts the others from the checkpoint, never as success.
+
+Target (validation.py): when rank 0's validation reaches `training.target`, rank 0 raises the same
+stop flag, so every rank stops at one agreed step; the barrier also carries rank 0's "target
+reached", which makes that stop a success (exit 0) rather than an interruption.
 """
 
 from __future__ import annotations
