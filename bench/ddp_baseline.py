@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from sgdjob_trainer.__main__ import load_run_config
-from sgdjob_trainer.data import ShardedStream, build_dataset, eval_batch
+from sgdjob_trainer.data import ShardedStream, build_dataset, fetch, held_out_indices
 from sgdjob_trainer.emulation import ComputeEmulator
 from sgdjob_trainer.networks import build_loss, build_model
 from sgdjob_trainer.runtime import WorldInfo
@@ -39,8 +39,10 @@ def main() -> None:
     dist.init_process_group("gloo", rank=info.rank, world_size=info.world_size)
     train = cfg.training
     dataset = build_dataset(train.dataset)
-    stream = ShardedStream(dataset, info.rank, info.world_size, train.seed)
-    eval_x, eval_y = eval_batch(dataset)
+    # The trainer's split: validate on the held-out samples, train on the rest.
+    held_out = held_out_indices(len(dataset), train.evaluation.samples)  # type: ignore[arg-type]
+    stream = ShardedStream(dataset, info.rank, info.world_size, train.seed, held_out=held_out)
+    eval_x, eval_y = fetch(dataset, held_out)
     net = build_model(train.model, train.seed)
     model = DistributedDataParallel(net)
     loss_fn = build_loss(train.loss, train.dataset, eval_y[:1])

@@ -4,6 +4,7 @@ workers) for the runner's own behaviour and with the real trainer for each fixed
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import os
 import signal
@@ -252,3 +253,36 @@ def test_real_trainer_survives_an_emulated_fault(tmp_path: Path) -> None:
     assert 0 <= report["lost_steps"] <= 10 and report["resumes"][0]["fromStep"] == 10
     assert report["checkpoint"]["completed"][-1] == 40 and report["final_loss"] < report["initial_loss"] * 1.5
     assert (out / "checkpoints" / "step-0000000040" / "COMPLETE").exists()
+
+
+@needs_trainer
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_real_trainer_ends_when_the_validation_reaches_the_target(tmp_path: Path, mode: str) -> None:
+    """digits-mlp on two workers with an accuracy target a short run reaches: every rank stops at an
+    agreed step long before `steps`, the run succeeds, and report.json says when and why."""
+    training = {
+        "model": "digits-mlp",
+        "dataset": "digits",
+        "learningRate": 0.1,
+        "evaluation": {"everySteps": 10, "samples": 200},
+        "target": {"metric": "accuracy", "value": 0.8},
+    }
+    job = write_job(tmp_path / "job.yaml", replicas=2, steps=5000, mode=mode, **training)
+    out = tmp_path / "out"
+    proc = subprocess.run([SGDJOB, "run", str(job), "--out", str(out), "--timeout", "240"],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)  # fmt: skip
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "reached the target" in output, output
+    report = json.loads((out / "report.json").read_text())
+    assert report["ok"] and report["reason"] == "TargetReached", report
+    assert 0 < report["target_step"] <= report["steps"] < 5000 and report["time_to_target_s"] > 0
+    curve = report["validation_curve"]
+    assert curve[0]["step"] == 0 and curve[0]["accuracy"] < 0.8 <= max(p["accuracy"] for p in curve)
+    assert [p["step"] for p in curve] == sorted(p["step"] for p in curve) and curve[-1]["samples"] > 0
+    assert all(b["time_s"] >= a["time_s"] and b["samples"] >= a["samples"] for a, b in itertools.pairwise(curve))
+    reached = next(p for p in curve if p["step"] == report["target_step"])
+    assert reached["accuracy"] >= 0.8 and reached["time_s"] <= report["time_to_target_s"] + 0.5
+    assert report["validation"]["accuracy"] is not None and report["diverged_ranks"] == []
+    # Both ranks stopped at the same agreed step (sync: the same number of steps each).
+    if mode == "sync":
+        assert len({r["steps"] for r in report["per_rank"]}) == 1, report["per_rank"]

@@ -65,6 +65,7 @@ class FakeWorker:
                         "mode": worker.shared["mode"],
                         "controlEpoch": worker.shared["epoch"],
                         "step": int(worker.steps._value.get()),
+                        **worker.shared.get("status", {}),
                     }
                     self._send(200, json.dumps(body).encode())
                 else:
@@ -131,7 +132,8 @@ def _start(
     the pods Running at those addresses (the kubelet's part)."""
     hosts = [f"127.0.{subnet}.{i + 2}" for i in range(len(speeds))]
     port = _free_port(hosts)
-    cluster.apply(name, {**spec, "replicas": len(speeds), "training": {"metricsPort": port, "batchSize": BATCH}})
+    training = {**spec.get("training", {}), "metricsPort": port, "batchSize": BATCH}
+    cluster.apply(name, {**spec, "replicas": len(speeds), "training": training})
     token = base64.b64decode(
         wait_for("token", lambda: cluster.core.read_namespaced_secret(f"{name}-control", cluster.ns).data)["token"]
     ).decode()
@@ -264,6 +266,36 @@ def test_straggler_removed_by_rescale_within_bounds(cluster: Cluster, operator: 
             wait_for("back to Running", lambda: (s := cluster.status("trim")).get("phase") == "Running" and s)["ready"]
             == "3/3"
         )
+    finally:
+        for w in workers:
+            w.stop()
+
+
+def test_a_reached_target_shows_in_status_and_ends_the_job_as_target_reached(
+    cluster: Cluster, operator: Operator
+) -> None:
+    spec = {
+        "mode": "sync",
+        "policy": {"intervalSeconds": 1},
+        "training": {"dataset": "digits", "target": {"metric": "accuracy", "value": 0.9}},
+    }
+    shared, workers = _start(cluster, "goal", spec, [0.02, 0.02], subnet=23)
+    try:
+        shared["status"] = {"validationLoss": 0.75, "validationAccuracy": 0.5, "validationStep": 20}
+        wait_for("validation figures", lambda: cluster.status("goal").get("validationAccuracy") == 0.5, timeout=30)
+        wide = cluster.plane.kubectl("get", "sgdjob", "goal", "-n", cluster.ns, "-o", "wide").stdout.split("\n")
+        header, row = wide[0].split(), wide[1].split()
+        assert row[header.index("VAL-LOSS")] == "0.75" and row[header.index("VAL-ACC")] == "0.5", wide
+        assert "VAL-ACC" not in cluster.plane.kubectl("get", "sgdjob", "goal", "-n", cluster.ns).stdout
+        shared["status"] = {"validationLoss": 0.25, "validationAccuracy": 0.95, "validationStep": 40,
+                            "targetStep": 40, "timeToTargetS": 3.5, "endReason": "TargetReached"}  # fmt: skip
+        wait_for("target kept in status", lambda: cluster.status("goal").get("targetStep") == 40, timeout=30)
+        for i in range(2):  # the workers stop at the agreed step and exit 0
+            cluster.end_pod(f"goal-worker-{i}", 0)
+        status = wait_for("Succeeded", lambda: (s := cluster.status("goal")).get("phase") == "Succeeded" and s)
+        assert {c["type"]: c["reason"] for c in status["conditions"]}["Succeeded"] == "TargetReached"
+        assert status["timeToTargetSeconds"] == 3.5 and status["step"] < 1000
+        assert "TargetReached" in cluster.reasons("goal")
     finally:
         for w in workers:
             w.stop()

@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from bench.trainer_modes import read_reports
-from sgdjob_trainer.data import build_dataset, eval_batch
+from sgdjob_trainer.config import Evaluation
+from sgdjob_trainer.data import build_dataset, held_out_batch
 from sgdjob_trainer.networks import build_loss, build_model
 
 pytestmark = pytest.mark.multiproc
@@ -65,7 +66,7 @@ def _launch(config: dict[str, Any], workdir: Path, max_restarts: int = 1) -> sub
 
 def _untrained_loss() -> float:
     dataset = build_dataset("synthetic")
-    x, y = eval_batch(dataset)
+    x, y = held_out_batch(dataset, Evaluation().samples)
     with torch.no_grad():
         return float(build_loss("auto", "synthetic", y)(build_model("mlp", SEED)(x), y))
 

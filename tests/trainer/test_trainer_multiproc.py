@@ -24,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from bench.trainer_modes import free_port_base
 from sgdjob_trainer.config import SyncMode
-from sgdjob_trainer.data import ShardedStream, build_dataset
+from sgdjob_trainer.data import ShardedStream, build_dataset, held_out_indices
 from sgdjob_trainer.networks import build_model
 from sgdjob_trainer.trainer import Trainer
 from sgdjob_trainer.wire.control import ControlCommand
@@ -67,7 +67,10 @@ def _sync_vs_ddp(rank: int) -> dict[str, Any]:
     model = build_model("mlp", seed=5)
     ddp = DistributedDataParallel(model)
     opt = torch.optim.SGD(model.parameters(), lr=mine.lr, momentum=0.9)
-    stream = ShardedStream(build_dataset("synthetic"), rank, WORLD, seed=5)
+    dataset = build_dataset("synthetic")
+    # The trainer trains on everything but its held-out validation split; so does the reference.
+    held_out = held_out_indices(len(dataset), mine.training.evaluation.samples)  # type: ignore[arg-type]
+    stream = ShardedStream(dataset, rank, WORLD, seed=5, held_out=held_out)
     for _ in range(steps):
         x, y = stream.next_batch(16)
         opt.zero_grad()

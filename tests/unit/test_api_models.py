@@ -85,6 +85,23 @@ def test_min_and_max_default_to_replicas_and_bound_it() -> None:
             {"replicas": 2, "training": {"hierarchical": {"groups": [[0], [1, 2]]}}},
             "spec.training.hierarchical.groups[1]: rank 2 does not exist",
         ),
+        ({"training": {"evaluation": {"samples": 0}}}, "spec.training.evaluation.samples: Input should be greater"),
+        ({"training": {"evaluation": {"everySteps": 0}}}, "spec.training.evaluation.everySteps: Input should be"),
+        ({"training": {"evaluation": {"everySeconds": 0}}}, "spec.training.evaluation.everySeconds: Input should be"),
+        ({"training": {"target": {"metric": "f1", "value": 1}}}, "spec.training.target.metric: Input should be"),
+        ({"training": {"target": {"metric": "loss"}}}, "spec.training.target.value: Field required"),
+        (
+            {"training": {"dataset": "digits", "target": {"metric": "accuracy", "value": 90}}},
+            "spec.training.target.value: an accuracy target must be in (0, 1]",
+        ),
+        (
+            {"training": {"target": {"metric": "accuracy", "value": 0.9}}},
+            "spec.training.target.metric: an accuracy target needs a classification",
+        ),
+        (
+            {"training": {"target": {"metric": "loss", "value": 0.1}, "evaluation": {"everySteps": None}}},
+            "spec.training.evaluation.everySteps: a target needs periodic validation",
+        ),
     ],
 )
 def test_bad_specs_name_the_field(spec: dict[str, Any], prefix: str) -> None:

@@ -17,6 +17,7 @@ from sgdjob_operator.k8s.status import PodView, controller, dump_status, load_st
 from sgdjob_operator.policy import Decision, Keep, Rebalance, ReplaceWorker, Rescale, SwitchMode, WorkerSample, job_view
 from sgdjob_operator.policy.driver import Observed, Refused, Step, action_for
 from sgdjob_operator.workers.scrape import Endpoint
+from sgdjob_trainer.wire.worker_status import WorkerStatus
 
 T0 = 1_800_000_000.0
 
@@ -171,6 +172,7 @@ def test_success_deadline_and_ttl() -> None:
         and not plan.delete_job
     )
     assert plan.status.step == spec.training.steps  # the final step, not the last scrape's
+    assert {c.type: c.reason for c in plan.status.conditions}["Succeeded"] == "WorkersSucceeded"
     later = plan_reconcile(spec, plan.status, [], generation=1, now=T0 + 62)
     assert later.delete_job and later.status.phase is Phase.SUCCEEDED
     deadline = _spec(runPolicy={"activeDeadlineSeconds": 10})
@@ -259,6 +261,26 @@ def test_switch_is_recorded_then_pushed_until_applied() -> None:
         command_to_push(st, Observation(T0, (_sample(0), _sample(1)), {}, control, control_epoch=None)) is not None
     )  # no epoch: mode decides
     assert Observation(T0, (_sample(0, "sync"), _sample(1, "async")), {}).mode is None  # mid-switch
+
+
+def test_validation_and_a_reached_target_are_kept_and_end_the_job_as_target_reached() -> None:
+    spec = _spec(training={"dataset": "digits", "target": {"metric": "accuracy", "value": 0.9}})
+    st = running()
+    before = WorkerStatus(rank=0, step=40, validation_loss=1.25, validation_accuracy=0.5, validation_step=40)
+    assert record_observation(st, Observation(T0, (_sample(0),), {}, job_step=40, control_status=before), None) == []
+    assert (st.validation_loss, st.validation_accuracy, st.target_step) == (1.25, 0.5, None)
+    reached = before.model_copy(
+        update={"validation_accuracy": 0.92, "target_step": 60, "time_to_target_s": 12.5, "end_reason": "TargetReached"}
+    )
+    events = record_observation(st, Observation(T0, (_sample(0),), {}, job_step=61, control_status=reached), None)
+    assert [e.reason for e in events] == ["TargetReached"]
+    assert (st.validation_accuracy, st.target_step, st.time_to_target_seconds) == (0.92, 60, 12.5)
+    # The workers have exited 0 before spec.training.steps: the kept record says why.
+    plan = plan_reconcile(spec, st, [pod(0, "Succeeded"), pod(1, "Succeeded"), rdzv()], generation=1, now=T0 + 1)
+    assert plan.status.phase is Phase.SUCCEEDED and plan.status.step == 61 < spec.training.steps
+    assert {c.type: c.reason for c in plan.status.conditions}["Succeeded"] == "TargetReached"
+    assert [e.reason for e in plan.events] == ["TargetReached"]
+    assert load_status(dump_status(plan.status)).time_to_target_seconds == 12.5
 
 
 def test_step_is_the_jobs_step_after_a_resume() -> None:

@@ -6,7 +6,8 @@ Meant to run under torchrun, e.g.
 Environment: torchrun's RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR,
 MASTER_PORT, TORCHELASTIC_RESTART_COUNT; NODE_NAME; SGDJOB_METRICS_PORT, SGDJOB_METRICS_HOST,
 SGDJOB_CONTROL_TOKEN or SGDJOB_CONTROL_TOKEN_FILE, SGDJOB_REPORT_DIR.
-Exit status: 0 when the job's steps are done, 143 after a graceful stop (SIGTERM) before that.
+Exit status: 0 when the job's steps are done or its validation reached training.target, 143 after a
+graceful stop (SIGTERM) before that.
 """
 
 from __future__ import annotations

@@ -307,6 +307,56 @@ class AsyncConfig(CamelModel):
     ] = 1
 
 
+class TargetMetric(StrEnum):
+    ACCURACY = "accuracy"
+    LOSS = "loss"
+
+
+class Evaluation(CamelModel):
+    """Validation on a held-out split of the dataset that no rank trains on (the same samples in
+    every run of a dataset). Rank 0 evaluates between steps; its time is not counted as compute."""
+
+    every_steps: Annotated[
+        int | None,
+        Field(ge=1, le=1_000_000_000, description="Steps between validations on rank 0; omit for none by steps."),
+    ] = 50
+    every_seconds: Annotated[
+        float | None,
+        Field(
+            ge=0.1,
+            le=86_400.0,
+            description="Seconds of training between validations on rank 0 (also); omit for none by time.",
+        ),
+    ] = None
+    samples: Annotated[
+        int,
+        Field(
+            ge=1,
+            le=1_000_000,
+            description=(
+                "Held-out samples, excluded from training and evaluated each time "
+                "(at most a fifth of the dataset is held out)."
+            ),
+        ),
+    ] = 256
+
+
+class Target(CamelModel):
+    """A quality goal: the job succeeds (reason TargetReached) once rank 0's validation reaches it."""
+
+    metric: Annotated[
+        TargetMetric,
+        Field(description="accuracy (reached at or above value; classification only) or loss (at or below value)."),
+    ]
+    value: Annotated[float, Field(ge=0.0, le=1e6, description="The validation accuracy (0..1) or loss to reach.")]
+
+    @model_validator(mode="after")
+    def _range(self) -> Self:
+        if self.metric == TargetMetric.ACCURACY and not 0.0 < self.value <= 1.0:
+            raise cross_field_error("value", f"an accuracy target must be in (0, 1], not {self.value}")
+        return self
+
+
 class TrainingConfig(CamelModel):
     """What to train and how; read by every trainer process."""
 
@@ -399,11 +449,30 @@ class TrainingConfig(CamelModel):
         ),
     ] = []
 
+    evaluation: Annotated[
+        Evaluation,
+        Field(description="Validation on a held-out split: how often (rank 0, between steps) and on how many samples."),
+    ] = Evaluation()
+    target: Annotated[
+        Target | None,
+        Field(description="End the job successfully once rank 0's validation reaches this. None unless given."),
+    ] = None
+
     @model_validator(mode="after")
     def _names(self) -> Self:
         _hook_or_builtin(self.model, BUILTIN_MODELS, "model")
         _hook_or_builtin(self.dataset, BUILTIN_DATASETS, "dataset")
         _hook_or_builtin(self.loss, BUILTIN_LOSSES, "loss")
+        if self.target is not None:
+            regression = self.loss == "mse" or (self.loss == "auto" and self.dataset == "synthetic")
+            if self.target.metric == TargetMetric.ACCURACY and regression:
+                raise cross_field_error(
+                    "target.metric", "an accuracy target needs a classification (cross-entropy) loss"
+                )
+            if self.evaluation.every_steps is None and self.evaluation.every_seconds is None:
+                raise cross_field_error(
+                    "evaluation.everySteps", "a target needs periodic validation: give everySteps or everySeconds"
+                )
         return self
 
     def check_world(self, world_size: int) -> None:

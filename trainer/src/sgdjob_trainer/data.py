@@ -10,6 +10,9 @@ continues at base' = base + N*min(offsets) with offset 0 (`rebase`) and every sa
 per epoch; only when the ranks' offsets differ (async, rebalanced batches) the samples between the
 smallest and the largest offset are seen again (never skipped). A shard's tail shorter than a batch
 is dropped (drop_last), so ranks with the same batch size take the same number of steps per epoch.
+
+The trainer holds out a validation split (`held_out_indices`, fixed by the data seed): its stream
+permutes only the remaining samples, so no rank ever trains on a validation sample.
 """
 
 from __future__ import annotations
@@ -29,7 +32,6 @@ SYNTHETIC_NOISE = 0.1
 SYNTHETIC_NOISE_FLOOR = SYNTHETIC_NOISE**2
 # The data is the same whatever the training seed, so every run chases the same known optimum.
 _DATA_SEED = 1234
-EVAL_SAMPLES = 512
 
 
 def synthetic_dataset() -> TensorDataset:
@@ -71,11 +73,30 @@ def fetch(dataset: Dataset[Any], indices: torch.Tensor) -> tuple[torch.Tensor, t
     return batch[0], batch[1]
 
 
-def eval_batch(dataset: Dataset[Any]) -> tuple[torch.Tensor, torch.Tensor]:
-    """A fixed sample of the data for the initial and final loss, the same on every rank."""
-    n = len(cast(Any, dataset))
-    perm = torch.randperm(n, generator=torch.Generator().manual_seed(_DATA_SEED + 1))
-    return fetch(dataset, perm[: min(EVAL_SAMPLES, n)])
+# At most this fraction of a dataset is held out for validation, whatever `evaluation.samples` asks.
+MAX_HELD_OUT_FRACTION = 0.2
+
+
+def held_out_indices(size: int, samples: int) -> torch.Tensor:
+    """The validation split: min(samples, a fifth of the data) indices that no rank trains on.
+
+    Drawn from the fixed data seed (not the training seed), so every run of a dataset validates on
+    the same samples and trains on the rest; sorted, for a stable evaluation order."""
+    count = max(0, min(samples, int(size * MAX_HELD_OUT_FRACTION)))
+    perm = torch.randperm(size, generator=torch.Generator().manual_seed(_DATA_SEED + 1))
+    return perm[:count].sort().values
+
+
+def held_out_batch(dataset: Dataset[Any], samples: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The validation split's samples (`held_out_indices`), the same on every rank and in every run."""
+    return fetch(dataset, held_out_indices(len(cast(Any, dataset)), samples))
+
+
+def training_indices(size: int, held_out: torch.Tensor) -> torch.Tensor:
+    """Every index of a dataset of `size` samples that is not held out, ascending."""
+    keep = torch.ones(size, dtype=torch.bool)
+    keep[held_out] = False
+    return torch.arange(size)[keep]
 
 
 @dataclass(slots=True)
@@ -103,10 +124,19 @@ class ShardedStream:
     """Batches of this rank's shard of the dataset, epoch after epoch, deterministic by seed."""
 
     def __init__(
-        self, dataset: Dataset[Any], rank: int, world_size: int, seed: int, position: DataPosition | None = None
+        self,
+        dataset: Dataset[Any],
+        rank: int,
+        world_size: int,
+        seed: int,
+        position: DataPosition | None = None,
+        held_out: torch.Tensor | None = None,
     ) -> None:
         self.dataset = dataset
-        self.size = len(cast(Any, dataset))
+        total = len(cast(Any, dataset))
+        # The samples this stream may read: all but the held-out validation split (held_out_indices).
+        self.indices = training_indices(total, held_out) if held_out is not None else None
+        self.size = total if self.indices is None else len(self.indices)
         self.rank = rank
         self.world_size = world_size
         self.seed = seed
@@ -119,7 +149,8 @@ class ShardedStream:
     def _shard_for(self, epoch: int, base: int = 0) -> torch.Tensor:
         if (epoch, base) != self._shard_key:
             gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            self._shard = torch.randperm(self.size, generator=gen)[base + self.rank :: self.world_size]
+            shard = torch.randperm(self.size, generator=gen)[base + self.rank :: self.world_size]
+            self._shard = shard if self.indices is None else self.indices[shard]
             self._shard_key = (epoch, base)
         return self._shard
 

@@ -4,7 +4,7 @@ Counters are cumulative since the process started (a restart resets them, which 
 tells one). "samples" counts samples whose gradient reached the model (useful work: a gradient the
 parameter server discarded as too stale is not counted); "compute seconds" is time in forward,
 backward and optimizer plus emulated compute; "comm wait" is time blocked in collectives or
-parameter-server exchanges. Switch pauses are counted apart from both.
+parameter-server exchanges. Switch pauses and rank 0's validations are counted apart from both.
 """
 
 from __future__ import annotations
@@ -22,7 +22,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 from sgdjob_trainer.config import SyncMode
 from sgdjob_trainer.runtime import WorldInfo
 from sgdjob_trainer.wire import metric_names as wm
-from sgdjob_trainer.wire.worker_status import CheckpointReport, ResumeRecord, SwitchRecord, WorkerStatus
+from sgdjob_trainer.wire.worker_status import (
+    TARGET_REACHED,
+    CheckpointReport,
+    ResumeRecord,
+    SwitchRecord,
+    WorkerStatus,
+)
 
 # `*_created` series double every counter's output and no consumer here reads them.
 disable_created_metrics()  # type: ignore[no-untyped-call]
@@ -65,6 +71,9 @@ class Telemetry:
         self.restart_count: int | None = None
         self.resumes: list[ResumeRecord] | None = None
         self.checkpoint: CheckpointReport | None = None
+        # Rank 0's validations: the latest, and (step, loss, accuracy, seconds since start, own samples).
+        self.validation: dict[str, Any] = {}
+        self.validation_history: list[tuple[int, float, float | None, float, int]] = []
 
         self.registry = CollectorRegistry()
         r = self.registry
@@ -104,6 +113,13 @@ class Telemetry:
         self.m_info = Gauge(wm.WORKER_INFO, "Identity of this process.", list(wm.WORKER_INFO_LABELS), registry=r)
         self.m_switches = Counter(wm.SWITCHES, "Mode switches done.", registry=r)
         self.m_pause = Counter(wm.SWITCH_PAUSE_SECONDS, "Seconds spent paused in mode switches.", registry=r)
+        self.m_validation_seconds = Counter(
+            wm.VALIDATION_SECONDS, "Seconds spent validating (rank 0), not counted as compute.", registry=r
+        )
+        self.m_validation_loss = Gauge(wm.VALIDATION_LOSS, "Loss on the held-out split (rank 0).", registry=r)
+        self.m_validation_accuracy = Gauge(
+            wm.VALIDATION_ACCURACY, "Accuracy on the held-out split (rank 0, classification).", registry=r
+        )
         identity = {wm.LABEL_RANK: str(info.rank), wm.LABEL_LOCAL_RANK: str(info.local_rank), wm.LABEL_NODE: info.node}
         self.m_info.labels(**identity).set(1)
         self.m_world.set(info.world_size)
@@ -192,6 +208,29 @@ class Telemetry:
         self.m_switches.inc()
         self.m_pause.inc(pause_s)
 
+    def record_validation(self, step: int, loss: float, accuracy: float | None, seconds: float) -> None:
+        with self.lock:
+            self.validation.update(validation_loss=_finite(loss), validation_accuracy=accuracy, validation_step=step)
+            point = (step, loss, accuracy, time.time() - self.start_time, self.samples)
+            if self.validation_history and self.validation_history[-1][0] == step:
+                self.validation_history.pop()  # the final validation at the step of a periodic one
+            elif len(self.validation_history) >= HISTORY_POINTS:
+                # Keep the first point and every other one after it: the curve thins, its ends stay.
+                self.validation_history = self.validation_history[:1] + self.validation_history[2::2]
+            self.validation_history.append(point)
+        self.m_validation_seconds.inc(seconds)
+        if math.isfinite(loss):
+            self.m_validation_loss.set(loss)
+        if accuracy is not None:
+            self.m_validation_accuracy.set(accuracy)
+
+    def record_target(self, step: int) -> None:
+        """Rank 0's validation reached the job's target at `step` (the job then ends at an agreed step)."""
+        with self.lock:
+            self.validation.update(
+                target_step=step, time_to_target_s=time.time() - self.start_time, end_reason=TARGET_REACHED
+            )
+
     def finish(self, final_loss: float) -> None:
         with self.lock:
             self.final_loss = final_loss
@@ -203,7 +242,12 @@ class Telemetry:
 
     def status(self) -> WorkerStatus:
         with self.lock:
-            optional = {"restart_count": self.restart_count, "resumes": self.resumes, "checkpoint": self.checkpoint}
+            optional = {
+                "restart_count": self.restart_count,
+                "resumes": self.resumes,
+                "checkpoint": self.checkpoint,
+                **self.validation,
+            }
             return WorkerStatus(
                 rank=self.info.rank,
                 local_rank=self.info.local_rank,
@@ -236,6 +280,7 @@ class Telemetry:
                 initialLoss=_finite(self.initial_loss),
                 finalLoss=_finite(self.final_loss),
                 lossHistory=[[s, _finite(v), round(t, 3)] for s, v, t in self.loss_history],
+                validationHistory=[[s, _finite(v), a, round(t, 3), n] for s, v, a, t, n in self.validation_history],
                 modeTimeline=list(self.mode_timeline),
                 wallSeconds=end - self.start_time,
                 speedSamplesPerS=self.samples / self.compute_seconds if self.compute_seconds > 0 else 0.0,

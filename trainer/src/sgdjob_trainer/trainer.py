@@ -19,6 +19,10 @@ loop continues from its step in its mode; checkpoints are taken every `intervalS
 and, when `onStop`, at the end and on SIGTERM. SIGTERM: the stop travels with the active mode's
 exchange so every rank stops at the same step; the process then exits 143 (not 0), so torchrun
 counts a stopped member as a failure and restarts the others from the checkpoint, never as success.
+
+Target (validation.py): when rank 0's validation reaches `training.target`, rank 0 raises the same
+stop flag, so every rank stops at one agreed step; the barrier also carries rank 0's "target
+reached", which makes that stop a success (exit 0) rather than an interruption.
 """
 
 from __future__ import annotations
@@ -33,8 +37,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from sgdjob_trainer.config import LrScaling, Precision, TrainingConfig
-from sgdjob_trainer.data import ShardedStream, build_dataset, eval_batch
+from sgdjob_trainer.config import LrScaling, Precision, TargetMetric, TrainingConfig
+from sgdjob_trainer.data import ShardedStream, build_dataset, fetch, held_out_indices
 from sgdjob_trainer.emulation import ComputeEmulator
 from sgdjob_trainer.levers import LossScaler, lr_factor
 from sgdjob_trainer.networks import build_loss, build_model
@@ -47,6 +51,7 @@ from sgdjob_trainer.strategies.hierarchical import valid_groups
 from sgdjob_trainer.strategies.ps import ParameterServer
 from sgdjob_trainer.telemetry import Telemetry
 from sgdjob_trainer.train_state import TrainState
+from sgdjob_trainer.validation import Validation, Validator, reached
 from sgdjob_trainer.wire.control import ControlCommand
 from sgdjob_trainer.wire.launch_contract import ENV_METRICS_HOST, ENV_METRICS_PORT, ENV_REPORT_DIR, RunConfig
 
@@ -106,9 +111,17 @@ class Trainer:
             jitter_rng=self.emulator.rng,
             scaler=scaler,
         )
-        self.stream = ShardedStream(dataset, self.info.rank, self.info.world_size, t.seed, self.state.data)
-        self.eval_x, self.eval_y = (v.to(self.device) for v in eval_batch(dataset))
+        # The validation split: no rank trains on it (the stream excludes it), rank 0 validates on it.
+        held_out = held_out_indices(len(dataset), t.evaluation.samples)  # type: ignore[arg-type]
+        self.stream = ShardedStream(
+            dataset, self.info.rank, self.info.world_size, t.seed, self.state.data, held_out=held_out
+        )
+        self.eval_x, self.eval_y = (v.to(self.device) for v in fetch(dataset, held_out))
         loss_fn = build_loss(t.loss, t.dataset, self.eval_y)
+        self.validator = Validator(t.evaluation, self.eval_x, self.eval_y, loss_fn)
+        if t.target is not None and t.target.metric == TargetMetric.ACCURACY and not self.validator.classification:
+            raise ValueError("training.target: an accuracy target needs a cross-entropy loss")
+        self.target_hit = False  # rank 0: its validation reached training.target
         numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
         self.telemetry.set_gradient_bytes(exchange_bytes(list(model.parameters()), t.compression))
         ps = ParameterServer(
@@ -148,8 +161,23 @@ class Trainer:
         )
 
     def evaluate(self) -> float:
-        with torch.no_grad():
-            return float(self.ctx.loss_fn(self.state.model(self.eval_x), self.eval_y))
+        """Loss of this rank's model on the held-out split."""
+        return self.validator.run(self.state.model).loss
+
+    def _validate(self, final: bool = False) -> Validation:
+        """Rank 0: one validation into the telemetry; reaching the target (before the final one)
+        starts the agreed stop."""
+        result = self.validator.run(self.state.model)
+        step, target = self.state.step, self.training.target
+        self.telemetry.record_validation(step, result.loss, result.accuracy, result.seconds)
+        if target is not None and not final and not self.target_hit and reached(target, result):
+            self.target_hit = True
+            self.telemetry.record_target(step)
+            # The graceful stop's path: the flag travels with the active mode's exchange, so every
+            # rank stops at the same step; the barrier below then ends the run as a success.
+            self.ctx.stopping.set()
+            log.info("target %s %s reached at step %d", target.metric.value, target.value, step)
+        return result
 
     def _make(self) -> Strategy:
         strategy = STRATEGIES[self.state.mode](self.ctx)
@@ -158,7 +186,8 @@ class Trainer:
 
     def train(self) -> TrainState:
         state, t, telemetry = self.state, self.training, self.telemetry
-        telemetry.initial_loss = self.evaluate()
+        telemetry.start_time = time.time()  # the validation curve's first point is at 0 s
+        telemetry.initial_loss = self._validate().loss if self.info.rank == 0 else self.evaluate()
         telemetry.begin_training()
         strategy = self._make()
         while True:
@@ -182,6 +211,8 @@ class Trainer:
                     # Fail loudly (torchrun then stops every worker) rather than train on NaNs.
                     raise FloatingPointError(f"loss is {result.loss} at step {state.step} in {state.mode.value} mode")
                 self.recovery.after_step(strategy, result)
+                if self.info.rank == 0 and self.validator.due(state.step):
+                    self._validate()
                 self.stop_seen = self.stop_seen or result.interrupted
                 done = result.stop or result.interrupted or state.step >= t.steps
                 seen = result.seen_epoch
@@ -190,13 +221,15 @@ class Trainer:
             paused = time.perf_counter()
             strategy.leave()
             last = self.recovery.last_checkpoint()
-            agreed = torch.tensor([int(done), state.step, int(self.stop_seen), last], dtype=torch.int64)
+            flags = [int(done), state.step, int(self.stop_seen), last, int(self.target_hit)]
+            agreed = torch.tensor(flags, dtype=torch.int64)
             dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.ctl)
             state.step = int(agreed[1])
             telemetry.set_step(state.step)
             self.recovery.at_barrier(int(agreed[3]))
             if int(agreed[0]):
-                self.interrupted = bool(agreed[2]) and state.step < t.steps
+                # A stop that rank 0's reached target started is a success, not an interruption.
+                self.interrupted = bool(agreed[2]) and state.step < t.steps and not int(agreed[4])
                 self.recovery.at_end(self.interrupted)
                 break
             old_mode = state.mode
@@ -263,7 +296,7 @@ class Trainer:
         self.telemetry.set_batch_size(self.ctx.batch_size())
 
     def _finish(self) -> None:
-        final = self.evaluate()
+        final = self._validate(final=True).loss if self.info.rank == 0 else self.evaluate()
         self.recovery.report()
         self.telemetry.finish(final)
         log.info("done at step %d: loss %.5f -> %.5f", self.state.step, self.telemetry.initial_loss, final)

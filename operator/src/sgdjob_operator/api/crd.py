@@ -135,6 +135,20 @@ PRINTER_COLUMNS = [
         "priority": 1,
         "description": "Latest training loss.",
     },
+    {
+        "name": "Val-Loss",
+        "type": "number",
+        "jsonPath": ".status.validationLoss",
+        "priority": 1,
+        "description": "Latest validation loss (rank 0, held-out split).",
+    },
+    {
+        "name": "Val-Acc",
+        "type": "number",
+        "jsonPath": ".status.validationAccuracy",
+        "priority": 1,
+        "description": "Latest validation accuracy (classification).",
+    },
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]
 

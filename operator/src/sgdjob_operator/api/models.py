@@ -327,6 +327,22 @@ class SGDJobStatus(CamelModel):
     throughput: Annotated[
         float | None, Field(ge=0.0, le=1e12, description="Samples per second over the last interval.")
     ] = None
+    validation_loss: Annotated[
+        float | None,
+        Field(ge=-LOSS_BOUND, le=LOSS_BOUND, description="Rank 0's latest loss on the held-out split (clamped)."),
+    ] = None
+    validation_accuracy: Annotated[
+        float | None,
+        Field(ge=0.0, le=1.0, description="Rank 0's latest accuracy on the held-out split (classification)."),
+    ] = None
+    target_step: Annotated[
+        int | None,
+        Field(ge=0, le=10**12, description="Step at which the validation reached spec.training.target."),
+    ] = None
+    time_to_target_seconds: Annotated[
+        float | None,
+        Field(ge=0.0, le=1e9, description="Seconds of training until the validation reached spec.training.target."),
+    ] = None
     restarts: Annotated[int, Field(ge=0, le=10**6, description="Worker restarts so far.")] = 0
     conditions: Annotated[list[Condition], Field(max_length=16, description="Kubernetes-style conditions.")] = []
     decisions: Annotated[

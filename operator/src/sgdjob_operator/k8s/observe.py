@@ -19,6 +19,7 @@ from sgdjob_operator.policy.driver import load_state, pending, unanimous_mode
 from sgdjob_operator.policy.samples import WorkerSample
 from sgdjob_operator.workers.scrape import Endpoint, scrape
 from sgdjob_trainer.wire.control import ControlCommand
+from sgdjob_trainer.wire.worker_status import TARGET_REACHED, WorkerStatus
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +34,7 @@ class Observation:
     # The job's step as rank 0's /status reports it. `sgdjob_steps_total` counts one process's
     # steps since it started, so after a restart that resumed from a checkpoint it is far behind.
     job_step: int | None = None
+    control_status: WorkerStatus | None = None  # rank 0's /status: validation figures, target reached
 
     @property
     def mode(self) -> str | None:
@@ -62,13 +64,15 @@ async def observe(
     control = next((r.endpoint for r in results if r.sample is not None and r.sample.rank == 0), None)
     epoch: int | None = None
     job_step: int | None = None
+    control_status: WorkerStatus | None = None
     if control is not None:
         (status,) = await scrape(
             [control], metrics=False, status=True, timeout=timeout, session=session, clock=lambda: now
         )
-        if status.status is not None:
-            epoch, job_step = status.status.control_epoch, status.status.step
-    return Observation(now, samples, errors, control, epoch, job_step)
+        control_status = status.status
+        if control_status is not None:
+            epoch, job_step = control_status.control_epoch, control_status.step
+    return Observation(now, samples, errors, control, epoch, job_step, control_status)
 
 
 def record_observation(st: SGDJobStatus, obs: Observation, health: Any | None) -> list[Event]:
@@ -86,6 +90,17 @@ def record_observation(st: SGDJobStatus, obs: Observation, health: Any | None) -
             st.step = max(st.step if mode is None else 0, max(s.steps for s in obs.samples))
         losses = [s.loss for s in sorted(obs.samples, key=lambda s: s.rank) if s.loss is not None]
         st.loss = max(-LOSS_BOUND, min(LOSS_BOUND, losses[0])) if losses else st.loss
+    rank0 = obs.control_status
+    if rank0 is not None:
+        if rank0.validation_loss is not None:
+            st.validation_loss = max(-LOSS_BOUND, min(LOSS_BOUND, rank0.validation_loss))
+        if rank0.validation_accuracy is not None:
+            st.validation_accuracy = max(0.0, min(1.0, rank0.validation_accuracy))
+        if rank0.target_step is not None and st.target_step is None:
+            # Kept: the workers exit soon after, and the pods alone do not say why they succeeded.
+            st.target_step = rank0.target_step
+            st.time_to_target_seconds = max(0.0, min(1e9, rank0.time_to_target_s or 0.0))
+            events.append(Event("Normal", TARGET_REACHED, f"validation reached the target at step {st.target_step}"))
     if health is not None:
         st.throughput = round(float(health.throughput), 3) if health.throughput else st.throughput
         st.stragglers = [Straggler.model_validate(r) for r in health.straggler_records()]

@@ -29,6 +29,7 @@ from sgdjob_operator.k8s.status import (
     rfc3339,
     workers,
 )
+from sgdjob_trainer.wire.worker_status import TARGET_REACHED
 
 MAX_COUNTED = 256
 
@@ -158,14 +159,16 @@ def plan_reconcile(
     if succeeded:
         # torchrun agents exit 0 together when training is done; wait for the others, start nothing new.
         if not any(p.active for p in ws):
-            # Workers exit 0 only after the last step; the last scrape came up to an interval earlier,
-            # so without this `kubectl get` would show a finished job short of its steps.
-            st.step = max(st.step, spec.training.steps)
-            plan.events.append(
-                finish(
-                    st, Phase.SUCCEEDED, "WorkersSucceeded", f"{len(succeeded)} worker pods completed successfully", now
-                )
-            )
+            # Workers exit 0 after the last step, or after rank 0's validation reached the target
+            # (recorded from its /status while it ran). The last scrape came up to an interval
+            # earlier, so without this `kubectl get` would show a finished job short of its steps.
+            reason = "WorkersSucceeded"
+            if st.target_step is not None:
+                reason, st.step = TARGET_REACHED, max(st.step, st.target_step)
+            else:
+                st.step = max(st.step, spec.training.steps)
+            message = f"{len(succeeded)} worker pods completed successfully"
+            plan.events.append(finish(st, Phase.SUCCEEDED, reason, message, now))
             _cleanup(plan, spec, pods)
             return plan
     else:

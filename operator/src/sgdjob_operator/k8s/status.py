@@ -236,7 +236,7 @@ def desired_conditions(
         ),
         "Succeeded": (
             phase is Phase.SUCCEEDED,
-            "WorkersSucceeded" if phase is Phase.SUCCEEDED else "",
+            (adapting_reason or "WorkersSucceeded") if phase is Phase.SUCCEEDED else "",
             message if phase is Phase.SUCCEEDED else "",
         ),
         "Failed": (

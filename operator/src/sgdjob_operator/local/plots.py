@@ -1,4 +1,5 @@
-"""PNG plots of a local run from report.json: step times with mode changes, loss, throughput vs bound."""
+"""PNG plots of a local run from report.json: step times with mode changes, training and validation loss,
+throughput vs bound."""
 
 from __future__ import annotations
 
@@ -58,8 +59,15 @@ def write_plots(report: Mapping[str, Any], out_dir: Path) -> list[Path]:
     history = report.get("loss_history") or []
     if history:
         ax.plot([h[0] for h in history], [h[1] for h in history], label="training loss")
+    validation = [p for p in report.get("validation_curve") or [] if p.get("loss") is not None]
+    if validation:
+        ax.plot([p["step"] for p in validation], [p["loss"] for p in validation], marker=".", label="validation loss")
+    if report.get("target_step") is not None:
+        ax.axvline(report["target_step"], color="black", linestyle="--", linewidth=1, label="target reached")
+    if history or validation:
         ax.set_yscale("log")
-    ax.set(xlabel="step", ylabel="loss", title=f"Loss\n{_subtitle(report)}")
+        ax.legend(fontsize=8)
+    ax.set(xlabel="step", ylabel="loss", title=f"Training and validation loss (held-out split)\n{_subtitle(report)}")
     fig.tight_layout()
     fig.savefig(paths[1], dpi=100)
     plt.close(fig)

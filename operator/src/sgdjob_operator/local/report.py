@@ -12,6 +12,11 @@ Definitions (the design's performance yardstick):
   history, which survives restarts in the checkpoint directory); lost_steps = steps redone after
   them (reached before the failure minus the checkpoint step resumed from). The figures cover the
   last life only: counters restart with each process.
+- validation_curve = the control rank's validations on the held-out split, each at a step, seconds
+  since training started and samples: the job's applied samples by then, estimated as rank 0's own
+  samples scaled by its share of the total at the end (exact when every rank has the same batch);
+  time_to_target_s and target_step when the run ended because the validation reached
+  `training.target` (reason TargetReached).
 """
 
 from __future__ import annotations
@@ -28,11 +33,14 @@ from sgdjob_trainer.wire.worker_status import WorkerStatus
 RANK_FILE_GLOB = "rank-*.json"
 
 
-def _num(doc: Mapping[str, Any], key: str, default: float = 0.0) -> float:
-    value = doc.get(key)
+def _number(value: Any, default: float = 0.0) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
         return default
     return float(value)
+
+
+def _num(doc: Mapping[str, Any], key: str, default: float = 0.0) -> float:
+    return _number(doc.get(key), default)
 
 
 def _loss(value: Any) -> float | None:
@@ -122,6 +130,36 @@ def first_decision(decisions: Sequence[Mapping[str, Any]], training_start_s: flo
     }
 
 
+def validation_summary(control: Mapping[str, Any], total_samples: int) -> dict[str, Any]:
+    """The validation curve, the latest figures and the target's outcome, from the control rank's report."""
+    raw = control.get("validationHistory")
+    points = [p for p in raw if isinstance(p, list) and len(p) >= 5] if isinstance(raw, list) else []
+    own = _num(control, "samples")
+    scale = total_samples / own if own > 0 else 0.0
+    curve = [
+        {
+            "step": int(_number(p[0])),
+            "time_s": _number(p[3]),
+            "samples": round(_number(p[4]) * scale),
+            "loss": _loss(p[1]),
+            "accuracy": _loss(p[2]),
+        }
+        for p in points
+    ]
+    reason = control.get("endReason")
+    return {
+        "validation": {
+            "step": control.get("validationStep"),
+            "loss": _loss(control.get("validationLoss")),
+            "accuracy": _loss(control.get("validationAccuracy")),
+        },
+        "validation_curve": curve,
+        "reason": reason if isinstance(reason, str) else None,
+        "time_to_target_s": _loss(control.get("timeToTargetS")),
+        "target_step": control.get("targetStep"),
+    }
+
+
 def build_report(
     rank_docs: Sequence[Mapping[str, Any]],
     *,
@@ -167,6 +205,7 @@ def build_report(
         "loss_history": control.get("lossHistory") or [],
         "emulation": dict(emulation) if emulation is not None else None,
         **restart_summary(control),
+        **validation_summary(control, total_samples),
     }
     if extra:
         report.update(extra)
@@ -243,6 +282,17 @@ def summary_lines(report: Mapping[str, Any]) -> list[str]:
     if isinstance(first, Mapping):
         since = f"{fmt(first.get('time_s'), '.1f')}s after training began"
         lines.append(f"first decision: {first.get('action')} at step {first.get('step')}, {since}")
+    validation = report.get("validation") or {}
+    if validation.get("loss") is not None:
+        accuracy = validation.get("accuracy")
+        lines.append(
+            f"validation at step {validation.get('step')}: loss {fmt(validation.get('loss'), '.4f')}"
+            + (f"  accuracy {accuracy:.3f}" if isinstance(accuracy, float) else "")
+        )
+    if report.get("time_to_target_s") is not None:
+        lines.append(
+            f"target reached at step {report.get('target_step')} after {fmt(report['time_to_target_s'], '.1f')}s"
+        )
     if report.get("restarts"):
         lines.append(
             f"restarts {report['restarts']} (resumed from checkpoints), steps redone {report.get('lost_steps')}"

@@ -36,7 +36,7 @@ from sgdjob_operator.workers.scrape import ControlResult, Endpoint, ScrapeResult
 from sgdjob_trainer.config import SyncMode
 from sgdjob_trainer.wire.control import ControlCommand
 from sgdjob_trainer.wire.launch_contract import TRAINER_MODULE
-from sgdjob_trainer.wire.worker_status import WorkerStatus
+from sgdjob_trainer.wire.worker_status import TARGET_REACHED, WorkerStatus
 
 EXIT_FAILED = 1
 EXIT_TIMEOUT = 124
@@ -314,6 +314,8 @@ async def run_local(job: SGDJob, options: RunOptions, display: Display, on_poll:
     if code != 0:
         extra["error"] = message
     report, path = _write_report(plan, job, extra, statuses, run_wall, fleet.world_size())
+    if code == 0 and report.get("reason") == TARGET_REACHED:
+        message = f"the validation reached the target at step {report.get('target_step')}: {message}"
     message += f"\nreport: {path}"
     display.finish(report, message)
     return RunOutcome(code, message, report, path)

@@ -13,6 +13,7 @@ COMPUTE_SECONDS = "sgdjob_compute_seconds"
 COMM_WAIT_SECONDS = "sgdjob_comm_wait_seconds"
 SWITCHES = "sgdjob_switches"
 SWITCH_PAUSE_SECONDS = "sgdjob_switch_pause_seconds"
+VALIDATION_SECONDS = "sgdjob_validation_seconds"  # rank 0's evaluation time, neither compute nor wait
 
 # Histogram of wall seconds per step.
 STEP_SECONDS = "sgdjob_step_seconds"
@@ -28,6 +29,8 @@ GRADIENT_BYTES = "sgdjob_gradient_bytes"
 # began). With it a controller dates the counters' zero in its own clock, with no clock shared.
 TRAINING_SECONDS = "sgdjob_training_seconds"
 MODE = "sgdjob_mode"  # one series per mode, labelled LABEL_MODE: 1 for the active one
+VALIDATION_LOSS = "sgdjob_validation_loss"  # rank 0: loss on the held-out split at the last validation
+VALIDATION_ACCURACY = "sgdjob_validation_accuracy"  # rank 0, classification only: fraction right (0..1)
 WORKER_INFO = "sgdjob_worker_info"  # always 1, labelled with the process's identity
 
 LABEL_MODE = "mode"
@@ -36,7 +39,9 @@ LABEL_LOCAL_RANK = "local_rank"
 LABEL_NODE = "node"
 WORKER_INFO_LABELS = (LABEL_RANK, LABEL_LOCAL_RANK, LABEL_NODE)
 
-COUNTERS = frozenset({STEPS, SAMPLES, COMPUTE_SECONDS, COMM_WAIT_SECONDS, SWITCHES, SWITCH_PAUSE_SECONDS})
+COUNTERS = frozenset(
+    {STEPS, SAMPLES, COMPUTE_SECONDS, COMM_WAIT_SECONDS, SWITCHES, SWITCH_PAUSE_SECONDS, VALIDATION_SECONDS}
+)
 
 
 def sample_name(family: str) -> str:

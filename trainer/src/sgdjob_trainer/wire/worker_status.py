@@ -100,3 +100,16 @@ class WorkerStatus(WireDocument):
     resumes: list[ResumeRecord] | None = None
     checkpoint: CheckpointReport | None = None
     port: int | None = None  # the HTTP server's port, added by the server itself
+    # Rank 0 after its first validation on the held-out split: the latest figures and their step
+    # (accuracy for a classification loss only).
+    validation_loss: float | None = None
+    validation_accuracy: float | None = None
+    validation_step: int | None = None
+    # Rank 0, once its validation reached `training.target`: the step and the seconds since training
+    # started; end_reason is then TARGET_REACHED and the job ends successfully at an agreed step.
+    target_step: int | None = None
+    time_to_target_s: float | None = None
+    end_reason: str | None = None
+
+
+TARGET_REACHED = "TargetReached"
