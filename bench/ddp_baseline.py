@@ -26,6 +26,7 @@ from sgdjob_trainer.data import ShardedStream, build_dataset, fetch, held_out_in
 from sgdjob_trainer.emulation import ComputeEmulator
 from sgdjob_trainer.networks import build_loss, build_model
 from sgdjob_trainer.runtime import WorldInfo
+from sgdjob_trainer.validation import Validator
 
 # Every step, like the trainer's loss history, so time-to-target is read at the same resolution.
 LOSS_EVERY = 1
@@ -49,6 +50,12 @@ def main() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=train.learning_rate, momentum=train.momentum)
     emulator = ComputeEmulator(train.emulation, info.rank, info.node, train.batch_size, train.seed)
 
+    # Rank 0 validates on the held-out split between steps, as the trainer's rank 0 does
+    # (training.evaluation: the same samples, the same schedule, the same accuracy); the other ranks
+    # wait for it at the next allreduce.
+    validator = Validator(train.evaluation, eval_x, eval_y, loss_fn) if info.rank == 0 else None
+    validations: list[dict[str, float | int | None]] = []
+
     def full_loss() -> float:
         with torch.no_grad():
             return float(loss_fn(net(eval_x), eval_y))
@@ -58,6 +65,9 @@ def main() -> None:
     start = time.perf_counter()
     curve: list[list[float]] = [[0.0, 0, initial]]
     compute = 0.0
+    if validator is not None:  # the curve's first point is the initial model at 0 s, as in the trainer's
+        first = validator.run(net)
+        validations.append({"step": 0, "time_s": 0.0, "samples": 0, "loss": first.loss, "accuracy": first.accuracy})
     for step in range(train.steps):
         x, y = stream.next_batch(train.batch_size)
         emulated = emulator.run(step, train.batch_size)
@@ -68,6 +78,17 @@ def main() -> None:
         compute += emulated
         if (step + 1) % LOSS_EVERY == 0 or step + 1 == train.steps:
             curve.append([time.perf_counter() - start, step + 1, float(loss.detach())])
+        if validator is not None and (validator.due(step + 1) or step + 1 == train.steps):
+            result = validator.run(net)
+            validations.append(
+                {
+                    "step": step + 1,
+                    "time_s": time.perf_counter() - start,
+                    "samples": (step + 1) * train.batch_size * info.world_size,
+                    "loss": result.loss,
+                    "accuracy": result.accuracy,
+                }
+            )
     wall = time.perf_counter() - start
     final = full_loss()
     out = os.environ.get("SGDJOB_REPORT_DIR")
@@ -81,6 +102,7 @@ def main() -> None:
             "initialLoss": initial,
             "finalLoss": final,
             "lossCurve": curve,
+            "validationCurve": validations,
         }
         path = Path(out) / f"rank-{info.rank}.json"
         tmp = path.with_suffix(".tmp")
