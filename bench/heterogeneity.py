@@ -34,7 +34,7 @@ from bench.results import (
     target_loss,
 )
 from bench.scenarios import SCENARIO_NAMES, BenchConfig, Scenario, bound, build_scenario, emulation, rank_speeds
-from bench.systems import RunRecord, run_ddp, run_sgdjob
+from bench.systems import RunRecord, guarded, run_ddp, run_sgdjob
 
 FULL = BenchConfig(workers=4, steps=1200)
 QUICK = BenchConfig(workers=4, steps=160)
@@ -67,12 +67,9 @@ def machine() -> dict[str, Any]:
 
 def run_system(cfg: BenchConfig, scenario: Scenario, system: str, out: Path, timeout_s: float) -> RunRecord:
     run_dir = out / "runs" / scenario.name / system
-    try:
-        if system == "ddp":
-            return run_ddp(cfg, scenario, run_dir, timeout_s)
-        return run_sgdjob(cfg, scenario, system, run_dir, timeout_s)
-    except Exception as err:  # one broken run must not lose the others' numbers
-        return RunRecord(system, run_dir, 0.0, error=f"{type(err).__name__}: {err}")
+    if system == "ddp":
+        return guarded(system, run_dir, lambda: run_ddp(cfg, scenario, run_dir, timeout_s))
+    return guarded(system, run_dir, lambda: run_sgdjob(cfg, scenario, system, run_dir, timeout_s))
 
 
 def result_of(record: RunRecord, cfg: BenchConfig, scenario_bound: float, target: float) -> dict[str, Any]:

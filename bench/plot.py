@@ -1,4 +1,5 @@
-"""The heterogeneity benchmark's figure: efficiency and time to target, grouped by scenario."""
+"""The benchmarks' figures: efficiency and time to target grouped by scenario (heterogeneity), and
+validation accuracy against wall time per scenario (goodput)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,24 @@ from typing import Any
 
 from bench.results import SYSTEMS
 
-COLORS = {"ddp": "#7f7f7f", "sync": "#1f77b4", "hierarchical": "#2ca02c", "async": "#ff7f0e", "auto": "#d62728"}
+COLORS = {
+    "ddp": "#7f7f7f",
+    "ddp-drop": "#17becf",
+    "lb-bsp": "#9467bd",
+    "sync": "#1f77b4",
+    "hierarchical": "#2ca02c",
+    "async": "#ff7f0e",
+    "auto": "#d62728",
+}
+
+
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def _value(result: Mapping[str, Any], system: str, key: str) -> float:
@@ -17,11 +35,7 @@ def _value(result: Mapping[str, Any], system: str, key: str) -> float:
 
 
 def plot_results(results: Sequence[Mapping[str, Any]], path: Path, title: str) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     names = [r["scenario"] for r in results]
     width = 0.8 / len(SYSTEMS)
     fig, (eff_ax, ttt_ax) = plt.subplots(1, 2, figsize=(13, 4.5))
@@ -40,6 +54,42 @@ def plot_results(results: Sequence[Mapping[str, Any]], path: Path, title: str) -
         ax.grid(axis="y", alpha=0.3)
     eff_ax.legend(ncol=len(SYSTEMS), fontsize=8, loc="upper center", bbox_to_anchor=(1.1, -0.08))
     fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_curves(
+    curves: Mapping[str, Sequence[Sequence[tuple[float, float]]]],
+    path: Path,
+    title: str,
+    *,
+    target: float,
+    budget_s: float,
+) -> Path:
+    """Validation accuracy against seconds since training start: one line per system and seed
+    (`curves[system]` = one [(time_s, accuracy)] per seed), the target and the wall-time budget."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for system, runs in curves.items():
+        for i, points in enumerate(runs):
+            ax.plot(
+                [p[0] for p in points],
+                [p[1] for p in points],
+                color=COLORS.get(system, "black"),
+                alpha=1.0 if i == 0 else 0.45,
+                linewidth=1.4,
+                label=system if i == 0 else None,
+            )
+    ax.axhline(target, color="black", linewidth=0.7, linestyle="--", label=f"target {target:g}")
+    ax.axvline(budget_s, color="black", linewidth=0.7, linestyle=":", label=f"budget {budget_s:g} s")
+    ax.set_xlabel("seconds since training start")
+    ax.set_ylabel("validation accuracy (held-out split)")
+    ax.set_ylim(0, 1.0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -14,10 +14,12 @@ slightly above what any system can reach (efficiencies are, if anything, underst
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 SCENARIO_NAMES = ("homogeneous", "one-straggler", "bimodal", "transient")
+# The goodput benchmark adds a straggler that comes and goes.
+GOODPUT_SCENARIOS = (*SCENARIO_NAMES, "intermittent")
 STRAGGLER_FACTOR = 3.0
 BIMODAL_FACTOR = 2.0
 HICCUP_FACTOR = 4.0
@@ -44,6 +46,9 @@ class BenchConfig:
     jitter: float = 0.05
     seed: int = 0
     policy: dict[str, Any] = field(default_factory=lambda: dict(POLICY))
+    model: str = "mlp"
+    dataset: str = "synthetic"
+    evaluation: dict[str, Any] | None = None  # camelCase training.evaluation; the trainer's default when None
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +100,17 @@ def build_scenario(name: str, cfg: BenchConfig) -> Scenario:
             tuple(hiccups),
             singletons,
         )
-    raise ValueError(f"unknown scenario {name!r}; known: {', '.join(SCENARIO_NAMES)}")
+    if name == "intermittent":
+        last = n - 1
+        spells = ((steps // 4, steps // 2), (3 * steps // 4, steps))
+        return Scenario(
+            name,
+            f"rank {last} is {STRAGGLER_FACTOR:g}x slower during steps {spells[0][0]}-{spells[0][1]} and "
+            f"{spells[1][0]}-{spells[1][1]} (comes and goes), as fast as the others in between",
+            tuple({"rank": last, "factor": STRAGGLER_FACTOR, "startStep": a, "endStep": b} for a, b in spells),
+            (tuple(range(last)), (last,)),
+        )
+    raise ValueError(f"unknown scenario {name!r}; known: {', '.join(GOODPUT_SCENARIOS)}")
 
 
 def emulation(cfg: BenchConfig, scenario: Scenario) -> dict[str, Any]:
@@ -109,14 +124,16 @@ def emulation(cfg: BenchConfig, scenario: Scenario) -> dict[str, Any]:
 
 def training(cfg: BenchConfig, scenario: Scenario, *, hierarchical_groups: bool) -> dict[str, Any]:
     doc: dict[str, Any] = {
-        "model": "mlp",
-        "dataset": "synthetic",
+        "model": cfg.model,
+        "dataset": cfg.dataset,
         "batchSize": cfg.batch_size,
         "learningRate": cfg.learning_rate,
         "steps": cfg.steps,
         "seed": cfg.seed,
         "emulation": emulation(cfg, scenario),
     }
+    if cfg.evaluation is not None:
+        doc["evaluation"] = dict(cfg.evaluation)
     if hierarchical_groups:
         doc["hierarchical"] = {"groups": [list(g) for g in scenario.groups]}
     return doc
@@ -175,3 +192,27 @@ def rank_speeds(cfg: BenchConfig, scenario: Scenario) -> list[float]:
 
 def bound(cfg: BenchConfig, scenario: Scenario) -> float:
     return sum(rank_speeds(cfg, scenario))
+
+
+def slowest_rank(cfg: BenchConfig, scenario: Scenario) -> int:
+    """The rank with the lowest emulated speed over the run (the last of equals)."""
+    speeds = rank_speeds(cfg, scenario)
+    return min(range(cfg.workers), key=lambda r: (speeds[r], -r))
+
+
+def without_rank(cfg: BenchConfig, scenario: Scenario, drop: int) -> tuple[BenchConfig, Scenario]:
+    """The same job on the other N-1 workers, as a user who takes a slow worker out by hand runs it:
+    the same batch per worker (so the global batch shrinks by 1/N) and the learning rate by the
+    job's rule for a smaller world (lrScaling linear: x (N-1)/N); rank numbers above `drop` shift
+    down by one, and the dropped rank's slowdowns go with it."""
+    n = cfg.workers
+    if not 0 <= drop < n or n < 2:
+        raise ValueError(f"cannot drop rank {drop} of {n} workers (at least 1 must remain)")
+    slowdowns = tuple(
+        {**s, "rank": s["rank"] - (1 if s["rank"] > drop else 0)} for s in scenario.slowdowns if s["rank"] != drop
+    )
+    smaller = replace(cfg, workers=n - 1, learning_rate=cfg.learning_rate * (n - 1) / n)
+    rest = [r - (1 if r > drop else 0) for r in range(n) if r != drop]
+    return smaller, Scenario(
+        scenario.name, f"{scenario.description}; rank {drop} dropped", slowdowns, tuple((r,) for r in rest)
+    )

@@ -12,13 +12,17 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from bench.scenarios import BenchConfig, Scenario, ddp_run_config, job_doc
+
+if TYPE_CHECKING:
+    from sgdjob_operator.local.runner import PollHook
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,7 +40,15 @@ class RunRecord:
     error: str | None = None
 
 
-def run_ddp(cfg: BenchConfig, scenario: Scenario, out_dir: Path, timeout_s: float) -> RunRecord:
+def guarded(system: str, out_dir: Path, run: Callable[[], RunRecord]) -> RunRecord:
+    """`run()`, or a failed record: one broken run must not lose the others' numbers."""
+    try:
+        return run()
+    except Exception as err:
+        return RunRecord(system, out_dir, 0.0, error=f"{type(err).__name__}: {err}")
+
+
+def run_ddp(cfg: BenchConfig, scenario: Scenario, out_dir: Path, timeout_s: float, *, system: str = "ddp") -> RunRecord:
     """`torchrun --standalone --nproc-per-node=N -m bench.ddp_baseline --config run-config.json`."""
     out_dir.mkdir(parents=True, exist_ok=True)
     for stale in out_dir.glob("rank-*.json"):
@@ -75,21 +87,31 @@ def run_ddp(cfg: BenchConfig, scenario: Scenario, out_dir: Path, timeout_s: floa
         error = f"timed out after {timeout_s:.0f}s (log: {out_dir / 'torchrun.log'})"
     elif code != 0:
         error = f"torchrun exited with {code} (log: {out_dir / 'torchrun.log'})"
-    return RunRecord("ddp", out_dir, harness, rank_docs=docs, error=error)
+    return RunRecord(system, out_dir, harness, rank_docs=docs, error=error)
 
 
 def write_job(cfg: BenchConfig, scenario: Scenario, mode: str, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(
-        f"# EMULATED compute: {scenario.name} ({scenario.description}); written by bench.heterogeneity\n"
+        f"# EMULATED compute: {scenario.name} ({scenario.description}); written by the benchmark (bench/)\n"
         + yaml.safe_dump(job_doc(cfg, scenario, mode), sort_keys=False)
     )
     return path
 
 
-def run_sgdjob(cfg: BenchConfig, scenario: Scenario, mode: str, out_dir: Path, timeout_s: float) -> RunRecord:
+def run_sgdjob(
+    cfg: BenchConfig,
+    scenario: Scenario,
+    mode: str,
+    out_dir: Path,
+    timeout_s: float,
+    *,
+    system: str | None = None,
+    on_poll: PollHook | None = None,
+) -> RunRecord:
     """Our trainer in `mode` (sync, hierarchical, async, or auto: the policy drives it), exactly as
-    `sgdjob run JOB --mode MODE --out DIR` runs it, minus the CLI's plots."""
+    `sgdjob run JOB --mode MODE --out DIR` runs it, minus the CLI's plots. `on_poll` is the local
+    runner's poll hook (e.g. one that pushes a control command); `system` names the record."""
     from sgdjob_operator.api.validation import load_jobs
     from sgdjob_operator.local.progress import PlainDisplay
     from sgdjob_operator.local.runner import RunOptions, run_local
@@ -100,9 +122,12 @@ def run_sgdjob(cfg: BenchConfig, scenario: Scenario, mode: str, out_dir: Path, t
     with (out_dir / "progress.log").open("w") as log:
         outcome = asyncio.run(
             run_local(
-                job, RunOptions(out_dir=out_dir, mode=mode, timeout_s=timeout_s), PlainDisplay(stream=log, every_s=5.0)
+                job,
+                RunOptions(out_dir=out_dir, mode=mode, timeout_s=timeout_s),
+                PlainDisplay(stream=log, every_s=5.0),
+                on_poll,
             )
         )
     harness = time.monotonic() - start
     error = None if outcome.exit_code == 0 else outcome.message.splitlines()[0]
-    return RunRecord(mode, out_dir, harness, report=outcome.report, error=error)
+    return RunRecord(system or mode, out_dir, harness, report=outcome.report, error=error)
