@@ -1,0 +1,135 @@
+"""The goodput benchmark: its pure parts (curves, time to target, accuracy at budget, aggregation
+over seeds, table, the ddp-drop and lb-bsp set-ups) in milliseconds, and one tiny real run of every
+system (shape only)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench.goodput import (
+    CONFIG,
+    SYSTEMS,
+    accuracy_at,
+    accuracy_points,
+    aggregate,
+    lb_batches,
+    markdown_table,
+    run_result,
+    spread,
+    time_to_accuracy,
+)
+from bench.scenarios import GOODPUT_SCENARIOS, BenchConfig, build_scenario, job_doc, rank_factor, without_rank
+from bench.systems import RunRecord
+from sgdjob_operator.api.validation import validate_job
+
+CURVE: list[dict[str, Any]] = [
+    {"step": 0, "time_s": 0.0, "samples": 0, "loss": 2.3, "accuracy": 0.1},
+    {"step": 10, "time_s": 1.0, "samples": 320, "loss": 1.0, "accuracy": 0.6},
+    {"step": 20, "time_s": 2.0, "samples": 640, "loss": 0.5, "accuracy": 0.92},
+    {"step": 30, "time_s": 3.0, "samples": 960, "loss": 0.4, "accuracy": 0.88},
+    {"step": 40, "time_s": 4.0, "samples": 1280, "loss": 0.3, "accuracy": None},
+]
+
+
+def test_time_to_target_and_accuracy_at_budget_from_a_curve() -> None:
+    points = accuracy_points(list(reversed(CURVE)))
+    assert points == [(0.0, 0.1), (1.0, 0.6), (2.0, 0.92), (3.0, 0.88)]  # rows without accuracy dropped
+    assert time_to_accuracy(points, 0.9) == 2.0
+    assert time_to_accuracy(points, 0.6) == 1.0  # at or above
+    assert time_to_accuracy(points, 0.95) is None
+    assert accuracy_at(points, 2.5) == 0.92
+    assert accuracy_at(points, 3.0) == 0.88  # the last validation at or before the budget, not the best
+    assert accuracy_at(points, 100.0) == 0.88  # a run that ended before the budget keeps its final model
+    assert accuracy_at(points[1:], 0.5) is None
+
+
+def test_spread_counts_missing_values_as_the_worst() -> None:
+    assert spread([3.0, 1.0, 2.0], math.inf) == {"median": 2.0, "min": 1.0, "max": 3.0}
+    assert spread([3.0, None, 2.0], math.inf) == {"median": 3.0, "min": 2.0, "max": None}
+    assert spread([None, None, 2.0], math.inf) == {"median": None, "min": 2.0, "max": None}
+    assert spread([1.0, 2.0, 4.0, 5.0], math.inf) == {"median": 3.0, "min": 1.0, "max": 5.0}
+    assert spread([1.0, None], math.inf)["median"] is None  # even count: one of the middle two never reached
+    assert spread([0.9, None, 0.8], -math.inf) == {"median": 0.8, "min": None, "max": 0.9}
+    assert spread([], math.inf) == {"median": None, "min": None, "max": None}
+
+
+def _report(curve: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "throughput_samples_per_s": 500.0,
+        "validation_curve": curve,
+        "mode_timeline": [{"mode": "sync", "step": 0}],
+        "static_batches": {"batch_sizes": {"0": 40, "1": 24}, "seen_applied_at_step": 3},
+    }
+
+
+def test_run_results_aggregate_and_table() -> None:
+    ours = run_result(RunRecord("lb-bsp", Path("x"), 9.0, report=_report(CURVE)), 2, 0.9, 2.5)
+    assert ours["time_to_target_s"] == 2.0 and ours["accuracy_at_budget"] == 0.92 and ours["final_accuracy"] == 0.88
+    assert ours["ok"] and ours["throughput"] == 500.0
+    assert ours["modes"] == ["sync@0", "batches {'0': 40, '1': 24} seen applied at step 3"]
+    docs: list[dict[str, Any]] = [
+        {"rank": 0, "samples": 320, "wallSeconds": 2.0, "validationCurve": CURVE[:2]},
+        {"rank": 1, "samples": 320, "wallSeconds": 4.0},
+    ]
+    ddp = run_result(RunRecord("ddp", Path("y"), 12.0, rank_docs=docs), 2, 0.9, 2.5)
+    assert ddp["time_to_target_s"] is None and ddp["accuracy_at_budget"] == 0.6
+    assert ddp["throughput"] == pytest.approx(640 / 4.0) and ddp["modes"] == ["ddp (2 workers)"]
+    failed = run_result(RunRecord("auto", Path("z"), 1.0, error="boom"), 2, 0.9, 2.5)
+    assert not failed["ok"] and failed["time_to_target_s"] is None and failed["curve"] == []
+    agg = aggregate([ours, ddp, ours])
+    assert agg["time_to_target_s"] == {"median": 2.0, "min": 2.0, "max": None}
+    assert agg["reached"] == 2 and agg["seeds"] == 3 and agg["ok"]
+    never = aggregate([ddp])
+    table = markdown_table([{"scenario": "one-straggler", "systems": {"lb-bsp": agg, "ddp": never}}])
+    lines = table.splitlines()
+    assert lines[2].startswith("| one-straggler | ddp | not reached | 0/1 | 0.600 [0.600-0.600] | 160 [160-160] |")
+    assert lines[3].startswith("| one-straggler | lb-bsp | 2.0 [2.0-not reached] | 2/3 | 0.920 [0.600-0.920] |")
+
+
+def test_ddp_drop_and_lb_bsp_setups() -> None:
+    cfg = BenchConfig(workers=4, steps=100, batch_size=32, learning_rate=0.1)
+    one = build_scenario("one-straggler", cfg)
+    batches = lb_batches(cfg, one)
+    assert sum(batches.values()) == 128 and batches[3] < min(batches[r] for r in range(3))
+    assert set(lb_batches(cfg, build_scenario("homogeneous", cfg)).values()) == {32}
+    small_cfg, small = without_rank(cfg, one, 3)
+    assert small_cfg.workers == 3 and small_cfg.learning_rate == pytest.approx(0.075) and small.slowdowns == ()
+    bimodal = build_scenario("bimodal", cfg)
+    _, rest = without_rank(cfg, bimodal, 2)
+    assert [s["rank"] for s in rest.slowdowns] == [2]  # rank 3 is now rank 2, still 2x slower
+    inter = build_scenario("intermittent", cfg)
+    assert [rank_factor(inter.slowdowns, 3, s) for s in (0, 25, 49, 50, 75, 99)] == [1.0, 3.0, 3.0, 1.0, 3.0, 3.0]
+    for name in GOODPUT_SCENARIOS:
+        job = validate_job(job_doc(CONFIG, build_scenario(name, CONFIG), "auto"))
+        assert job.spec.training.model == "digits-mlp" and job.spec.training.evaluation.every_seconds == 0.5
+
+
+@pytest.mark.multiproc
+def test_tiny_goodput_run_of_every_system(tmp_path: Path) -> None:
+    """2 workers, a few steps, one scenario, all seven systems: the output files and their shape."""
+    from bench.goodput import main
+
+    out = tmp_path / "goodput"
+    argv = "--workers 2 --steps 60 --compute-seconds 0.02 --scenarios one-straggler --seeds 1"
+    code = main([*argv.split(), "--budget", "1.0", "--target", "0.3", "--timeout", "240", "--out", str(out)])
+    doc = json.loads((out / "goodput.json").read_text())
+    assert [r["scenario"] for r in doc["results"]] == ["one-straggler"]
+    systems = doc["results"][0]["systems"]
+    assert set(systems) == set(SYSTEMS)
+    for name, agg in systems.items():
+        assert agg["ok"], (name, agg["runs"][0].get("error"))
+        assert set(agg["time_to_target_s"]) == {"median", "min", "max"}
+        assert agg["accuracy_at_budget"]["median"] is not None, name
+        assert len(agg["runs"][0]["curve"]) >= 2, name  # the initial validation and at least one more
+    assert systems["ddp-drop"]["runs"][0]["modes"] == ["ddp-drop (1 workers)"]
+    assert any("batches" in m for m in systems["lb-bsp"]["runs"][0]["modes"]), systems["lb-bsp"]["runs"][0]
+    meta = doc["metadata"]
+    assert "EMULATED" in meta["emulation"] and meta["seeds"] == [0] and meta["target_accuracy"] == 0.3
+    assert (out / "goodput-one-straggler.png").stat().st_size > 0
+    assert "| one-straggler | lb-bsp |" in (out / "goodput.md").read_text()
+    assert code == 0
