@@ -197,7 +197,7 @@ def bound(cfg: BenchConfig, scenario: Scenario) -> float:
 def slowest_rank(cfg: BenchConfig, scenario: Scenario) -> int:
     """The rank with the lowest emulated speed over the run (the last of equals)."""
     speeds = rank_speeds(cfg, scenario)
-    return min(range(cfg.workers), key=lambda r: (speeds[r], -r))
+    return min(range(cfg.workers), key=lambda r: (round(speeds[r], 6), -r))
 
 
 def without_rank(cfg: BenchConfig, scenario: Scenario, drop: int) -> tuple[BenchConfig, Scenario]:

@@ -23,7 +23,15 @@ from bench.goodput import (
     spread,
     time_to_accuracy,
 )
-from bench.scenarios import GOODPUT_SCENARIOS, BenchConfig, build_scenario, job_doc, rank_factor, without_rank
+from bench.scenarios import (
+    GOODPUT_SCENARIOS,
+    BenchConfig,
+    build_scenario,
+    job_doc,
+    rank_factor,
+    slowest_rank,
+    without_rank,
+)
 from bench.systems import RunRecord
 from sgdjob_operator.api.validation import validate_job
 
@@ -97,6 +105,8 @@ def test_ddp_drop_and_lb_bsp_setups() -> None:
     batches = lb_batches(cfg, one)
     assert sum(batches.values()) == 128 and batches[3] < min(batches[r] for r in range(3))
     assert set(lb_batches(cfg, build_scenario("homogeneous", cfg)).values()) == {32}
+    assert slowest_rank(cfg, one) == 3
+    assert slowest_rank(CONFIG, build_scenario("transient", CONFIG)) == 3  # equal over the run: the last
     small_cfg, small = without_rank(cfg, one, 3)
     assert small_cfg.workers == 3 and small_cfg.learning_rate == pytest.approx(0.075) and small.slowdowns == ()
     bimodal = build_scenario("bimodal", cfg)
