@@ -264,7 +264,8 @@ def run_benchmark(
             for system in systems:
                 print(f"[{time.monotonic() - wall0:6.0f}s] {name}: {system} seed {seed} ...", file=log, flush=True)
                 record = run_system(seeded, scenario, system, out / "runs" / name / system / f"seed-{seed}", timeout_s)
-                result = run_result(record, cfg.workers, target, budget_s)
+                workers = cfg.workers - 1 if system == "ddp-drop" else cfg.workers
+                result = run_result(record, workers, target, budget_s)
                 per_system[system].append(result)
                 print(
                     f"         time to target {_fmt(result['time_to_target_s'], '.1f')}s, accuracy at budget "
