@@ -162,6 +162,8 @@ def run_system(cfg: BenchConfig, scenario: Scenario, system: str, run_dir: Path,
 
 def run_result(record: RunRecord, workers: int, target: float, budget_s: float) -> dict[str, Any]:
     """One run's figures (pure): from the DDP baseline's rank files or from our report.json."""
+    report = record.report or {}
+    decisions = [d for d in report.get("decisions") or [] if isinstance(d, Mapping)]
     if record.rank_docs:
         base = ddp_result(record.rank_docs, 0.0, 0.0, workers)
         rank0 = next((d for d in record.rank_docs if d.get("rank") == 0), {})
@@ -171,6 +173,8 @@ def run_result(record: RunRecord, workers: int, target: float, budget_s: float) 
         base = sgdjob_result(record.report, 0.0, 0.0)
         points = accuracy_points(record.report.get("validation_curve"))
         modes = list(base["modes"])
+        # Mode switches are in the timeline already; a rebalance or a resize is not.
+        modes.extend(f"{d.get('action')}@{d.get('step')}" for d in decisions if d.get("action") != "switchMode")
         static = record.report.get("static_batches")
         if isinstance(static, Mapping):
             modes.append(
@@ -187,6 +191,9 @@ def run_result(record: RunRecord, workers: int, target: float, budget_s: float) 
         "wall_s": base.get("wall_s"),
         "harness_s": record.harness_s,
         "modes": modes,
+        # What the policy did and why: each decision's step, action, predicted gain and reason
+        # (which names the statistical efficiency it rested on: measured or assumed).
+        "decisions": [{k: d.get(k) for k in ("step", "action", "mode", "predictedGain", "reason")} for d in decisions],
         "ok": ok,
         "error": record.error,
         "curve": points,

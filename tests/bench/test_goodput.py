@@ -87,6 +87,11 @@ def test_run_results_aggregate_and_table() -> None:
     ddp = run_result(RunRecord("ddp", Path("y"), 12.0, rank_docs=docs), 2, 0.9, 2.5)
     assert ddp["time_to_target_s"] is None and ddp["accuracy_at_budget"] == 0.6
     assert ddp["throughput"] == pytest.approx(640 / 4.0) and ddp["modes"] == ["ddp (2 workers)"]
+    decided = {"step": 19, "action": "rebalance", "predictedGain": 1.43, "reason": "measured", "applied": True}
+    auto = run_result(RunRecord("auto", Path("w"), 9.0, report={**_report(CURVE), "decisions": [decided]}), 2, 0.9, 2.5)
+    assert auto["modes"][1] == "rebalance@19", "a rebalance shows although the mode stays"
+    assert auto["decisions"] == [{"step": 19, "action": "rebalance", "mode": None, "predictedGain": 1.43,
+                                  "reason": "measured"}]  # fmt: skip
     failed = run_result(RunRecord("auto", Path("z"), 1.0, error="boom"), 2, 0.9, 2.5)
     assert not failed["ok"] and failed["time_to_target_s"] is None and failed["curve"] == []
     agg = aggregate([ours, ddp, ours])

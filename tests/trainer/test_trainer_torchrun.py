@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from bench.trainer_modes import SWITCH_SEQUENCE, free_port_base, launch, post_control, read_reports, wait_status
+from sgdjob_operator.policy.efficiency import MIN_STEPS, estimate
 from sgdjob_operator.workers.scrape import parse_metrics
 from sgdjob_trainer.config import Compression
 from sgdjob_trainer.networks import build_model
@@ -60,13 +61,19 @@ def test_switch_through_every_pair_over_http(tmp_path: Path) -> None:
     }
     proc = launch(config, tmp_path, env={"SGDJOB_CONTROL_TOKEN": TOKEN})
     try:
-        wait_status(port, 4, lambda docs: all(d["step"] >= 3 for d in docs), 300, proc)
+        wait_status(port, 4, lambda docs: all(d["step"] >= MIN_STEPS + 2 for d in docs), 300, proc)
         metrics = urllib.request.urlopen(f"http://127.0.0.1:{port + 2}/metrics", timeout=5).read().decode()
         for name in NAMES:
             assert name in metrics, name
-        # What the policy's cost model is given: the bytes the synchronous allreduce sends.
+        # What the policy's cost model is given: the bytes the synchronous allreduce sends, and
+        # each rank's gradient statistics, which it averages into what a stale sample is worth.
         expected = exchange_bytes(list(build_model("mlp", 0).parameters()), Compression.NONE)
-        assert parse_metrics(metrics, time=0.0).gradient_bytes == expected > 0
+        sample = parse_metrics(metrics, time=0.0)
+        assert sample.gradient_bytes == expected > 0
+        assert sample.gradient is not None and sample.gradient.steps >= MIN_STEPS
+        assert sample.gradient.variance > 0 and sample.gradient.lag_dot is not None
+        efficiency = estimate([sample], penalty=0.02)
+        assert efficiency.measured and efficiency.noise_scale is not None and efficiency.noise_scale > 0
         body = {"epoch": 1, "mode": SWITCH_SEQUENCE[0], "reason": "test"}
         assert post_control(port, body, None)[0] == 401
         assert post_control(port, body, "wrong")[0] == 401

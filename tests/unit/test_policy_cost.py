@@ -13,6 +13,7 @@ from sgdjob_operator.api.models import SGDJobSpec
 from sgdjob_operator.policy import Keep, PolicyState, RankState, Rebalance, ReplaceWorker, Rescale, SwitchMode, job_view
 from sgdjob_operator.policy.comm import CommModel
 from sgdjob_operator.policy.cost import CostInputs, predict_async, predict_hierarchical, predict_sync
+from sgdjob_operator.policy.efficiency import Efficiency
 from sgdjob_operator.policy.plans import paced_group_batches, proportional_batches, speed_groups
 from sgdjob_operator.policy.stats import gap_clusters, mad, median
 
@@ -20,7 +21,7 @@ FREE = CommModel(latency_s=0.0, gradient_bytes=0, ps_apply_seconds=0.0)
 
 
 def inputs(comm: CommModel = FREE, jitter: float = 0.0, staleness: int | None = 8) -> CostInputs:
-    return CostInputs(comm, jitter, 0.02, 4, 2, staleness, 1)
+    return CostInputs(comm, jitter, Efficiency(0.02), 4, 2, staleness, 1)
 
 
 def test_sync_is_bound_by_the_slowest_and_rebalancing_recovers_the_sum() -> None:

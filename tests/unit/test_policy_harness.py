@@ -25,6 +25,7 @@ from sgdjob_operator.policy import (
     job_view,
 )
 from sgdjob_operator.policy.comm import CommModel
+from sgdjob_operator.policy.samples import GradientSignal
 
 
 @dataclass
@@ -41,6 +42,9 @@ class Harness:
     batch: int = 32
     start_mode: str | None = None
     start_batches: dict[int, int] = field(default_factory=dict)
+    training: dict[str, Any] = field(default_factory=dict)
+    # What every rank's trainer reports of its gradients (None: an older trainer, nothing measured).
+    gradient: GradientSignal | None = None
 
     def __post_init__(self) -> None:
         nodes = len(self.speeds) // self.nproc
@@ -50,7 +54,7 @@ class Harness:
             "maxReplicas": nodes,
             "nprocPerNode": self.nproc,
             "mode": self.mode,
-            "training": {"batchSize": self.batch},
+            "training": {"batchSize": self.batch, **self.training},
             "policy": {"intervalSeconds": 10, "cooldownSeconds": 60, **self.policy},
         }
         self.spec = SGDJobSpec.model_validate(spec)
@@ -100,6 +104,7 @@ class Harness:
                 node=self.node_names[r],
                 pod=f"pod-{self.node_names[r]}",
                 staleness=1.0 if self.active == "async" else 0.0,
+                gradient=self.gradient,
             )
             for r, k in enumerate(self.counters)
         ]

@@ -52,8 +52,8 @@ def test_report_figures_follow_the_definitions() -> None:
     assert report["steps"] == 100 and report["samples"] == 4800
     assert [r["rank"] for r in report["per_rank"]] == [0, 1]
     assert report["per_rank"][1] == {"rank": 1, "node": "local-1", "speed_samples_per_s": pytest.approx(1600 / 15.0),
-                                     "compute_s": 15.0, "wait_s": 0.5, "samples": 1600, "steps": 50, "wall_s": 15.5,
-                                     "final_loss": 1.5}  # fmt: skip
+                                     "compute_s": 15.0, "wait_s": 0.5, "samples": 1600, "steps": 50, "batch_size": 0,
+                                     "wall_s": 15.5, "final_loss": 1.5}  # fmt: skip
     assert report["mode_timeline"] == [{"time_s": 0.0, "step": 0, "mode": "async", "reason": "start"}]
     assert report["emulation"] == EMULATION and report["missing_ranks"] == [] and report["diverged_ranks"] == []
     assert report["loss_history"] == [[0, 2.0], [99, 0.5]]

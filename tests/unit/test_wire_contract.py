@@ -16,9 +16,10 @@ from sgdjob_operator.api.validation import validate_job
 from sgdjob_operator.k8s.builders import CONFIG_FILE, JobRef, build_config_map, build_worker_pod
 from sgdjob_operator.local.launch import AgentPlan, plan_launch
 from sgdjob_operator.policy.measure import measure
-from sgdjob_operator.policy.samples import WorkerSample
+from sgdjob_operator.policy.samples import GradientSignal, WorkerSample
 from sgdjob_operator.workers.scrape import Endpoint, parse_metrics, parse_status, sample_from_status
 from sgdjob_trainer.config import Compression, SyncMode
+from sgdjob_trainer.gradient_stats import GradientFigures
 from sgdjob_trainer.runtime import WorldInfo
 from sgdjob_trainer.server import TrainerServer
 from sgdjob_trainer.strategies.base import exchange_bytes
@@ -57,6 +58,7 @@ def test_the_trainers_metrics_give_the_policy_every_field_it_reads() -> None:
     telemetry.begin_training()
     for step in (1, 2, 3):
         telemetry.record_step(step, samples=16, compute_s=0.5, wait_s=0.25, step_s=0.8, loss=0.75, staleness=2.0)
+    telemetry.set_gradient_figures(GradientFigures(12, sq_norm=0.5, variance=40.0, lag_dot=0.25))
     endpoint = Endpoint("http://10.0.0.9:9401", pod="job-worker-0", rank=7, node="hint")
     before = telemetry.training_seconds()
     sample = parse_metrics(telemetry.render_metrics().decode(), time=50.0, endpoint=endpoint)
@@ -78,6 +80,7 @@ def test_the_trainers_metrics_give_the_policy_every_field_it_reads() -> None:
         world_size=3,
         gradient_bytes=nbytes,
         training_seconds=sample.training_seconds,
+        gradient=GradientSignal(12, 0.5, 40.0, 0.25),
     )
     assert sample == expected
     zero = WorkerSample(0, 0.0, steps=0, samples=0, compute_seconds=0.0, comm_wait_seconds=0.0, mode="", batch_size=0)
@@ -108,18 +111,21 @@ def test_the_served_status_parses_into_the_model_and_back() -> None:
     telemetry.resumes = [resume]
     figures = Figures.of([0.5, 1.5])
     telemetry.checkpoint = CheckpointReport(stall_seconds=figures, write_seconds=Figures.of([]), completed=[1])
+    telemetry.set_gradient_figures(GradientFigures(15, sq_norm=2.0, variance=64.0, lag_dot=None))
     body = _served_status(telemetry)
     status = parse_status(body.decode())
     assert status.document() == json.loads(body), "nothing the trainer serves is lost or added by the model"
     assert (status.rank, status.control_epoch, status.loss, status.restart_count) == (0, 4, None, 1)
     assert status.port is not None and status.checkpoint is not None and status.checkpoint.stall_seconds.mean == 1.0
     assert [s.to_mode for s in status.switches] == [SyncMode.SYNC] and status.resumes == telemetry.resumes
-    assert sample_from_status(status, time=1.0).mode == "sync"
+    from_status = sample_from_status(status, time=1.0)
+    assert from_status.mode == "sync" and from_status.gradient == GradientSignal(15, 2.0, 64.0, None)
 
 
 def test_a_fresh_trainers_status_leaves_out_what_it_does_not_know_yet() -> None:
     doc = json.loads(_served_status(_telemetry()))
-    assert not {"restartCount", "resumes", "checkpoint"} & set(doc)
+    assert not {"restartCount", "resumes", "checkpoint", "gradientSqNorm", "gradientLagDot"} & set(doc)
+    assert sample_from_status(parse_status(json.dumps(doc)), time=1.0).gradient is None
     assert parse_status(json.dumps(doc)).document() == doc
 
 

@@ -20,6 +20,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
 from sgdjob_trainer.config import SyncMode
+from sgdjob_trainer.gradient_stats import GradientFigures
 from sgdjob_trainer.runtime import WorldInfo
 from sgdjob_trainer.wire import metric_names as wm
 from sgdjob_trainer.wire.worker_status import (
@@ -56,6 +57,7 @@ class Telemetry:
         self.batch_size = batch_size
         self.control_epoch = 0
         self.gradient_bytes = 0
+        self.gradient = GradientFigures(0, None, None, None)
         self.switches: list[SwitchRecord] = []
         self.done = False
         self.initial_loss = math.nan
@@ -100,6 +102,21 @@ class Telemetry:
             "Bytes of this process's gradient in one synchronous exchange.",
             registry=r,
         )
+        self.m_gradient = {
+            wm.GRADIENT_SQ_NORM: Gauge(
+                wm.GRADIENT_SQ_NORM, "Squared norm of the true gradient (estimate).", registry=r
+            ),
+            wm.GRADIENT_VARIANCE: Gauge(
+                wm.GRADIENT_VARIANCE, "Per-sample gradient variance, summed over parameters (estimate).", registry=r
+            ),
+            wm.GRADIENT_LAG_DOT: Gauge(
+                wm.GRADIENT_LAG_DOT, "Dot product of consecutive true gradients (estimate).", registry=r
+            ),
+        }
+        self.m_gradient_steps = Gauge(
+            wm.GRADIENT_STAT_STEPS, "Synchronous steps the gradient statistics average over.", registry=r
+        )
+        self._set_gradient_gauges(self.gradient)
         self.m_mode = Gauge(
             wm.MODE,
             "1 for the active synchronisation mode, 0 for the others.",
@@ -185,6 +202,23 @@ class Telemetry:
             self.gradient_bytes = nbytes
         self.m_gradient_bytes.set(nbytes)
 
+    def set_gradient_figures(self, figures: GradientFigures) -> None:
+        with self.lock:
+            if figures == self.gradient:
+                return
+            self.gradient = figures
+        self._set_gradient_gauges(figures)
+
+    def _set_gradient_gauges(self, figures: GradientFigures) -> None:
+        values = {
+            wm.GRADIENT_SQ_NORM: figures.sq_norm,
+            wm.GRADIENT_VARIANCE: figures.variance,
+            wm.GRADIENT_LAG_DOT: figures.lag_dot,
+        }
+        for name, value in values.items():
+            self.m_gradient[name].set(math.nan if value is None else value)
+        self.m_gradient_steps.set(figures.steps)
+
     def set_control_epoch(self, epoch: int) -> None:
         with self.lock:
             self.control_epoch = epoch
@@ -247,6 +281,9 @@ class Telemetry:
                 "resumes": self.resumes,
                 "checkpoint": self.checkpoint,
                 **self.validation,
+                "gradient_sq_norm": self.gradient.sq_norm,
+                "gradient_variance": self.gradient.variance,
+                "gradient_lag_dot": self.gradient.lag_dot,
             }
             return WorkerStatus(
                 rank=self.info.rank,
@@ -263,6 +300,7 @@ class Telemetry:
                 batch_size=self.batch_size,
                 control_epoch=self.control_epoch,
                 gradient_bytes=self.gradient_bytes,
+                gradient_stat_steps=self.gradient.steps,
                 switches=list(self.switches),
                 done=self.done,
                 time=time.time(),

@@ -181,6 +181,7 @@ class Trainer:
 
     def _make(self) -> Strategy:
         strategy = STRATEGIES[self.state.mode](self.ctx)
+        self.ctx.grad_stats.interrupt()
         strategy.enter()
         return strategy
 
@@ -207,6 +208,7 @@ class Trainer:
                     result.loss,
                     result.staleness,
                 )
+                telemetry.set_gradient_figures(self.ctx.grad_stats.figures())
                 if not math.isfinite(result.loss):
                     # Fail loudly (torchrun then stops every worker) rather than train on NaNs.
                     raise FloatingPointError(f"loss is {result.loss} at step {state.step} in {state.mode.value} mode")

@@ -98,7 +98,12 @@ class PolicySpec(CamelModel):
     staleness_penalty: Annotated[
         float,
         Field(
-            ge=0.0, le=1.0, description="Statistical efficiency lost per step of average staleness in the cost model."
+            ge=0.0,
+            le=1.0,
+            description=(
+                "Statistical efficiency lost per step of staleness, assumed by the cost model until the "
+                "workers have measured their gradients (then the measured gradient correlation is used)."
+            ),
         ),
     ] = 0.02
     allowed_actions: Annotated[

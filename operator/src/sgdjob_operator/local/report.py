@@ -70,6 +70,7 @@ def per_rank_entry(doc: Mapping[str, Any]) -> dict[str, Any]:
         "wait_s": _num(doc, "commWaitSeconds"),
         "samples": int(samples),
         "steps": int(_num(doc, "step")),
+        "batch_size": int(_num(doc, "batchSize")),  # at the end: a rebalance shows here
         "wall_s": _num(doc, "wallSeconds"),
         "final_loss": _loss(doc.get("finalLoss")),
     }

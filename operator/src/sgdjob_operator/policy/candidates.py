@@ -75,6 +75,7 @@ def predict_config(
     batches: Mapping[int, int],
     groups: list[list[int]] | None,
     label: str,
+    lr_ratio: float = 1.0,
 ) -> Prediction:
     if mode == "async":
         return predict_async(
@@ -82,7 +83,7 @@ def predict_config(
         )
     if mode == "hierarchical":
         return predict_hierarchical(speeds, batches, groups or current_groups(ctx), ctx.ci, label)
-    return predict_sync(speeds, batches, ctx.ci, label)
+    return predict_sync(speeds, batches, ctx.ci, label, lr_ratio)
 
 
 def predict_current(ctx: DecisionContext) -> Prediction:
@@ -218,7 +219,7 @@ def _membership(ctx: DecisionContext) -> list[Candidate]:
     if view.allows(Action.RESCALE) and view.replicas - 1 >= view.min_replicas:
         rest = {r: v for r, v in ctx.speeds.items() if r not in on_node}
         if rest:
-            pred = predict_config(ctx, view.mode, rest, batches, None, "rescale")
+            pred = predict_config(ctx, view.mode, rest, batches, None, "rescale", view.lr_ratio(len(rest)))
             removed = tuple(on_node)
             target = view.replicas - 1
             key = f"rescale:{ctx.nodes.get(rank) or rank}"

@@ -1,7 +1,8 @@
 """Predicted useful throughput of each way to run the job, from per-rank speeds and the network.
 
-useful = samples/s x statistical efficiency, where a gradient that is s steps stale is worth
-(1 - stalenessPenalty x s) of a fresh one. The models follow what the trainer does:
+useful = samples/s x statistical efficiency (`policy.efficiency`: measured from the job's gradients
+once the trainers have some synchronous steps, else the prior 1 - stalenessPenalty x staleness).
+The models follow what the trainer does:
 - sync: every step waits for the slowest rank (plus noise: the slowest *this* step), then an
   allreduce;
 - hierarchical: sync inside each group; a group runs at most `staleness` averaging rounds ahead
@@ -17,13 +18,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from sgdjob_operator.policy.comm import CommModel
+from sgdjob_operator.policy.efficiency import Efficiency
 
 
 @dataclass(frozen=True, slots=True)
 class CostInputs:
     comm: CommModel
     jitter: float
-    penalty: float
+    efficiency: Efficiency
     average_every: int
     hier_staleness: int
     async_staleness: int | None
@@ -42,23 +44,24 @@ class Prediction:
         return self.throughput * self.efficiency
 
 
-def stat_efficiency(staleness: float, penalty: float) -> float:
-    return max(0.0, 1.0 - penalty * staleness)
-
-
 def _noise(ci: CostInputs, n: int) -> float:
     return 1.0 + ci.jitter * math.log(n) if n > 1 else 1.0
 
 
 def predict_sync(
-    speeds: Mapping[int, float], batches: Mapping[int, int], ci: CostInputs, label: str = "sync"
+    speeds: Mapping[int, float],
+    batches: Mapping[int, int],
+    ci: CostInputs,
+    label: str = "sync",
+    lr_ratio: float = 1.0,
 ) -> Prediction:
+    """`lr_ratio`: the per-sample learning rate relative to plain sync's (a resized world's rule)."""
     n = len(speeds)
     if n == 0:
         return Prediction(label, 0.0, 0.0, 1.0)
     slowest = max(batches[r] / speeds[r] for r in speeds)
     step = slowest * _noise(ci, n) + ci.comm.allreduce_s(n)
-    return Prediction(label, sum(batches[r] for r in speeds) / step, 0.0, 1.0)
+    return Prediction(label, sum(batches[r] for r in speeds) / step, 0.0, ci.efficiency.per_sample(lr_ratio))
 
 
 def predict_hierarchical(
@@ -88,7 +91,7 @@ def predict_hierarchical(
     # steps late; weight that age by the share of the world outside the rank's group.
     age = s * h + (h - 1) / 2
     staleness = sum(len(g) / n * age * (n - len(g)) / max(1, n - 1) for g in groups)
-    return Prediction(label, throughput, staleness, stat_efficiency(staleness, ci.penalty))
+    return Prediction(label, throughput, staleness, ci.efficiency.stale(staleness))
 
 
 def predict_async(
@@ -110,6 +113,8 @@ def predict_async(
         total = capacity
     applied = 0.0
     weighted = 0.0
+    worth = 0.0
+    known = measured_staleness if measured_staleness is not None and measured_staleness > 0 else None
     for r, rate in rates.items():
         # Updates the other workers make during one of this worker's steps, per other worker.
         stale = (total - rate) / (rate * max(1, n - 1))
@@ -117,7 +122,8 @@ def predict_async(
             continue
         applied += batches[r] * rate
         weighted += batches[r] * rate * stale
-    staleness = weighted / applied if applied > 0 else 0.0
-    if measured_staleness is not None and measured_staleness > 0:
-        staleness = measured_staleness
-    return Prediction(label, applied, staleness, stat_efficiency(staleness, ci.penalty))
+        # Each update is over one worker's batch, at its own staleness (or what the workers report).
+        age = known if known is not None else stale
+        worth += batches[r] * rate * ci.efficiency.async_update(age, n)
+    staleness = known if known is not None else (weighted / applied if applied > 0 else 0.0)
+    return Prediction(label, applied, staleness, worth / applied if applied > 0 else 1.0)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from sgdjob_operator.policy.candidates import Candidate, DecisionContext, build, predict_current, straggler_node
 from sgdjob_operator.policy.cost import CostInputs, Prediction
 from sgdjob_operator.policy.decisions import Decision, Keep, ReplaceWorker, Rescale
+from sgdjob_operator.policy.efficiency import estimate
 from sgdjob_operator.policy.health import JobHealth, Shape, assess, jitter_coefficient
 from sgdjob_operator.policy.job import JobView
 from sgdjob_operator.policy.measure import FirstWindow, measure
@@ -26,6 +27,10 @@ from sgdjob_operator.policy.stats import median
 # wins, so two near-equal options cannot take turns and reset each other's persistence. (The
 # shape's favourite, see candidates.Candidate.preference, goes first.)
 PREFERENCE_SLACK = 0.03
+# A configuration with stale gradients must predict this much more than the best fresh one (sync,
+# rebalanced, resized): its worth rests on the measured gradient correlation, whose estimation error
+# the fresh one does not carry.
+STALENESS_SLACK = 0.05
 # A change must pay for its own pause (a restart costs a minute or more) within this many policy
 # intervals, or the cooldown if longer: long enough for a replacement to be worth it, short enough
 # that a marginal gain never justifies a restart.
@@ -78,8 +83,15 @@ def evaluate(state: PolicyState, samples: Sequence[WorkerSample], job: JobView, 
     nodes = {r: (a.ranks[r].node if r in a.ranks else None) for r in speeds}
     pods = {r: (window.latest[r].pod if r in window.latest else None) for r in speeds}
     stale = [w.staleness for w in window.ranks.values() if w.mode == "async"]
+    efficiency = estimate(window.latest.values(), p.staleness_penalty, job.staleness_lr)
     ci = CostInputs(
-        comm, jitter, p.staleness_penalty, job.average_every, job.hier_staleness, job.async_staleness, job.ps_shards
+        comm,
+        jitter,
+        efficiency,
+        job.average_every,
+        job.hier_staleness,
+        job.async_staleness,
+        job.ps_shards,
     )
     ctx = DecisionContext(health, job, speeds, nodes, pods, ci, sum(stale) / len(stale) if stale else None)
     current = predict_current(ctx)
@@ -94,7 +106,7 @@ def evaluate(state: PolicyState, samples: Sequence[WorkerSample], job: JobView, 
     gain = _gain(chosen.prediction, current)
     what = (
         f"{chosen.prediction.label} predicts {chosen.prediction.useful:.4g} useful samples/s "
-        f"vs {current.useful:.4g} now ({gain:+.0%})"
+        f"vs {current.useful:.4g} now ({gain:+.0%}); {efficiency.describe()}"
     )
     if job.in_flight:
         # Persistence starts over once the change has landed: no cooldown starts, no streak grows.
@@ -146,6 +158,11 @@ def _choose(candidates: list[Candidate], current: Prediction, job: JobView, prev
     ]
     if favourites:
         return max(favourites, key=lambda c: c.preference)
+    if best.prediction.staleness > 0:
+        fresh = [c for c in viable if c.prediction.staleness == 0]
+        top = max(fresh, key=lambda c: c.prediction.useful, default=None)
+        if top is not None and top.prediction.useful >= best.prediction.useful * (1 - STALENESS_SLACK):
+            best = top
     for c in viable:
         if c.key == previous and c.prediction.useful >= best.prediction.useful * (1 - PREFERENCE_SLACK):
             return c

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -41,6 +42,8 @@ class JobView:
     hier_staleness: int = 2
     async_staleness: int | None = 8
     ps_shards: int = 1
+    staleness_lr: str = "none"
+    lr_scaling: str = "linear"
     max_batch: int = 0
     max_batch_sizes: Mapping[int, int] = field(default_factory=dict)
     restart_seconds: float = 60.0
@@ -63,6 +66,17 @@ class JobView:
 
     def cap(self, rank: int) -> int:
         return max(self.max_batch_sizes.get(rank, self.max_batch or DEFAULT_MAX_BATCH_FACTOR * self.base_batch), 1)
+
+    def lr_ratio(self, world: int) -> float:
+        """Per-sample learning rate at `world` processes (same per-rank batches) relative to now,
+        under training.lrScaling: the trainer scales the rate by the world size, linearly (1 per
+        sample), by its square root, or not at all."""
+        now = self.world_size
+        if world <= 0 or now <= 0 or self.lr_scaling == "linear":
+            return 1.0
+        if self.lr_scaling == "sqrt":
+            return math.sqrt(now / world)
+        return now / world
 
     @property
     def global_batch(self) -> int:
@@ -114,6 +128,8 @@ def job_view(
         hier_staleness=hier.staleness,
         async_staleness=spec.training.async_.staleness,
         ps_shards=spec.training.async_.shards,
+        staleness_lr=spec.training.async_.staleness_lr.value,
+        lr_scaling=spec.training.lr_scaling.value,
         max_batch_sizes=dict(max_batch_sizes or {}),
         restart_seconds=restart_seconds,
         switch_seconds=switch_seconds,

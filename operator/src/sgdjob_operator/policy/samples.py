@@ -6,6 +6,18 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True, slots=True)
+class GradientSignal:
+    """A process's moving averages over its synchronous steps (see sgdjob_trainer.gradient_stats):
+    |G|^2 of the true gradient, the per-sample gradient variance tr(S), and <G_t, G_t-1> (None
+    until two consecutive steps). Estimates: each may come out negative when the noise dominates."""
+
+    steps: int
+    sq_norm: float
+    variance: float
+    lag_dot: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class WorkerSample:
     """One trainer process at one instant. Counters are cumulative since the process started, so
     the policy works on differences between two samples; a counter that goes down means the
@@ -31,3 +43,5 @@ class WorkerSample:
     # Its counters were all zero at `time - training_seconds`, which dates that zero in the shell's
     # clock without comparing two hosts' clocks.
     training_seconds: float | None = None
+    # Gradient statistics from the process's synchronous steps (None: none yet, or not said).
+    gradient: GradientSignal | None = None

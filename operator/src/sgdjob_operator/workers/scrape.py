@@ -20,7 +20,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
-from sgdjob_operator.policy.samples import WorkerSample
+from sgdjob_operator.policy.samples import GradientSignal, WorkerSample
 from sgdjob_trainer.wire import metric_names as wm
 from sgdjob_trainer.wire.control import ControlCommand
 from sgdjob_trainer.wire.worker_status import WorkerStatus
@@ -146,7 +146,22 @@ def parse_metrics(text: str, *, time: float, endpoint: Endpoint | None = None) -
         world_size=int(_finite(_first(series, wm.WORLD_SIZE)) or 0),
         gradient_bytes=int(_finite(_first(series, wm.GRADIENT_BYTES)) or 0),
         training_seconds=_training_seconds(_first(series, wm.TRAINING_SECONDS)),
+        gradient=gradient_signal(
+            _finite(_first(series, wm.GRADIENT_STAT_STEPS)),
+            _finite(_first(series, wm.GRADIENT_SQ_NORM)),
+            _finite(_first(series, wm.GRADIENT_VARIANCE)),
+            _finite(_first(series, wm.GRADIENT_LAG_DOT)),
+        ),
     )
+
+
+def gradient_signal(
+    steps: float | None, sq_norm: float | None, variance: float | None, lag_dot: float | None
+) -> GradientSignal | None:
+    """The gradient statistics when the process has measured any (an older trainer says nothing)."""
+    if not steps or sq_norm is None or variance is None:
+        return None
+    return GradientSignal(int(steps), sq_norm, variance, lag_dot)
 
 
 def _training_seconds(value: float | None) -> float | None:
@@ -185,6 +200,12 @@ def sample_from_status(status: WorkerStatus, *, time: float, endpoint: Endpoint 
         staleness=status.staleness,
         world_size=status.world_size,
         gradient_bytes=status.gradient_bytes,
+        gradient=gradient_signal(
+            status.gradient_stat_steps,
+            _finite(status.gradient_sq_norm),
+            _finite(status.gradient_variance),
+            _finite(status.gradient_lag_dot),
+        ),
     )
 
 

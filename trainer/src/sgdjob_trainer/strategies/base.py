@@ -27,6 +27,7 @@ import torch.distributed as dist
 from sgdjob_trainer.config import Compression, SyncMode, TrainingConfig
 from sgdjob_trainer.data import ShardedStream
 from sgdjob_trainer.emulation import ComputeEmulator
+from sgdjob_trainer.gradient_stats import GradientStats
 from sgdjob_trainer.levers import autocast, lr_factor
 from sgdjob_trainer.networks import LossFn
 from sgdjob_trainer.runtime import WorldInfo
@@ -79,6 +80,9 @@ class Context:
     stopping: threading.Event = field(default_factory=threading.Event)
     # Process groups are made collectively and never freed mid-run; reuse them across switches.
     group_cache: dict[tuple[int, ...], dist.ProcessGroup | None] = field(default_factory=dict)
+    # Gradient noise and drift from the synchronous exchanges (what the controller's cost model
+    # weighs staleness and batch size by); kept across mode switches.
+    grad_stats: GradientStats = field(default_factory=GradientStats)
 
     def batch_size(self, rank: int | None = None) -> int:
         r = self.info.rank if rank is None else rank
@@ -185,7 +189,13 @@ class Strategy(ABC):
             summed, tail = buf[: self.numel], buf[self.numel :].double()
         wait = time.perf_counter() - start
         average = summed / float(tail[0])
+        scale = self.ctx.state.scaler.scale
         finite = self.ctx.state.scaler.unscale(average)
+        if finite and group is None:
+            # Whole-world steps only: a hierarchical group's consecutive gradients straddle the
+            # cross-group averages, which would read as a gradient field that turns fast.
+            own = flat / scale if scale != 1.0 else flat
+            self.ctx.grad_stats.observe(own, samples, average, round(float(tail[0])))
         self.set_grads(average)
         return wait, round(float(tail[1])), float(tail[2]) > 0, finite
 

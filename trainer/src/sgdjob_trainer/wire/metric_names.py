@@ -28,6 +28,12 @@ GRADIENT_BYTES = "sgdjob_gradient_bytes"
 # Seconds this process has trained, on its own clock, as of the scrape (NaN before its first step
 # began). With it a controller dates the counters' zero in its own clock, with no clock shared.
 TRAINING_SECONDS = "sgdjob_training_seconds"
+# Moving averages over the synchronous steps (see sgdjob_trainer.gradient_stats): |G|^2, the
+# per-sample gradient variance tr(S), <G_t, G_t-1>, and how many steps they average (NaN: not yet).
+GRADIENT_SQ_NORM = "sgdjob_gradient_sq_norm"
+GRADIENT_VARIANCE = "sgdjob_gradient_variance"
+GRADIENT_LAG_DOT = "sgdjob_gradient_lag_dot"
+GRADIENT_STAT_STEPS = "sgdjob_gradient_stat_steps"
 MODE = "sgdjob_mode"  # one series per mode, labelled LABEL_MODE: 1 for the active one
 VALIDATION_LOSS = "sgdjob_validation_loss"  # rank 0: loss on the held-out split at the last validation
 VALIDATION_ACCURACY = "sgdjob_validation_accuracy"  # rank 0, classification only: fraction right (0..1)

@@ -90,6 +90,11 @@ class WorkerStatus(WireDocument):
     batch_size: int = 0
     control_epoch: int = 0
     gradient_bytes: int = 0
+    # Moving averages over the synchronous steps (sgdjob_trainer.gradient_stats); absent until known.
+    gradient_stat_steps: int = 0
+    gradient_sq_norm: float | None = None
+    gradient_variance: float | None = None
+    gradient_lag_dot: float | None = None
     switches: list[SwitchRecord] = []
     done: bool = False
     time: float = 0.0  # the process's clock when it answered (seconds since the epoch)

@@ -1,0 +1,113 @@
+"""Statistical efficiency: what one applied sample is worth, relative to one of plain synchronous SGD.
+
+Throughput counts samples; a stale gradient or an update at a damped learning rate moves the model
+less per sample. The cost model multiplies each configuration's samples/s by this worth, estimated
+from the job's own gradients (`GradientSignal`, measured by the trainers on every whole-world
+synchronous step):
+
+- rho = <G_t, G_t-1>/|G|^2, the correlation of consecutive true gradients: how far the gradient
+  field turns in one synchronous step. A gradient computed `a` synchronous steps before it is
+  applied is worth rho^a of a fresh one (its component along today's gradient).
+- Progress per sample is proportional to the learning rate per sample (first order in the step):
+  the same for every batch size under the trainer's linear lrScaling (a resized world; async weighs
+  each update by b/B), scaled by async's damping (training.async.stalenessLr) and by a sqrt or
+  none lrScaling rule when the world shrinks.
+- Bn = tr(S)/|G|^2, the gradient noise scale (samples; McCandlish et al., as Pollux/AdaptDL measure
+  it), is reported with every decision. It does not change the worth: Pollux's per-sample rule
+  (Bn + B0)/(Bn + B) assumes a learning rate re-tuned for each batch size, which the trainer does
+  not do, and the second-order term that would carry it needs the curvature along the gradient,
+  which rho gives only loosely (tried: near the edge of stability it outweighed staleness, and a
+  job whose gradient turned by 70 % per step was sent to async).
+
+Until the trainers have averaged MIN_STEPS synchronous steps, or when they do not say, the prior
+applies: a gradient s steps stale is worth 1 - stalenessPenalty x s, and nothing else changes the
+worth of a sample. Every decision says which of the two it rested on.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from sgdjob_operator.policy.samples import WorkerSample
+
+# Averages over fewer synchronous steps than this are too noisy to decide on (the trainer's moving
+# average weighs about its last 20 steps).
+MIN_STEPS = 10
+
+
+@dataclass(frozen=True, slots=True)
+class Efficiency:
+    """`noise_scale` None: not measured (the prior applies); inf: the true gradient is lost in the
+    noise (batch size is then free, and `correlation` unknown). `correlation` is per synchronous step."""
+
+    penalty: float
+    damping: str = "none"
+    noise_scale: float | None = None
+    correlation: float | None = None
+    steps: int = 0
+    ranks: int = 0
+
+    @property
+    def measured(self) -> bool:
+        return self.noise_scale is not None
+
+    def per_sample(self, lr_ratio: float = 1.0) -> float:
+        """Progress per sample of an update at `lr_ratio` x plain sync's per-sample learning rate."""
+        return lr_ratio if self.measured else 1.0
+
+    def stale(self, age: float) -> float:
+        """Worth of a gradient computed `age` synchronous steps before it is applied."""
+        if self.correlation is None:
+            return max(0.0, 1.0 - self.penalty * age)
+        return float(max(0.0, self.correlation) ** max(0.0, age))
+
+    def async_update(self, staleness: float, world: int) -> float:
+        """Worth per sample of one async update whose gradient is
+        `staleness` steps old in the trainer's unit (the steps the average other worker took
+        meanwhile: about staleness x (N-1)/N synchronous steps of movement, since each update
+        weighs b/B), at the learning-rate damping the trainer applies to it."""
+        if not self.measured:
+            return max(0.0, 1.0 - self.penalty * staleness)
+        age = staleness * (world - 1) / world if world > 1 else 0.0
+        return self.stale(age) * self.per_sample(damping(self.damping, staleness))
+
+    def describe(self) -> str:
+        if not self.measured:
+            return f"statistical efficiency assumed (stalenessPenalty {self.penalty:g}; no gradient statistics yet)"
+        noise = "noise-dominated" if math.isinf(self.noise_scale or 0.0) else f"{self.noise_scale:.3g} samples"
+        corr = "unknown" if self.correlation is None else f"{self.correlation:.3f}"
+        return (
+            f"statistical efficiency measured over {self.steps} synchronous steps on {self.ranks} ranks "
+            f"(gradient noise scale {noise}, step-to-step gradient correlation {corr})"
+        )
+
+
+def damping(rule: str, staleness: float) -> float:
+    """The trainer's async learning-rate factor for a gradient `staleness` steps old."""
+    if rule == "inverse":
+        return 1.0 / (1.0 + staleness)
+    if rule == "sqrt":
+        return 1.0 / math.sqrt(1.0 + staleness)
+    return 1.0
+
+
+def estimate(samples: Iterable[WorkerSample], penalty: float, damping_rule: str = "none") -> Efficiency:
+    """Average the ranks' gradient statistics (each rank's estimates are unbiased and noisy; their
+    mean is less noisy) into the efficiency model; the prior when too few steps are measured."""
+    measured = [s.gradient for s in samples if s.gradient is not None and s.gradient.steps >= MIN_STEPS]
+    prior = Efficiency(penalty, damping_rule)
+    if not measured:
+        return prior
+    n = len(measured)
+    sq = sum(g.sq_norm for g in measured) / n
+    var = max(0.0, sum(g.variance for g in measured) / n)
+    lags = [g.lag_dot for g in measured if g.lag_dot is not None]
+    steps = min(g.steps for g in measured)
+    if not math.isfinite(sq) or not math.isfinite(var):
+        return prior
+    if sq <= 0.0:
+        return Efficiency(penalty, damping_rule, math.inf, None, steps, n)
+    corr = max(-1.0, min(1.0, sum(lags) / len(lags) / sq)) if lags else None
+    return Efficiency(penalty, damping_rule, var / sq, corr, steps, n)

@@ -1,0 +1,87 @@
+"""Statistical efficiency measured from the job's gradients, and how it moves the policy's choice."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from sgdjob_operator.api.models import SGDJobSpec
+from sgdjob_operator.policy import Rebalance, SwitchMode, WorkerSample, job_view
+from sgdjob_operator.policy.efficiency import MIN_STEPS, Efficiency, estimate
+from sgdjob_operator.policy.samples import GradientSignal
+from tests.unit.test_policy_harness import Harness
+
+FAST, SLOW = 100.0, 33.0
+
+
+def _sample(rank: int, gradient: GradientSignal | None) -> WorkerSample:
+    return WorkerSample(rank, 0.0, 10, 320, 1.0, 0.0, "sync", 32, gradient=gradient)
+
+
+def test_ranks_average_into_one_estimate_once_enough_steps_are_measured() -> None:
+    few = GradientSignal(MIN_STEPS - 1, 1.0, 100.0, 0.9)
+    assert not estimate([_sample(0, few), _sample(1, None)], 0.02).measured, "too few steps: the prior"
+    signals = [GradientSignal(40, 1.0, 80.0, 0.8), GradientSignal(30, 3.0, 320.0, 2.6)]
+    eff = estimate([_sample(r, g) for r, g in enumerate(signals)], 0.02, "sqrt")
+    assert eff.measured and eff.steps == 30 and eff.ranks == 2
+    assert eff.noise_scale == pytest.approx(100.0) and eff.correlation == pytest.approx(0.85)
+    lost = estimate([_sample(0, GradientSignal(40, -0.5, 80.0, 0.1))], 0.02)
+    assert lost.noise_scale == math.inf and lost.correlation is None, "the true gradient is lost in the noise"
+
+
+def test_a_stale_gradient_is_worth_the_measured_correlation_per_step_of_age() -> None:
+    steady = Efficiency(0.02, noise_scale=200.0, correlation=0.999)
+    turning = Efficiency(0.02, noise_scale=200.0, correlation=0.4)
+    assert steady.stale(3) == pytest.approx(0.997, abs=1e-3) and turning.stale(3) == pytest.approx(0.064)
+    assert Efficiency(0.02, noise_scale=200.0, correlation=-0.5).stale(1) == 0.0, "an oscillating gradient"
+    assert Efficiency(0.02).stale(3) == pytest.approx(0.94), "unmeasured: the prior"
+    # Per-sample learning rate counts one for one (a world shrunk under a sqrt or none rule).
+    assert steady.per_sample(4 / 3) == pytest.approx(4 / 3) and Efficiency(0.02).per_sample(4 / 3) == 1.0
+    # Async at the trainer's damping: 1/sqrt(1+s) of the learning rate for a gradient s steps old,
+    # which moved the model by about s x (N-1)/N synchronous steps.
+    damped = Efficiency(0.02, "sqrt", noise_scale=200.0, correlation=0.9)
+    assert damped.async_update(2.0, 4) == pytest.approx(0.9**1.5 / math.sqrt(3))
+    assert Efficiency(0.02, "sqrt").async_update(1.0, 4) == pytest.approx(0.98), "the prior ignores it"
+
+
+@pytest.mark.parametrize("rule, ratio", [("linear", 1.0), ("sqrt", math.sqrt(4 / 3)), ("none", 4 / 3)])
+def test_dropping_a_worker_changes_the_per_sample_learning_rate_by_the_jobs_rule(rule: str, ratio: float) -> None:
+    spec = SGDJobSpec.model_validate({"replicas": 4, "minReplicas": 3, "training": {"lrScaling": rule}})
+    assert job_view(spec).lr_ratio(3) == pytest.approx(ratio)
+
+
+def _straggler_job(correlation: float | None) -> Harness:
+    gradient = None if correlation is None else GradientSignal(50, 1.0, 100.0, correlation)
+    return Harness(
+        [FAST, FAST, FAST, SLOW],
+        jitter=0.4,
+        policy={"allowedActions": ["switchMode", "rebalance"]},
+        training={"async": {"stalenessLr": "none"}},
+        gradient=gradient,
+    )
+
+
+def _first_change(h: Harness) -> SwitchMode | Rebalance:
+    for _ in range(8):
+        d = h.step().decision
+        if isinstance(d, SwitchMode | Rebalance):
+            return d
+    raise AssertionError(f"no change: {h.history[-1].decision.reason}")
+
+
+def test_where_staleness_costs_nothing_the_straggler_job_goes_async() -> None:
+    d = _first_change(_straggler_job(0.999))
+    assert isinstance(d, SwitchMode) and d.mode == "async", d.reason
+    assert "measured over 50 synchronous steps" in d.reason and "correlation 0.999" in d.reason
+
+
+def test_where_the_gradient_turns_fast_the_same_job_rebalances_sync() -> None:
+    d = _first_change(_straggler_job(0.3))
+    assert isinstance(d, Rebalance), d.reason
+    assert "correlation 0.300" in d.reason
+
+
+def test_without_gradient_statistics_the_decision_says_it_assumed_the_prior() -> None:
+    d = _first_change(_straggler_job(None))
+    assert "assumed (stalenessPenalty 0.02" in d.reason
