@@ -256,6 +256,37 @@ def test_real_trainer_survives_an_emulated_fault(tmp_path: Path) -> None:
 
 
 @needs_trainer
+def test_a_users_metric_hook_is_validated_reported_and_ends_the_job_at_its_target(tmp_path: Path) -> None:
+    """training.evaluation.metric names the user's function; the curve carries it and a `minimize`
+    target on it ends the run (error rate at or below 0.25 on digits)."""
+    (tmp_path / "sgdjob_test_metric.py").write_text(
+        "def error_rate(outputs, targets):\n    return (outputs.argmax(dim=1) != targets).float().mean()\n"
+    )
+    training = {
+        "model": "digits-mlp",
+        "dataset": "digits",
+        "learningRate": 0.1,
+        "evaluation": {"everySteps": 10, "samples": 200, "metric": "sgdjob_test_metric:error_rate"},
+        "target": {"metric": "metric", "value": 0.25, "minimize": True},
+    }
+    job = write_job(tmp_path / "job.yaml", replicas=2, steps=5000, mode="sync", **training)
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([SGDJOB, "run", str(job), "--out", str(out), "--timeout", "240"],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)  # fmt: skip
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "reached the target" in output, output
+    report = json.loads((out / "report.json").read_text())
+    assert report["ok"] and report["reason"] == "TargetReached" and report["steps"] < 5000, report
+    curve = report["validation_curve"]
+    # The metric is the user's own figure: here exactly 1 - accuracy at every validation.
+    assert all(p["metric"] == pytest.approx(1 - p["accuracy"]) for p in curve), curve
+    reached = next(p for p in curve if p["step"] == report["target_step"])
+    assert reached["metric"] <= 0.25 < curve[0]["metric"]
+    assert report["validation"]["metric"] == pytest.approx(curve[-1]["metric"])
+
+
+@needs_trainer
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_real_trainer_ends_when_the_validation_reaches_the_target(tmp_path: Path, mode: str) -> None:
     """digits-mlp on two workers with an accuracy target a short run reaches: every rank stops at an

@@ -19,6 +19,7 @@ from sgdjob_operator.policy.driver import (
     action_for,
     active_mode,
     drive,
+    first_call_wait,
     issue,
     load_state,
     restarted,
@@ -66,6 +67,23 @@ def test_a_straggler_from_the_start_is_acted_on_at_the_first_interval_where_pers
     # A trainer that does not date its start costs the first call as a baseline: one interval more.
     undated = [s.state.policy.last_change for s in run_driver(spec, scrapes) if s.action is not None]
     assert undated[0] == (persistence + 1) * interval
+
+
+def test_the_first_call_waits_for_a_window_from_the_training_start_and_never_again() -> None:
+    spec = spec_for(policy={"allowedActions": ["rebalance"]})
+    interval = spec.policy.interval_seconds
+    samples = feed([STRAGGLER] * 2)[1][1]
+    young = [dataclasses.replace(s, training_seconds=(0.3 if s.rank == 0 else 0.1) * interval) for s in samples]
+    # The first worker to begin has trained 0.3 interval; the window must be half an interval long.
+    assert first_call_wait(DriverState(), young, interval) == pytest.approx(0.2 * interval)
+    grown = [dataclasses.replace(s, training_seconds=0.6 * interval) for s in samples]
+    assert first_call_wait(DriverState(), grown, interval) == 0.0
+    assert first_call_wait(DriverState(), samples, interval) == 0.0, "an undated trainer is not waited for"
+    step = drive(DriverState(), Observed(grown, applied_epoch=0), spec, 10.0)
+    assert step.state.policy.evaluations == 1
+    assert first_call_wait(step.state, young, interval) == 0.0, "once evaluated, the shell keeps its interval"
+    after, _ = restarted(step.state, 20.0, 4, 32, 0)
+    assert first_call_wait(after, young, interval) > 0, "a new world waits for its own first window"
 
 
 def test_in_flight_holds_without_starting_a_cooldown_and_persistence_starts_over() -> None:

@@ -296,7 +296,8 @@ def test_ranks_without_a_file_fall_back_to_their_last_status() -> None:
 
 
 def test_report_has_the_validation_curve_and_the_time_to_target() -> None:
-    history = [[0, 2.3, 0.1, 0.0, 0], [50, 0.9, 0.7, 2.5, 1600], [100, 0.4, 0.93, 5.0, 3200]]
+    # Rows of an older trainer have no sixth (metric) column.
+    history = [[0, 2.3, 0.1, 0.0, 0], [50, 0.9, 0.7, 2.5, 1600, 0.3], [100, 0.4, 0.93, 5.0, 3200, None]]
     control = rank_doc(0, 3200, 10.0, 1.0, 6.0, validationHistory=history, validationLoss=0.4,
                        validationAccuracy=0.93, validationStep=100, endReason="TargetReached",
                        timeToTargetS=5.0, targetStep=100)  # fmt: skip
@@ -304,11 +305,11 @@ def test_report_has_the_validation_curve_and_the_time_to_target() -> None:
                           expected_workers=2, emulation=None)  # fmt: skip
     # Samples on the curve are the job's: rank 0's own scaled by its share (3200 of 4800) at the end.
     assert report["validation_curve"] == [
-        {"step": 0, "time_s": 0.0, "samples": 0, "loss": 2.3, "accuracy": 0.1},
-        {"step": 50, "time_s": 2.5, "samples": 2400, "loss": 0.9, "accuracy": 0.7},
-        {"step": 100, "time_s": 5.0, "samples": 4800, "loss": 0.4, "accuracy": 0.93},
+        {"step": 0, "time_s": 0.0, "samples": 0, "loss": 2.3, "accuracy": 0.1, "metric": None},
+        {"step": 50, "time_s": 2.5, "samples": 2400, "loss": 0.9, "accuracy": 0.7, "metric": 0.3},
+        {"step": 100, "time_s": 5.0, "samples": 4800, "loss": 0.4, "accuracy": 0.93, "metric": None},
     ]
-    assert report["validation"] == {"step": 100, "loss": 0.4, "accuracy": 0.93}
+    assert report["validation"] == {"step": 100, "loss": 0.4, "accuracy": 0.93, "metric": None}
     assert (report["reason"], report["time_to_target_s"], report["target_step"]) == ("TargetReached", 5.0, 100)
     lines = summary_lines(report)
     assert any("accuracy 0.930" in line for line in lines) and any(

@@ -73,3 +73,35 @@ def test_validation_figures_reach_metrics_status_and_the_rank_report() -> None:
     assert f"{wm.sample_name(wm.COMPUTE_SECONDS)} 0.25" in metrics, "validation time is not compute"
     history = json.loads(json.dumps(telemetry.summary()))["validationHistory"]
     assert [[p[0], p[1], p[2], p[4]] for p in history] == [[0, 2.5, 0.1, 0], [1, 1.25, 0.8, 8]]
+
+
+def test_a_metric_hook_is_checked_where_the_job_is_written_and_where_it_runs() -> None:
+    from sgdjob_trainer.config import TrainingConfig
+    from sgdjob_trainer.validation import Validation, Validator, reached
+
+    base = {"model": "digits-mlp", "dataset": "digits"}
+    with pytest.raises(ValueError, match="a metric target needs evaluation"):
+        TrainingConfig.model_validate({**base, "target": {"metric": "metric", "value": 0.5}})
+    with pytest.raises(ValueError, match="minimize"):
+        TrainingConfig.model_validate({**base, "target": {"metric": "loss", "value": 0.5, "minimize": True}})
+    with pytest.raises(ValueError, match=r"evaluation\.metric"):
+        TrainingConfig.model_validate({**base, "evaluation": {"metric": "not a hook"}})
+    cfg = TrainingConfig.model_validate(
+        {
+            **base,
+            "evaluation": {"metric": "torch.nn.functional:l1_loss"},
+            "target": {"metric": "metric", "value": 1.0, "minimize": True},
+        }
+    )
+    x, y = torch.randn(6, 3), torch.randn(6, 3)
+    validator = Validator(cfg.evaluation, x, y, torch.nn.functional.mse_loss)
+    result = validator.run(torch.nn.Identity())
+    assert result.metric == pytest.approx(float((x - y).abs().mean()))
+    assert cfg.target is not None and reached(cfg.target, result) == (result.metric <= 1.0)
+    assert not reached(cfg.target, Validation(0.0, None, 0.0, None)), "no metric value: not reached"
+    bad = cfg.evaluation.model_copy(update={"metric": "torch.nn.functional:missing"})
+    with pytest.raises(ValueError, match=r"training\.evaluation\.metric: cannot load"):
+        Validator(bad, x, y, torch.nn.functional.mse_loss)
+    odd = cfg.evaluation.model_copy(update={"metric": "builtins:zip"})
+    with pytest.raises(ValueError, match="returned zip, not a number"):
+        Validator(odd, x, y, torch.nn.functional.mse_loss).run(torch.nn.Identity())

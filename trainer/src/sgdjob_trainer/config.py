@@ -310,6 +310,7 @@ class AsyncConfig(CamelModel):
 class TargetMetric(StrEnum):
     ACCURACY = "accuracy"
     LOSS = "loss"
+    METRIC = "metric"  # the user's evaluation.metric hook
 
 
 class Evaluation(CamelModel):
@@ -339,6 +340,17 @@ class Evaluation(CamelModel):
             ),
         ),
     ] = 256
+    metric: Annotated[
+        str | None,
+        Field(
+            max_length=256,
+            pattern=HOOK_PATTERN,
+            description=(
+                "A 'module:function' called as f(outputs, targets) -> float on the held-out samples at each "
+                "validation (e.g. F1, perplexity); reported beside loss and accuracy, and a target can use it."
+            ),
+        ),
+    ] = None
 
 
 class Target(CamelModel):
@@ -346,14 +358,28 @@ class Target(CamelModel):
 
     metric: Annotated[
         TargetMetric,
-        Field(description="accuracy (reached at or above value; classification only) or loss (at or below value)."),
+        Field(
+            description=(
+                "accuracy (reached at or above value; classification only), loss (at or below value) or metric "
+                "(evaluation.metric's value, at or above value; at or below with minimize)."
+            )
+        ),
     ]
-    value: Annotated[float, Field(ge=0.0, le=1e6, description="The validation accuracy (0..1) or loss to reach.")]
+    value: Annotated[
+        float, Field(ge=-1e6, le=1e6, description="The validation accuracy (0..1), loss or metric value to reach.")
+    ]
+    minimize: Annotated[
+        bool, Field(description="metric only: the target is reached at or below value (lower is better).")
+    ] = False
 
     @model_validator(mode="after")
     def _range(self) -> Self:
         if self.metric == TargetMetric.ACCURACY and not 0.0 < self.value <= 1.0:
             raise cross_field_error("value", f"an accuracy target must be in (0, 1], not {self.value}")
+        if self.metric == TargetMetric.LOSS and self.value < 0:
+            raise cross_field_error("value", f"a loss target must be 0 or more, not {self.value}")
+        if self.minimize and self.metric != TargetMetric.METRIC:
+            raise cross_field_error("minimize", "minimize applies to a metric target only (loss is always minimized)")
         return self
 
 
@@ -468,6 +494,10 @@ class TrainingConfig(CamelModel):
             if self.target.metric == TargetMetric.ACCURACY and regression:
                 raise cross_field_error(
                     "target.metric", "an accuracy target needs a classification (cross-entropy) loss"
+                )
+            if self.target.metric == TargetMetric.METRIC and self.evaluation.metric is None:
+                raise cross_field_error(
+                    "target.metric", "a metric target needs evaluation.metric, the 'module:function' that computes it"
                 )
             if self.evaluation.every_steps is None and self.evaluation.every_seconds is None:
                 raise cross_field_error(

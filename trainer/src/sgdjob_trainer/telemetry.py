@@ -75,7 +75,7 @@ class Telemetry:
         self.checkpoint: CheckpointReport | None = None
         # Rank 0's validations: the latest, and (step, loss, accuracy, seconds since start, own samples).
         self.validation: dict[str, Any] = {}
-        self.validation_history: list[tuple[int, float, float | None, float, int]] = []
+        self.validation_history: list[tuple[int, float, float | None, float, int, float | None]] = []
 
         self.registry = CollectorRegistry()
         r = self.registry
@@ -136,6 +136,9 @@ class Telemetry:
         self.m_validation_loss = Gauge(wm.VALIDATION_LOSS, "Loss on the held-out split (rank 0).", registry=r)
         self.m_validation_accuracy = Gauge(
             wm.VALIDATION_ACCURACY, "Accuracy on the held-out split (rank 0, classification).", registry=r
+        )
+        self.m_validation_metric = Gauge(
+            wm.VALIDATION_METRIC, "The job's evaluation.metric on the held-out split (rank 0).", registry=r
         )
         identity = {wm.LABEL_RANK: str(info.rank), wm.LABEL_LOCAL_RANK: str(info.local_rank), wm.LABEL_NODE: info.node}
         self.m_info.labels(**identity).set(1)
@@ -242,10 +245,14 @@ class Telemetry:
         self.m_switches.inc()
         self.m_pause.inc(pause_s)
 
-    def record_validation(self, step: int, loss: float, accuracy: float | None, seconds: float) -> None:
+    def record_validation(
+        self, step: int, loss: float, accuracy: float | None, seconds: float, metric: float | None = None
+    ) -> None:
         with self.lock:
             self.validation.update(validation_loss=_finite(loss), validation_accuracy=accuracy, validation_step=step)
-            point = (step, loss, accuracy, time.time() - self.start_time, self.samples)
+            if metric is not None:
+                self.validation.update(validation_metric=_finite(metric))
+            point = (step, loss, accuracy, time.time() - self.start_time, self.samples, metric)
             if self.validation_history and self.validation_history[-1][0] == step:
                 self.validation_history.pop()  # the final validation at the step of a periodic one
             elif len(self.validation_history) >= HISTORY_POINTS:
@@ -257,6 +264,8 @@ class Telemetry:
             self.m_validation_loss.set(loss)
         if accuracy is not None:
             self.m_validation_accuracy.set(accuracy)
+        if metric is not None:
+            self.m_validation_metric.set(metric)
 
     def record_target(self, step: int) -> None:
         """Rank 0's validation reached the job's target at `step` (the job then ends at an agreed step)."""
@@ -318,7 +327,10 @@ class Telemetry:
                 initialLoss=_finite(self.initial_loss),
                 finalLoss=_finite(self.final_loss),
                 lossHistory=[[s, _finite(v), round(t, 3)] for s, v, t in self.loss_history],
-                validationHistory=[[s, _finite(v), a, round(t, 3), n] for s, v, a, t, n in self.validation_history],
+                validationHistory=[
+                    [s, _finite(v), a, round(t, 3), n, None if m is None else _finite(m)]
+                    for s, v, a, t, n, m in self.validation_history
+                ],
                 modeTimeline=list(self.mode_timeline),
                 wallSeconds=end - self.start_time,
                 speedSamplesPerS=self.samples / self.compute_seconds if self.compute_seconds > 0 else 0.0,

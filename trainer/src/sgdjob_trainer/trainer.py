@@ -169,7 +169,7 @@ class Trainer:
         starts the agreed stop."""
         result = self.validator.run(self.state.model)
         step, target = self.state.step, self.training.target
-        self.telemetry.record_validation(step, result.loss, result.accuracy, result.seconds)
+        self.telemetry.record_validation(step, result.loss, result.accuracy, result.seconds, result.metric)
         if target is not None and not final and not self.target_hit and reached(target, result):
             self.target_hit = True
             self.telemetry.record_target(step)

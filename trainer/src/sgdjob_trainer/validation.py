@@ -8,13 +8,17 @@ the next exchange, which they count as wait, as for any pause of rank 0.
 
 from __future__ import annotations
 
+import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 
 from sgdjob_trainer.config import Evaluation, Target, TargetMetric
+from sgdjob_trainer.hooks import load_hook
 from sgdjob_trainer.networks import LossFn
 
 
@@ -23,13 +27,46 @@ class Validation:
     loss: float
     accuracy: float | None  # None unless the loss is cross-entropy (classification)
     seconds: float
+    metric: float | None = None  # evaluation.metric's value, when the job names one
+
+
+# What a metric hook is called with: the model's outputs on the held-out samples and their targets.
+MetricFn = Callable[[torch.Tensor, torch.Tensor], Any]
 
 
 def reached(target: Target, result: Validation) -> bool:
-    """Whether one validation meets the target (accuracy at or above it, loss at or below)."""
+    """Whether one validation meets the target (accuracy at or above it, loss at or below, the user's
+    metric at or above it, or at or below with `minimize`)."""
     if target.metric == TargetMetric.ACCURACY:
         return result.accuracy is not None and result.accuracy >= target.value
+    if target.metric == TargetMetric.METRIC:
+        if result.metric is None or not math.isfinite(result.metric):
+            return False
+        return result.metric <= target.value if target.minimize else result.metric >= target.value
     return result.loss <= target.value
+
+
+def load_metric(spec: str) -> MetricFn:
+    """Resolve evaluation.metric; an error names the field."""
+    try:
+        fn = load_hook(spec)
+    except (ImportError, ValueError) as err:
+        raise ValueError(f"training.evaluation.metric: cannot load '{spec}': {err}") from err
+    if not callable(fn):
+        raise ValueError(f"training.evaluation.metric: '{spec}' is not a function of (outputs, targets)")
+    return cast(MetricFn, fn)
+
+
+def metric_value(fn: MetricFn, spec: str, out: torch.Tensor, y: torch.Tensor) -> float:
+    """The hook's value as a float; an error names the field and what came back."""
+    value = fn(out, y)
+    try:
+        return float(value)
+    except (TypeError, ValueError) as err:
+        raise ValueError(
+            f"training.evaluation.metric: '{spec}' returned {type(value).__name__}, not a number "
+            "(return a float or a one-element tensor)"
+        ) from err
 
 
 class Validator:
@@ -38,6 +75,7 @@ class Validator:
     def __init__(self, cfg: Evaluation, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn) -> None:
         self.cfg, self.x, self.y, self.loss_fn = cfg, x, y, loss_fn
         self.classification = loss_fn is F.cross_entropy
+        self.metric_fn = load_metric(cfg.metric) if cfg.metric is not None else None
         self.last = time.monotonic()
 
     def due(self, step: int) -> bool:
@@ -57,7 +95,10 @@ class Validator:
                 accuracy = None
                 if self.classification and len(self.y) > 0:
                     accuracy = float((out.argmax(dim=1) == self.y).float().mean())
+                metric = None
+                if self.metric_fn is not None and self.cfg.metric is not None and len(self.y) > 0:
+                    metric = metric_value(self.metric_fn, self.cfg.metric, out, self.y)
         finally:
             model.train(was_training)
         self.last = time.monotonic()
-        return Validation(loss, accuracy, time.perf_counter() - start)
+        return Validation(loss, accuracy, time.perf_counter() - start, metric)

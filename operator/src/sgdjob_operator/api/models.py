@@ -340,6 +340,14 @@ class SGDJobStatus(CamelModel):
         float | None,
         Field(ge=0.0, le=1.0, description="Rank 0's latest accuracy on the held-out split (classification)."),
     ] = None
+    validation_metric: Annotated[
+        float | None,
+        Field(
+            ge=-LOSS_BOUND,
+            le=LOSS_BOUND,
+            description="Rank 0's latest spec.training.evaluation.metric on the held-out split (clamped).",
+        ),
+    ] = None
     target_step: Annotated[
         int | None,
         Field(ge=0, le=10**12, description="Step at which the validation reached spec.training.target."),

@@ -12,7 +12,18 @@ from sgdjob_operator.api.models import SGDJobSpec, SGDJobStatus
 from sgdjob_operator.k8s.observe import Observation
 from sgdjob_operator.k8s.status import Event, controller, record_decision, rfc3339
 from sgdjob_operator.policy.decisions import SwitchMode
-from sgdjob_operator.policy.driver import DriverState, Observed, Push, Replace, Scale, Step, act, drive, load_state
+from sgdjob_operator.policy.driver import (
+    DriverState,
+    Observed,
+    Push,
+    Replace,
+    Scale,
+    Step,
+    act,
+    drive,
+    first_call_wait,
+    load_state,
+)
 
 MAX_EXCLUDED = 256
 
@@ -48,6 +59,12 @@ def evaluate_job(spec: SGDJobSpec, st: SGDJobStatus, obs: Observation, now: floa
     step = drive(state, Observed(obs.samples, applied_epoch=obs.control_epoch, in_flight=busy), spec, now)
     store(st, step.state)
     return step, "; ".join(p for p in (problem, step.problem) if p)
+
+
+def first_pass_wait(spec: SGDJobSpec, st: SGDJobStatus, obs: Observation) -> float:
+    """Seconds before this world's first evaluation is worth making (`policy.driver.first_call_wait`)."""
+    state, _ = driver_state(st)
+    return first_call_wait(state, obs.samples, spec.policy.interval_seconds)
 
 
 def apply_step(st: SGDJobStatus, step: Step, now: float) -> Outcome:

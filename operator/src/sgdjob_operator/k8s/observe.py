@@ -96,6 +96,8 @@ def record_observation(st: SGDJobStatus, obs: Observation, health: Any | None) -
             st.validation_loss = max(-LOSS_BOUND, min(LOSS_BOUND, rank0.validation_loss))
         if rank0.validation_accuracy is not None:
             st.validation_accuracy = max(0.0, min(1.0, rank0.validation_accuracy))
+        if rank0.validation_metric is not None:
+            st.validation_metric = max(-LOSS_BOUND, min(LOSS_BOUND, rank0.validation_metric))
         if rank0.target_step is not None and st.target_step is None:
             # Kept: the workers exit soon after, and the pods alone do not say why they succeeded.
             st.target_step = rank0.target_step

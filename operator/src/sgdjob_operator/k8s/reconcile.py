@@ -21,7 +21,7 @@ import aiohttp
 from sgdjob_operator.api.models import Phase, SGDJobSpec, SGDJobStatus
 from sgdjob_operator.api.validation import SpecError, validate_spec
 from sgdjob_operator.k8s import metrics
-from sgdjob_operator.k8s.actuator import Outcome, apply_step, evaluate_job
+from sgdjob_operator.k8s.actuator import Outcome, apply_step, evaluate_job, first_pass_wait
 from sgdjob_operator.k8s.builders import (
     TOKEN_KEY,
     JobRef,
@@ -142,6 +142,12 @@ async def _monitor(
         rt, ref, "ScrapeFailed", f"cannot scrape {len(obs.errors)} of {len(eps)} workers: {failing}" if failing else ""
     )
     if not obs.samples:
+        return None, events, spec
+    wait = first_pass_wait(spec, st, obs)
+    if wait > 0:
+        # The workers began training less than half an interval ago: evaluated now, they would get a
+        # baseline and their first rate an interval later; a pass at the right time gives it at once.
+        rt.next_monitor[ref.uid] = time.monotonic() + wait
         return None, events, spec
     busy = in_flight(st, spec, pods)
     step, problem = evaluate_job(spec, st, obs, now, busy)

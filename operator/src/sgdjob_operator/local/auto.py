@@ -2,9 +2,9 @@
 
 A poll hook for `run_local`. The wanted control command is level-triggered (re-sent on every poll
 until rank 0 reports its epoch); every `policy.intervalSeconds` the latest scrape goes to the
-driver and its action is carried out by `LocalActuator`. The first call waits, if the workers date
-their training start, until the window from that start is long enough to give every rank a rate
-(`policy.measure.FirstWindow`), so no interval is spent on a baseline. Membership changes (replace a worker,
+driver and its action is carried out by `LocalActuator`. The first call for a world waits, if the
+workers date their training start, until the window from that start gives every rank a rate
+(`policy.driver.first_call_wait`), so no interval is spent on a baseline. Membership changes (replace a worker,
 rescale) go through the run's `replace`/`rescale`, which stop and start agents; until every rank of
 the new world reports, the change is in flight, and then the driver starts over (ranks were handed
 out anew) with its cooldown running from the change.
@@ -31,11 +31,11 @@ from sgdjob_operator.policy.driver import (
     Scale,
     act,
     drive,
+    first_call_wait,
     pending,
     restarted,
     unanimous_mode,
 )
-from sgdjob_operator.policy.measure import FirstWindow
 from sgdjob_operator.policy.samples import WorkerSample
 from sgdjob_operator.workers.scrape import ControlResult, ScrapeResult
 from sgdjob_trainer.config import SyncMode
@@ -140,8 +140,7 @@ class AutoController:
         interval = self.job.spec.policy.interval_seconds
         if not samples or (self.last_eval is not None and now - self.last_eval < interval):
             return
-        began = training_began(samples)
-        if self.last_eval is None and began is not None and now - began < FirstWindow.for_interval(interval).shortest:
+        if first_call_wait(self.state, samples, interval) > 0:
             return  # the first call waits until the window from the training start gives a rate
         self.last_eval = now
         finishing = "a worker has finished" if any(w.done for w in snap.workers) else ""

@@ -144,6 +144,7 @@ def validation_summary(control: Mapping[str, Any], total_samples: int) -> dict[s
             "samples": round(_number(p[4]) * scale),
             "loss": _loss(p[1]),
             "accuracy": _loss(p[2]),
+            "metric": _loss(p[5]) if len(p) > 5 else None,
         }
         for p in points
     ]
@@ -153,6 +154,7 @@ def validation_summary(control: Mapping[str, Any], total_samples: int) -> dict[s
             "step": control.get("validationStep"),
             "loss": _loss(control.get("validationLoss")),
             "accuracy": _loss(control.get("validationAccuracy")),
+            "metric": _loss(control.get("validationMetric")),
         },
         "validation_curve": curve,
         "reason": reason if isinstance(reason, str) else None,

@@ -26,6 +26,7 @@ from sgdjob_operator.policy.decisions import Decision, Keep, Rebalance, ReplaceW
 from sgdjob_operator.policy.engine import evaluate
 from sgdjob_operator.policy.health import JobHealth
 from sgdjob_operator.policy.job import SYNC_MODES, JobView, job_view
+from sgdjob_operator.policy.measure import FirstWindow
 from sgdjob_operator.policy.samples import WorkerSample
 from sgdjob_operator.policy.state import PolicyState
 from sgdjob_trainer.config import SyncMode
@@ -217,6 +218,23 @@ def pending(state: DriverState, applied_epoch: int | None, mode: str | None) -> 
     if applied_epoch is not None:
         return command if applied_epoch < command.epoch else None
     return command if command.mode is not None and mode != command.mode.value else None
+
+
+def first_call_wait(state: DriverState, samples: Sequence[WorkerSample], interval_s: float) -> float:
+    """Seconds a shell should wait before the policy first evaluates this world (0: evaluate now).
+
+    A rank's first window runs from its process's training start (`policy.measure`). Evaluated
+    before that window is `FirstWindow.shortest` long, the ranks would only get a baseline and their
+    first rate would come a whole interval later; so a shell that has not evaluated since the world
+    began (the policy's state is fresh: a new job, or after `restarted`) waits until the first
+    worker to begin training has trained that long. Samples that do not date their training start
+    (an older trainer) are not waited for."""
+    if state.policy.evaluations > 0:
+        return 0.0
+    trained = [s.training_seconds for s in samples if s.training_seconds is not None]
+    if not trained:
+        return 0.0
+    return max(0.0, FirstWindow.for_interval(interval_s).shortest - max(trained))
 
 
 def issue(state: DriverState, change: ControlCommand, applied_epoch: int | None = None) -> DriverState:

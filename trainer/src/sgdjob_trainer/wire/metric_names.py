@@ -37,6 +37,7 @@ GRADIENT_STAT_STEPS = "sgdjob_gradient_stat_steps"
 MODE = "sgdjob_mode"  # one series per mode, labelled LABEL_MODE: 1 for the active one
 VALIDATION_LOSS = "sgdjob_validation_loss"  # rank 0: loss on the held-out split at the last validation
 VALIDATION_ACCURACY = "sgdjob_validation_accuracy"  # rank 0, classification only: fraction right (0..1)
+VALIDATION_METRIC = "sgdjob_validation_metric"  # rank 0, with training.evaluation.metric: its value
 WORKER_INFO = "sgdjob_worker_info"  # always 1, labelled with the process's identity
 
 LABEL_MODE = "mode"

@@ -109,6 +109,7 @@ class WorkerStatus(WireDocument):
     # (accuracy for a classification loss only).
     validation_loss: float | None = None
     validation_accuracy: float | None = None
+    validation_metric: float | None = None  # training.evaluation.metric's value, when the job names one
     validation_step: int | None = None
     # Rank 0, once its validation reached `training.target`: the step and the seconds since training
     # started; end_reason is then TARGET_REACHED and the job ends successfully at an agreed step.
