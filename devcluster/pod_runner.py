@@ -29,6 +29,8 @@ from devcluster.proctree import TAG_KEY, kill_tagged
 log = logging.getLogger("devcluster.node_agent")
 # A container's ID: this scheme and its main process's host pid (a kubelet's are `containerd://<id>`).
 CONTAINER_ID_SCHEME = "devcluster://"
+TERMINATION_LOG = "/dev/termination-log"  # the default terminationMessagePath
+TERMINATION_MESSAGE_BYTES = 4096  # what the kubelet keeps of a termination message
 Obj = dict[str, Any]
 
 
@@ -223,6 +225,11 @@ class PodRunner(threading.Thread):
             base["NVIDIA_VISIBLE_DEVICES"] = ",".join(map(str, self.gpus))  # what the device plugin injects
         try:
             table = podspec.mounts(c.spec, self.volumes)
+            # The kubelet mounts a fresh file at terminationMessagePath in every container start; here
+            # the path is rewritten (env, argv) to a file of the pod's own.
+            termination = self.termination_file(c.name)
+            termination.write_bytes(b"")
+            table.setdefault(c.spec.get("terminationMessagePath") or TERMINATION_LOG, termination)
             user = podspec.container_env(
                 self.pod, c.spec, self._lookup, self.pod_ip, self.host_ip, self.cfg.allocatable, base
             )
@@ -256,8 +263,28 @@ class PodRunner(threading.Thread):
         c.ready, c.next_probe = not probe, c.started_mono + float((probe or {}).get("initialDelaySeconds", 0))
         self._event("Started", f"Started container {c.name} (pid {c.proc.pid})")
 
+    def termination_file(self, container: str) -> Path:
+        return self.dir / f"termination-{container}"
+
+    def _termination_message(self, c: Ctr, code: int) -> str:
+        """What the kubelet reports as the terminated container's message: the file the process wrote
+        (at most 4 KiB), else with FallbackToLogsOnError and a failure the log's tail."""
+        try:
+            with open(self.termination_file(c.name), "rb") as f:
+                text = f.read(TERMINATION_MESSAGE_BYTES).decode(errors="replace")
+        except OSError:
+            text = ""
+        if not text and code != 0 and c.spec.get("terminationMessagePolicy") == "FallbackToLogsOnError":
+            try:
+                lines = self.log_path(c.name).read_bytes().decode(errors="replace").splitlines()[-80:]
+            except OSError:
+                lines = []
+            text = "\n".join(lines)[-2048:]
+        return text
+
     def _exited(self, c: Ctr, rc: int, reason: str = "", message: str = "") -> None:
         code = rc if rc >= 0 else 128 - rc
+        message = message or self._termination_message(c, code)
         # A container's PID 1 exiting tears down its PID namespace: nothing it started survives it.
         kill_tagged(f"{self.tag}{c.name}/")
         term: Obj = {

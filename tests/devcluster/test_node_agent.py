@@ -113,7 +113,17 @@ volumeMounts: [{{name: scratch, mountPath: /scratch}}]}}
         spec:
           restartPolicy: Never
           containers:
-          - {{name: main, image: busybox, command: [python, -c, "import sys; sys.exit(7)"]}}
+          - {{name: main, image: busybox, command: [python, -c, "import sys; \
+open('/dev/termination-log', 'w').write('seven'); sys.exit(7)"]}}
+        ---
+        apiVersion: v1
+        kind: Pod
+        metadata: {{name: lastwords}}
+        spec:
+          restartPolicy: Never
+          containers:
+          - {{name: main, image: busybox, terminationMessagePolicy: FallbackToLogsOnError, \
+command: [python, -c, "import sys; print('last words', flush=True); sys.exit(3)"]}}
         """,
     )
     pod = wait_for(lambda: phase_in(kube, ns, "envcheck", "Succeeded", "Failed"), 60, "envcheck to finish")
@@ -163,6 +173,10 @@ volumeMounts: [{{name: scratch, mountPath: /scratch}}]}}
     failed = wait_for(lambda: phase_in(kube, ns, "exit7", "Succeeded", "Failed"), 30, "exit7 to finish")
     terminated = failed["status"]["containerStatuses"][0]["state"]["terminated"]
     assert (failed["status"]["phase"], terminated["exitCode"], terminated["reason"]) == ("Failed", 7, "Error")
+    assert terminated["message"] == "seven", "what the process wrote at its terminationMessagePath"
+    assert "message" not in status["containerStatuses"][0]["state"]["terminated"], "nothing written, no message"
+    words = wait_for(lambda: phase_in(kube, ns, "lastwords", "Succeeded", "Failed"), 30, "lastwords to finish")
+    assert words["status"]["containerStatuses"][0]["state"]["terminated"]["message"].strip() == "last words"
 
 
 def test_on_failure_restarts_with_backoff_until_success(cluster: LocalCluster, kube: KubeApi, ns: str) -> None:

@@ -21,6 +21,7 @@ from click.testing import CliRunner
 
 from sgdjob_operator.cli import main
 from sgdjob_operator.local.procs import ProcessSet, is_alive, proc_id
+from sgdjob_trainer.wire.worker_status import parse_termination
 
 HERE = Path(__file__).parent
 REPO = HERE.parents[1]
@@ -271,7 +272,13 @@ def test_a_users_metric_hook_is_validated_reported_and_ends_the_job_at_its_targe
     }
     job = write_job(tmp_path / "job.yaml", replicas=2, steps=5000, mode="sync", **training)
     out = tmp_path / "out"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    # As in a pod: rank 0 writes how training ended to the container's termination message file.
+    termination = tmp_path / "termination-log"
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
+        "SGDJOB_TERMINATION_LOG": str(termination),
+    }
     proc = subprocess.run([SGDJOB, "run", str(job), "--out", str(out), "--timeout", "240"],
                           capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)  # fmt: skip
     output = proc.stdout + proc.stderr
@@ -284,6 +291,8 @@ def test_a_users_metric_hook_is_validated_reported_and_ends_the_job_at_its_targe
     reached = next(p for p in curve if p["step"] == report["target_step"])
     assert reached["metric"] <= 0.25 < curve[0]["metric"]
     assert report["validation"]["metric"] == pytest.approx(curve[-1]["metric"])
+    ended = parse_termination(termination.read_text())
+    assert ended is not None and ended.end_reason == "TargetReached" and ended.target_step == report["target_step"]
 
 
 @needs_trainer

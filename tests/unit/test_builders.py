@@ -67,6 +67,9 @@ def test_worker_pod_carries_the_torchrun_contract() -> None:
     assert container["args"] == ["-m", "sgdjob_trainer", "--config", "/etc/sgdjob/config/run-config.json"]
     assert [p["containerPort"] for p in container["ports"]] == [9400, 9401, 9402, 9403]
     assert "affinity" not in spec
+    # Rank 0 says how training ended where the kubelet keeps it after the process is gone.
+    assert container["terminationMessagePath"] == env["SGDJOB_TERMINATION_LOG"] == "/dev/termination-log"
+    assert container["terminationMessagePolicy"] == "FallbackToLogsOnError"
 
 
 def test_template_is_merged_not_overwritten() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -17,7 +18,7 @@ from sgdjob_operator.k8s.status import PodView, controller, dump_status, load_st
 from sgdjob_operator.policy import Decision, Keep, Rebalance, ReplaceWorker, Rescale, SwitchMode, WorkerSample, job_view
 from sgdjob_operator.policy.driver import Observed, Refused, Step, action_for
 from sgdjob_operator.workers.scrape import Endpoint
-from sgdjob_trainer.wire.worker_status import WorkerStatus
+from sgdjob_trainer.wire.worker_status import TARGET_REACHED, Termination, WorkerStatus, parse_termination
 
 T0 = 1_800_000_000.0
 
@@ -281,6 +282,23 @@ def test_validation_and_a_reached_target_are_kept_and_end_the_job_as_target_reac
     assert {c.type: c.reason for c in plan.status.conditions}["Succeeded"] == "TargetReached"
     assert [e.reason for e in plan.events] == ["TargetReached"]
     assert load_status(dump_status(plan.status)).time_to_target_seconds == 12.5
+
+
+def test_a_target_reached_after_the_last_scrape_is_read_from_rank_0s_termination_message() -> None:
+    spec = _spec(training={"dataset": "digits", "target": {"metric": "accuracy", "value": 0.9}})
+    st = running()
+    record_observation(st, Observation(T0, (_sample(0),), {}, job_step=40), None)
+    message = Termination(step=61, end_reason=TARGET_REACHED, target_step=60, time_to_target_s=12.5)
+    rank0 = dataclasses.replace(pod(0, "Succeeded"), message=json.dumps(message.document()))
+    logs = dataclasses.replace(pod(1, "Succeeded"), message="some log line the kubelet kept")
+    plan = plan_reconcile(spec, st, [logs, rank0, rdzv()], generation=1, now=T0 + 1)
+    assert plan.status.phase is Phase.SUCCEEDED and plan.status.target_step == 60
+    assert {c.type: c.reason for c in plan.status.conditions}["Succeeded"] == "TargetReached"
+    assert plan.status.step == 60 and plan.status.time_to_target_seconds == 12.5
+    # Without the message (an older trainer, or a step limit), success is the step limit's.
+    plain = plan_reconcile(spec, running(), [pod(0, "Succeeded"), rdzv()], generation=1, now=T0 + 1)
+    assert {c.type: c.reason for c in plain.status.conditions}["Succeeded"] == "WorkersSucceeded"
+    assert parse_termination("Traceback (most recent call last):") is None
 
 
 def test_step_is_the_jobs_step_after_a_resume() -> None:

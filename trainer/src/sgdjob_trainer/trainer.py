@@ -27,11 +27,13 @@ reached", which makes that stop a success (exit 0) rather than an interruption.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -53,7 +55,14 @@ from sgdjob_trainer.telemetry import Telemetry
 from sgdjob_trainer.train_state import TrainState
 from sgdjob_trainer.validation import Validation, Validator, reached
 from sgdjob_trainer.wire.control import ControlCommand
-from sgdjob_trainer.wire.launch_contract import ENV_METRICS_HOST, ENV_METRICS_PORT, ENV_REPORT_DIR, RunConfig
+from sgdjob_trainer.wire.launch_contract import (
+    ENV_METRICS_HOST,
+    ENV_METRICS_PORT,
+    ENV_REPORT_DIR,
+    ENV_TERMINATION_LOG,
+    RunConfig,
+)
+from sgdjob_trainer.wire.worker_status import Termination
 
 log = logging.getLogger("sgdjob_trainer")
 
@@ -297,6 +306,19 @@ class Trainer:
         self.telemetry.set_control_epoch(command.epoch)
         self.telemetry.set_batch_size(self.ctx.batch_size())
 
+    def _write_termination(self, path: Path) -> None:
+        status = self.telemetry.status()
+        message = Termination(
+            step=self.state.step,
+            end_reason=status.end_reason,
+            target_step=status.target_step,
+            time_to_target_s=status.time_to_target_s,
+        )
+        try:
+            path.write_text(json.dumps(message.document(), separators=(",", ":")))
+        except OSError as err:  # not in a container, or no such file: the message is a nicety
+            log.warning("cannot write the termination message to %s: %s", path, err)
+
     def _finish(self) -> None:
         final = self._validate(final=True).loss if self.info.rank == 0 else self.evaluate()
         self.recovery.report()
@@ -305,6 +327,9 @@ class Trainer:
         report_dir = os.environ.get(ENV_REPORT_DIR)
         if report_dir:
             self.telemetry.write_report(report_dir)
+        termination_log = os.environ.get(ENV_TERMINATION_LOG)
+        if termination_log and self.info.rank == 0:
+            self._write_termination(Path(termination_log))
         assert self.ctx.ps is not None
         self.ctx.ps.close()
 

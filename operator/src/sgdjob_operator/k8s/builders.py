@@ -24,6 +24,7 @@ from sgdjob_trainer.wire.launch_contract import (
     ENV_CONTROL_TOKEN_FILE,
     ENV_METRICS_HOST,
     ENV_NODE_NAME,
+    ENV_TERMINATION_LOG,
     ENV_UNSHARED_RDZV_STORE,
     STORE_MODULE,
     TorchrunOptions,
@@ -42,6 +43,7 @@ RDZV_PORT = 29400
 CONFIG_DIR = "/etc/sgdjob/config"
 CONFIG_FILE = "run-config.json"
 TOKEN_DIR = "/etc/sgdjob/control"
+TERMINATION_LOG = "/dev/termination-log"  # Kubernetes' default terminationMessagePath
 TOKEN_KEY = "token"
 DEFAULT_IMAGE = "ghcr.io/sgdjob/trainer:0.1.0"
 
@@ -245,7 +247,12 @@ def build_worker_pod(
     if not main.get("command") and not main.get("args"):
         main["command"] = ["torchrun"]
         main["args"] = list(trainer_args(f"{CONFIG_DIR}/{CONFIG_FILE}"))
-    main["env"] = _merge_named(main.get("env") or [], worker_env(job, spec, index))
+    # Rank 0 writes how training ended there (a target reached after the last scrape included);
+    # on an error the kubelet puts the log's tail there instead.
+    main.setdefault("terminationMessagePath", TERMINATION_LOG)
+    main.setdefault("terminationMessagePolicy", "FallbackToLogsOnError")
+    termination = {"name": ENV_TERMINATION_LOG, "value": main["terminationMessagePath"]}
+    main["env"] = _merge_named(main.get("env") or [], [*worker_env(job, spec, index), termination])
     base = spec.training.metrics_port
     ports = [
         {"name": "metrics" if lr == 0 else f"metrics-{lr}", "containerPort": base + lr, "protocol": "TCP"}

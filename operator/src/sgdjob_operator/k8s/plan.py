@@ -29,7 +29,7 @@ from sgdjob_operator.k8s.status import (
     rfc3339,
     workers,
 )
-from sgdjob_trainer.wire.worker_status import TARGET_REACHED
+from sgdjob_trainer.wire.worker_status import TARGET_REACHED, parse_termination
 
 MAX_COUNTED = 256
 
@@ -163,6 +163,8 @@ def plan_reconcile(
             # (recorded from its /status while it ran). The last scrape came up to an interval
             # earlier, so without this `kubectl get` would show a finished job short of its steps.
             reason = "WorkersSucceeded"
+            if st.target_step is None:
+                _target_from_termination(st, succeeded)
             if st.target_step is not None:
                 reason, st.step = TARGET_REACHED, max(st.step, st.target_step)
             else:
@@ -230,3 +232,14 @@ def _plan_membership(plan: Plan, spec: SGDJobSpec, ws: Sequence[PodView]) -> Non
             plan.delete_pods.append((pod.name, f"node {pod.node} excluded for this job; replaced"))
     held = {p.index for p in ws}
     plan.create_workers = [i for i in range(spec.replicas) if i not in held]
+
+
+def _target_from_termination(st: SGDJobStatus, succeeded: Sequence[PodView]) -> None:
+    """A target reached after the last scrape: rank 0's termination message says so (pure)."""
+    for pod in succeeded:
+        end = parse_termination(pod.message) if pod.message else None
+        if end is not None and end.end_reason == TARGET_REACHED and end.target_step is not None:
+            st.target_step = end.target_step
+            if end.time_to_target_s is not None:
+                st.time_to_target_seconds = max(0.0, min(1e9, end.time_to_target_s))
+            return

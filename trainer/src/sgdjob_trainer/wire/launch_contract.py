@@ -28,6 +28,9 @@ ENV_METRICS_PORT = "SGDJOB_METRICS_PORT"  # the server's base port, over trainin
 ENV_CONTROL_TOKEN = "SGDJOB_CONTROL_TOKEN"  # the /control bearer token,
 ENV_CONTROL_TOKEN_FILE = "SGDJOB_CONTROL_TOKEN_FILE"  # or a file holding it (re-read per request)
 ENV_REPORT_DIR = "SGDJOB_REPORT_DIR"  # where it writes rank-<rank>.json when training ends
+# Rank 0 writes how training ended (wire.worker_status.Termination) here: the pod's
+# terminationMessagePath, so the operator reads it from the pod's status after the process is gone.
+ENV_TERMINATION_LOG = "SGDJOB_TERMINATION_LOG"
 # For the agent: torch 2.13 shares the rendezvous round's TCP store with the workers and caches its
 # address on non-zero ranks, so after a membership change that moves rank 0 elsewhere survivors dial
 # the old rank 0's dead store, and a restarted worker group reads the dead group's gloo addresses.

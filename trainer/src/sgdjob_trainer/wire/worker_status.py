@@ -119,3 +119,22 @@ class WorkerStatus(WireDocument):
 
 
 TARGET_REACHED = "TargetReached"
+
+
+class Termination(WireDocument):
+    """How training ended, as rank 0 writes it to its container's termination message (a few hundred
+    bytes; Kubernetes keeps up to 4 KiB). The operator reads it from the finished pod, so a target
+    reached after its last scrape of the worker still ends the job as TargetReached."""
+
+    step: int
+    end_reason: str | None = None
+    target_step: int | None = None
+    time_to_target_s: float | None = None
+
+
+def parse_termination(message: str) -> Termination | None:
+    """The trainer's termination message, or None for anything else (logs on an error, a user's text)."""
+    try:
+        return Termination.model_validate_json(message)
+    except ValueError:
+        return None
