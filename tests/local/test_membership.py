@@ -61,3 +61,30 @@ def test_rescale_drops_the_straggler_and_finishes_with_fewer_workers(run_example
     speeds = [r["speed_samples_per_s"] for r in report["per_rank"]]
     assert max(speeds) < 1.3 * median(speeds), speeds
     assert report["final_loss"] < report["initial_loss"]
+
+
+def test_a_hung_worker_is_replaced_and_the_job_finishes_from_the_checkpoint(run_example: RunExample) -> None:
+    """Rank 2 blocks for good inside its compute at step 40 (an emulated wedged GPU): the others wait
+    in the allreduce. The policy names rank 2 as hung once it has made no step for
+    hangTimeoutSeconds, its worker is replaced, and the job finishes every step from a checkpoint."""
+    code, output, report, out = run_example(
+        "node-straggler.yaml",
+        {
+            "training": {
+                "steps": 120,
+                "checkpoint": {"intervalSteps": 20},
+                "emulation": {"slowdowns": []},
+                "faults": [{"kind": "hang", "rank": 2, "atStep": 40}],
+            },
+            "policy": {"intervalSeconds": 1, "hangTimeoutSeconds": 6, "allowedActions": ["replaceWorker"]},
+        },
+    )
+    assert code == 0 and report is not None, output
+    assert processes_mentioning(str(out)) == [], "processes of the run are left behind"
+    assert report["ok"] and report["steps"] == 120, report
+    hangs = [d for d in report["decisions"] if d["action"] == "replaceWorker" and "hang" in d["reason"]]
+    assert hangs and hangs[0]["rank"] == 2 and hangs[0]["applied"], report["decisions"]
+    assert "stuck in its own compute" in hangs[0]["reason"]
+    assert len(hangs) == 1, "one recovery: the replacement does not hang"
+    assert report["restarts"] >= 1 and report["resumes"][0]["fromStep"] == 40, report["resumes"]
+    print(f"hang: replaced at {hangs[0]['time_s']:.1f}s, restart {report['resumes'][0]['restartSeconds']:.1f}s")

@@ -81,7 +81,10 @@ def test_the_trainers_metrics_give_the_policy_every_field_it_reads() -> None:
         gradient_bytes=nbytes,
         training_seconds=sample.training_seconds,
         gradient=GradientSignal(12, 0.5, 40.0, 0.25),
+        stalled_seconds=sample.stalled_seconds,
+        computing=False,
     )
+    assert sample.stalled_seconds is not None and 0 <= sample.stalled_seconds <= after
     assert sample == expected
     zero = WorkerSample(0, 0.0, steps=0, samples=0, compute_seconds=0.0, comm_wait_seconds=0.0, mode="", batch_size=0)
     unset = [f.name for f in dataclasses.fields(WorkerSample) if getattr(sample, f.name) == getattr(zero, f.name)]

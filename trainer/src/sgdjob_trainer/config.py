@@ -154,14 +154,24 @@ class Emulation(CamelModel):
     ] = []
 
 
+class FaultKind(StrEnum):
+    CRASH = "crash"
+    HANG = "hang"
+
+
 class Fault(CamelModel):
-    """An emulated crash: one rank exits abruptly (no cleanup, no checkpoint) at a step or a time.
+    """An emulated fault at a step or a time: a crash (the rank exits abruptly, no cleanup, no
+    checkpoint) or a hang (the rank blocks for good inside its compute, as behind a wedged GPU or a
+    dead file system, until it is killed).
 
     It fires only in the life named by `restart` (TORCHELASTIC_RESTART_COUNT, 0 = first start), so
     the restarted workers can get past it.
     """
 
-    rank: Annotated[int, Field(ge=0, le=65535, description="Global rank that exits.")] = 0
+    kind: Annotated[FaultKind, Field(description="crash (exit abruptly) or hang (block until killed).")] = (
+        FaultKind.CRASH
+    )
+    rank: Annotated[int, Field(ge=0, le=65535, description="Global rank that fails.")] = 0
     at_step: Annotated[
         int | None,
         Field(ge=1, le=1_000_000_000, description="Exit right after this step (omit when afterSeconds is given)."),

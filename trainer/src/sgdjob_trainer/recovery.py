@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 
 from sgdjob_trainer.checkpoint import Checkpointer, Snapshot, claim_dir, read_progress
-from sgdjob_trainer.config import SyncMode
+from sgdjob_trainer.config import FaultKind, SyncMode
 from sgdjob_trainer.resume import load_latest
 from sgdjob_trainer.strategies import Context, StepResult, Strategy
 from sgdjob_trainer.wire.worker_status import CheckpointReport, Figures, ResumeRecord
@@ -213,6 +213,11 @@ class Recovery:
                 continue
             by_step = fault.at_step is not None and ctx.state.step >= fault.at_step
             by_time = fault.after_seconds is not None and time.time() - ctx.telemetry.start_time >= fault.after_seconds
+            if (by_step or by_time) and fault.kind == FaultKind.HANG:
+                log.warning("EMULATED FAULT: rank %d hangs in its compute at step %d", info.rank, ctx.state.step)
+                ctx.telemetry.computing = True
+                while True:  # until killed: a hung process does not answer SIGTERM's agreed stop either
+                    time.sleep(3600)
             if by_step or by_time:
                 log.warning(
                     "EMULATED FAULT: rank %d exits abruptly with %d at step %d",

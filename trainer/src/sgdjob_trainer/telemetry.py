@@ -69,6 +69,8 @@ class Telemetry:
         ]
         self.end_time: float | None = None
         self._training_since: float | None = None  # monotonic; set by begin_training
+        self._last_step_done: float | None = None  # monotonic: when the last step ended (or training began)
+        self.computing = False  # inside a step's data, forward, backward and emulated compute
         # Set by recovery: this life's restart count, rank 0's resume history, checkpoint figures.
         self.restart_count: int | None = None
         self.resumes: list[ResumeRecord] | None = None
@@ -127,6 +129,14 @@ class Telemetry:
             wm.TRAINING_SECONDS, "Seconds this process has trained (NaN before training began).", registry=r
         )
         self.m_training.set_function(self.training_seconds)
+        self.m_stalled = Gauge(
+            wm.STALLED_SECONDS, "Seconds since this process last finished a step (NaN before training).", registry=r
+        )
+        self.m_stalled.set_function(self.stalled_seconds)
+        self.m_computing = Gauge(
+            wm.COMPUTING, "1 while inside a step's own compute (data, forward, backward), 0 otherwise.", registry=r
+        )
+        self.m_computing.set_function(lambda: 1.0 if self.computing else 0.0)
         self.m_info = Gauge(wm.WORKER_INFO, "Identity of this process.", list(wm.WORKER_INFO_LABELS), registry=r)
         self.m_switches = Counter(wm.SWITCHES, "Mode switches done.", registry=r)
         self.m_pause = Counter(wm.SWITCH_PAUSE_SECONDS, "Seconds spent paused in mode switches.", registry=r)
@@ -154,16 +164,23 @@ class Telemetry:
         """The training loop starts: every counter is still zero, and counts from now."""
         with self.lock:
             self.start_time = time.time()
-            self._training_since = time.monotonic()
+            self._training_since = self._last_step_done = time.monotonic()
 
     def training_seconds(self) -> float:
         """Seconds since `begin_training`, on this process's monotonic clock; NaN before it."""
         since = self._training_since
         return math.nan if since is None else time.monotonic() - since
 
+    def stalled_seconds(self) -> float:
+        """Seconds since the last step ended (or training began); NaN before training began. A rank
+        that hangs grows it without bound; one that waits for a hung peer too, but not computing."""
+        done = self._last_step_done
+        return math.nan if done is None else time.monotonic() - done
+
     def record_step(
         self, step: int, samples: int, compute_s: float, wait_s: float, step_s: float, loss: float, staleness: float
     ) -> None:
+        self._last_step_done = time.monotonic()
         with self.lock:
             self.step = step
             self.samples += samples
@@ -290,6 +307,7 @@ class Telemetry:
                 "resumes": self.resumes,
                 "checkpoint": self.checkpoint,
                 **self.validation,
+                "stalled_seconds": _finite(self.stalled_seconds()),
                 "gradient_sq_norm": self.gradient.sq_norm,
                 "gradient_variance": self.gradient.variance,
                 "gradient_lag_dot": self.gradient.lag_dot,
@@ -310,6 +328,7 @@ class Telemetry:
                 control_epoch=self.control_epoch,
                 gradient_bytes=self.gradient_bytes,
                 gradient_stat_steps=self.gradient.steps,
+                computing=self.computing,
                 switches=list(self.switches),
                 done=self.done,
                 time=time.time(),

@@ -106,6 +106,18 @@ class PolicySpec(CamelModel):
             ),
         ),
     ] = 0.02
+    hang_timeout_seconds: Annotated[
+        float | None,
+        Field(
+            ge=5.0,
+            le=86_400.0,
+            description=(
+                "A rank that has finished no step for this long while stuck in its own compute (or a job where no "
+                "rank moves) is hung: its worker is replaced, and the job resumes from the last checkpoint. "
+                "Omit to never treat a rank as hung. Longer than the slowest legitimate step (checkpoint, validation)."
+            ),
+        ),
+    ] = 300.0
     allowed_actions: Annotated[
         list[Action],
         Field(max_length=4, description="Actions the policy may take: switchMode, rebalance, replaceWorker, rescale."),

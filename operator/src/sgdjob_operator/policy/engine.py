@@ -16,6 +16,7 @@ from sgdjob_operator.policy.candidates import Candidate, DecisionContext, build,
 from sgdjob_operator.policy.cost import CostInputs, Prediction
 from sgdjob_operator.policy.decisions import Decision, Keep, ReplaceWorker, Rescale
 from sgdjob_operator.policy.efficiency import estimate
+from sgdjob_operator.policy.hang import find_hang
 from sgdjob_operator.policy.health import JobHealth, Shape, assess, jitter_coefficient
 from sgdjob_operator.policy.job import JobView
 from sgdjob_operator.policy.measure import FirstWindow, measure
@@ -73,6 +74,12 @@ def evaluate(state: PolicyState, samples: Sequence[WorkerSample], job: JobView, 
         evaluations=state.evaluations + 1,
     )
     health = a.health
+    hang = find_hang(window.latest, job.world_size, p.hang_timeout_seconds)
+    # A recovery already under way gets the hang timeout to show progress before another one.
+    recovering = state.last_change is not None and now - state.last_change < (p.hang_timeout_seconds or 0.0)
+    if hang is not None and not recovering:
+        decision = ReplaceWorker(hang.rank, hang.reason(p.hang_timeout_seconds or 0.0), hang.pod)
+        return Evaluation(decision, health, replace(base, last_change=now), {})
     if health.raw_shape is Shape.UNKNOWN:
         why = f"waiting for rates: {health.measured} of {job.world_size} ranks measured this window"
         if window.restarted:

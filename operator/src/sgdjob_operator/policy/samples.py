@@ -45,3 +45,7 @@ class WorkerSample:
     training_seconds: float | None = None
     # Gradient statistics from the process's synchronous steps (None: none yet, or not said).
     gradient: GradientSignal | None = None
+    # Seconds since the process last finished a step, and whether it is inside a step's own compute
+    # now (None: not said). What tells a hung rank from the ranks waiting for it.
+    stalled_seconds: float | None = None
+    computing: bool | None = None

@@ -146,6 +146,8 @@ def parse_metrics(text: str, *, time: float, endpoint: Endpoint | None = None) -
         world_size=int(_finite(_first(series, wm.WORLD_SIZE)) or 0),
         gradient_bytes=int(_finite(_first(series, wm.GRADIENT_BYTES)) or 0),
         training_seconds=_training_seconds(_first(series, wm.TRAINING_SECONDS)),
+        stalled_seconds=_finite(_first(series, wm.STALLED_SECONDS)),
+        computing=None if (c := _finite(_first(series, wm.COMPUTING))) is None else c >= 0.5,
         gradient=gradient_signal(
             _finite(_first(series, wm.GRADIENT_STAT_STEPS)),
             _finite(_first(series, wm.GRADIENT_SQ_NORM)),
@@ -200,6 +202,8 @@ def sample_from_status(status: WorkerStatus, *, time: float, endpoint: Endpoint 
         staleness=status.staleness,
         world_size=status.world_size,
         gradient_bytes=status.gradient_bytes,
+        stalled_seconds=_finite(status.stalled_seconds),
+        computing=status.computing,
         gradient=gradient_signal(
             status.gradient_stat_steps,
             _finite(status.gradient_sq_norm),

@@ -119,6 +119,14 @@ class Strategy(ABC):
         autocast; the loss scaled for fp16), plus the emulated compute; returns (mean loss,
         compute seconds, samples)."""
         ctx = self.ctx
+        ctx.telemetry.computing = True
+        try:
+            return self._compute_gradients()
+        finally:
+            ctx.telemetry.computing = False
+
+    def _compute_gradients(self) -> tuple[float, float, int]:
+        ctx = self.ctx
         start = time.perf_counter()
         batch_size = ctx.batch_size()
         accumulate = ctx.training.gradient_accumulation_steps

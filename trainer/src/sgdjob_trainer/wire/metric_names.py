@@ -34,6 +34,10 @@ GRADIENT_SQ_NORM = "sgdjob_gradient_sq_norm"
 GRADIENT_VARIANCE = "sgdjob_gradient_variance"
 GRADIENT_LAG_DOT = "sgdjob_gradient_lag_dot"
 GRADIENT_STAT_STEPS = "sgdjob_gradient_stat_steps"
+# Hang signals: seconds since the process last finished a step, and 1 while it is inside a step's own
+# compute (a rank stuck there while the others wait in an exchange is the one that hangs).
+STALLED_SECONDS = "sgdjob_stalled_seconds"
+COMPUTING = "sgdjob_computing"
 MODE = "sgdjob_mode"  # one series per mode, labelled LABEL_MODE: 1 for the active one
 VALIDATION_LOSS = "sgdjob_validation_loss"  # rank 0: loss on the held-out split at the last validation
 VALIDATION_ACCURACY = "sgdjob_validation_accuracy"  # rank 0, classification only: fraction right (0..1)

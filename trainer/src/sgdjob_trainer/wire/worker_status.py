@@ -90,6 +90,9 @@ class WorkerStatus(WireDocument):
     batch_size: int = 0
     control_epoch: int = 0
     gradient_bytes: int = 0
+    # Hang signals (see metric_names.STALLED_SECONDS): absent before training began.
+    stalled_seconds: float | None = None
+    computing: bool = False
     # Moving averages over the synchronous steps (sgdjob_trainer.gradient_stats); absent until known.
     gradient_stat_steps: int = 0
     gradient_sq_norm: float | None = None
