@@ -146,6 +146,22 @@ def test_returns_to_plain_sync_when_speeds_equalise() -> None:
     assert isinstance(d2, Rebalance) and set(d2.batch_sizes.values()) == {32}
 
 
+def test_plain_batches_return_once_the_straggler_is_gone_without_waiting_out_the_cooldown() -> None:
+    h = Harness([FAST] * 7 + [SLOW], policy={"cooldownSeconds": 600, "allowedActions": ["rebalance"]})
+    run(h, 4)
+    first = h.changes()
+    assert len(first) == 1 and isinstance(first[0].decision, Rebalance)
+    for _ in range(5):
+        h.step([FAST] * 8)  # the straggler is gone
+    back = h.changes()[1:]
+    assert back and isinstance(back[0].decision, Rebalance) and set(back[0].decision.batch_sizes.values()) == {32}
+    assert back[0].state.last_change is not None and back[0].state.last_change - 30.0 < 600
+    # A new straggler right after still waits out the cooldown: only the way back is exempt.
+    for _ in range(5):
+        h.step([FAST] * 7 + [SLOW])
+    assert len(h.changes()) == 2 and "cooldown" in h.history[-1].decision.reason
+
+
 def test_transient_slowdown_never_flips_the_job() -> None:
     h = Harness([FAST] * 8)
     run(h, 3)

@@ -3,8 +3,9 @@
 A change is made only when (1) the cost model predicts at least switchMargin more useful
 throughput than the job gets now (or, for the way back to plain sync, no loss), (2) the same change
 has been the best for persistenceIntervals windows in a row, (3) cooldownSeconds have passed since
-the last change, and (4) the change pays back its own cost (restart or switch pause) well within
-the time it will stay in force, and (5) no change is still in flight (`JobView.in_flight`).
+the last change (not for the way back to plain sync), and (4) the change pays back its own cost
+(restart or switch pause) well within the time it will stay in force, and (5) no change is still in
+flight (`JobView.in_flight`). A hang (`policy.hang`) is recovered from at once.
 """
 
 from __future__ import annotations
@@ -78,8 +79,8 @@ def evaluate(state: PolicyState, samples: Sequence[WorkerSample], job: JobView, 
     # A recovery already under way gets the hang timeout to show progress before another one.
     recovering = state.last_change is not None and now - state.last_change < (p.hang_timeout_seconds or 0.0)
     if hang is not None and not recovering:
-        decision = ReplaceWorker(hang.rank, hang.reason(p.hang_timeout_seconds or 0.0), hang.pod)
-        return Evaluation(decision, health, replace(base, last_change=now), {})
+        recover = ReplaceWorker(hang.rank, hang.reason(p.hang_timeout_seconds or 0.0), hang.pod)
+        return Evaluation(recover, health, replace(base, last_change=now), {})
     if health.raw_shape is Shape.UNKNOWN:
         why = f"waiting for rates: {health.measured} of {job.world_size} ranks measured this window"
         if window.restarted:
@@ -122,7 +123,10 @@ def evaluate(state: PolicyState, samples: Sequence[WorkerSample], job: JobView, 
     if streak < p.persistence_intervals or health.shape is Shape.TRANSIENT:
         why = f"{health.summary}; {what}; persisting {streak}/{p.persistence_intervals} intervals"
         return Evaluation(Keep(why), health, waiting, predictions)
-    if state.last_change is not None and now - state.last_change < p.cooldown_seconds:
+    # The way back to plain sync is exempt: it is where an equal fleet rests, it has persisted like any
+    # change, and unequal batches or a stale mode kept through a cooldown after the straggler has gone
+    # only cost time (a transient or intermittent straggler would otherwise outlive itself).
+    if not chosen.restoring and state.last_change is not None and now - state.last_change < p.cooldown_seconds:
         left = p.cooldown_seconds - (now - state.last_change)
         return Evaluation(Keep(f"{health.summary}; {what}; cooldown {left:.0f}s left"), health, waiting, predictions)
     decision = chosen.make(f"{health.summary}; {what}", round(gain, 4))
