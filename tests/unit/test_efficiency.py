@@ -26,6 +26,12 @@ def test_ranks_average_into_one_estimate_once_enough_steps_are_measured() -> Non
     eff = estimate([_sample(r, g) for r, g in enumerate(signals)], 0.02, "sqrt")
     assert eff.measured and eff.steps == 30 and eff.ranks == 2
     assert eff.noise_scale == pytest.approx(100.0) and eff.correlation == pytest.approx(0.85)
+    # Near the noise floor (noise scale far above the step's batch) the correlation is noise: not read.
+    floor = estimate([_sample(0, GradientSignal(40, 0.01, 80.0, -0.004))], 0.02, global_batch=128)
+    assert floor.measured and floor.noise_scale == pytest.approx(8000.0) and floor.correlation is None
+    assert floor.stale(2) == pytest.approx(0.96), "staleness falls back to the prior"
+    assert "correlation unknown, staleness assumed" in floor.describe()
+    assert estimate([_sample(0, GradientSignal(40, 1.0, 200.0, 0.9))], 0.02, global_batch=128).correlation == 0.9
     lost = estimate([_sample(0, GradientSignal(40, -0.5, 80.0, 0.1))], 0.02)
     assert lost.noise_scale == math.inf and lost.correlation is None, "the true gradient is lost in the noise"
 

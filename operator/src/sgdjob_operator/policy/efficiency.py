@@ -35,6 +35,9 @@ from sgdjob_operator.policy.samples import WorkerSample
 # Averages over fewer synchronous steps than this are too noisy to decide on (the trainer's moving
 # average weighs about its last 20 steps).
 MIN_STEPS = 10
+# The gradient correlation is read only while the noise scale is at most this many global batches
+# (see `estimate`): beyond, its error can exceed 0.3.
+TRUSTED_NOISE_RATIO = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,7 +80,7 @@ class Efficiency:
         if not self.measured:
             return f"statistical efficiency assumed (stalenessPenalty {self.penalty:g}; no gradient statistics yet)"
         noise = "noise-dominated" if math.isinf(self.noise_scale or 0.0) else f"{self.noise_scale:.3g} samples"
-        corr = "unknown" if self.correlation is None else f"{self.correlation:.3f}"
+        corr = "unknown, staleness assumed" if self.correlation is None else f"{self.correlation:.3f}"
         return (
             f"statistical efficiency measured over {self.steps} synchronous steps on {self.ranks} ranks "
             f"(gradient noise scale {noise}, step-to-step gradient correlation {corr})"
@@ -93,9 +96,16 @@ def damping(rule: str, staleness: float) -> float:
     return 1.0
 
 
-def estimate(samples: Iterable[WorkerSample], penalty: float, damping_rule: str = "none") -> Efficiency:
+def estimate(
+    samples: Iterable[WorkerSample], penalty: float, damping_rule: str = "none", global_batch: int = 0
+) -> Efficiency:
     """Average the ranks' gradient statistics (each rank's estimates are unbiased and noisy; their
-    mean is less noisy) into the efficiency model; the prior when too few steps are measured."""
+    mean is less noisy) into the efficiency model; the prior when too few steps are measured.
+
+    The correlation is trusted only while the noise scale is at most TRUSTED_NOISE_RATIO x the
+    step's `global_batch`: one step's <G_t, G_t-1> carries noise of up to tr(S)/B, so the averaged
+    correlation's error is up to (Bn/B)/sqrt(~40 steps); a job near its noise floor (Bn >> B) reads
+    as a gradient that turns at random, and its staleness falls back to the prior."""
     measured = [s.gradient for s in samples if s.gradient is not None and s.gradient.steps >= MIN_STEPS]
     prior = Efficiency(penalty, damping_rule)
     if not measured:
@@ -109,5 +119,7 @@ def estimate(samples: Iterable[WorkerSample], penalty: float, damping_rule: str 
         return prior
     if sq <= 0.0:
         return Efficiency(penalty, damping_rule, math.inf, None, steps, n)
-    corr = max(-1.0, min(1.0, sum(lags) / len(lags) / sq)) if lags else None
-    return Efficiency(penalty, damping_rule, var / sq, corr, steps, n)
+    noise = var / sq
+    trusted = global_batch <= 0 or noise <= TRUSTED_NOISE_RATIO * global_batch
+    corr = max(-1.0, min(1.0, sum(lags) / len(lags) / sq)) if lags and trusted else None
+    return Efficiency(penalty, damping_rule, noise, corr, steps, n)

@@ -91,7 +91,7 @@ def evaluate(state: PolicyState, samples: Sequence[WorkerSample], job: JobView, 
     nodes = {r: (a.ranks[r].node if r in a.ranks else None) for r in speeds}
     pods = {r: (window.latest[r].pod if r in window.latest else None) for r in speeds}
     stale = [w.staleness for w in window.ranks.values() if w.mode == "async"]
-    efficiency = estimate(window.latest.values(), p.staleness_penalty, job.staleness_lr)
+    efficiency = estimate(window.latest.values(), p.staleness_penalty, job.staleness_lr, job.global_batch)
     ci = CostInputs(
         comm,
         jitter,
