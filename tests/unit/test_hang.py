@@ -52,6 +52,7 @@ def test_the_policy_replaces_a_hung_worker_at_once_and_gives_the_recovery_time()
     ev = evaluate(PolicyState(), samples, view, 100.0)
     assert isinstance(ev.decision, ReplaceWorker), ev.decision
     assert (ev.decision.rank, ev.decision.pod, ev.decision.exclude_node) == (2, "j-worker-2", None)
+    assert ev.decision.hung and ev.decision.to_dict()["hung"] is True
     assert ev.state.last_change == 100.0, "no persistence, no cooldown: the timeout was the wait"
     later = [dataclasses.replace(s, time=130.0, stalled_seconds=(s.stalled_seconds or 0) + 30) for s in samples]
     again = evaluate(ev.state, later, view, 130.0)

@@ -310,6 +310,17 @@ def test_step_is_the_jobs_step_after_a_resume() -> None:
     assert st.step == 10  # without rank 0's /status: the counters
 
 
+def test_a_hung_worker_is_replaced_with_a_warning_naming_rank_and_pod() -> None:
+    spec, st = _spec(), running()
+    hung = ReplaceWorker(rank=2, reason="hang: rank 2 (pod j-worker-2) has finished no step for 301s", hung=True)
+    out = apply_decision(st, spec, hung, (_sample(2),))
+    assert out.delete_pod == "j-worker-2"
+    event = out.events[-1]
+    assert (event.type, event.reason) == ("Warning", "WorkerHung") and "rank 2 (pod j-worker-2)" in event.message
+    slow = apply_decision(running(), spec, ReplaceWorker(rank=1, reason="slow pod"), (_sample(1),))
+    assert (slow.events[-1].type, slow.events[-1].reason) == ("Normal", "ReplaceWorker")
+
+
 def test_replace_rescale_rebalance_and_keep() -> None:
     spec, st = _spec(policy={"allowedActions": ["rescale", "replaceWorker"]}), running()
     out = apply_decision(st, spec, ReplaceWorker(rank=1, reason="slow node", exclude_node="n1"), (_sample(1),))

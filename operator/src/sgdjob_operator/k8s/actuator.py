@@ -107,7 +107,13 @@ class StatusActuator:
         record = record_decision(self.st, self.now, action.decision.action, action.decision.reason, rank=action.rank)
         where = f"; node {node} excluded for this job" if node else ""
         message = f"replacing rank {action.rank} (pod {action.pod or 'unknown'}){where}: {action.decision.reason}"
-        self.out.events.append(Event("Normal", "ReplaceWorker", message))
+        # A hang is a fault a person may want to look into (the node, the data); a slow worker is routine.
+        event = (
+            Event("Warning", "WorkerHung", message)
+            if action.decision.hung
+            else Event("Normal", "ReplaceWorker", message)
+        )
+        self.out.events.append(event)
         ctl.last_change_time = record.time
 
     def scale(self, action: Scale) -> None:

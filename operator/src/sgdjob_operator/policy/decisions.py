@@ -78,10 +78,11 @@ class ReplaceWorker:
     pod: str | None = None
     exclude_node: str | None = None
     predicted_gain: float = 0.0
+    hung: bool = False  # a recovery from a hang (policy.hang), not a speed decision
     action: str = field(default=REPLACE_WORKER, init=False)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "action": self.action,
             "reason": self.reason,
             "rank": self.rank,
@@ -89,6 +90,9 @@ class ReplaceWorker:
             "excludeNode": self.exclude_node,
             "predictedGain": self.predicted_gain,
         }
+        if self.hung:
+            out["hung"] = True
+        return out
 
 
 @dataclass(frozen=True, slots=True)

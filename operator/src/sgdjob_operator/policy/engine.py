@@ -79,7 +79,7 @@ def evaluate(state: PolicyState, samples: Sequence[WorkerSample], job: JobView, 
     # A recovery already under way gets the hang timeout to show progress before another one.
     recovering = state.last_change is not None and now - state.last_change < (p.hang_timeout_seconds or 0.0)
     if hang is not None and not recovering:
-        recover = ReplaceWorker(hang.rank, hang.reason(p.hang_timeout_seconds or 0.0), hang.pod)
+        recover = ReplaceWorker(hang.rank, hang.reason(p.hang_timeout_seconds or 0.0), hang.pod, hung=True)
         return Evaluation(recover, health, replace(base, last_change=now), {})
     if health.raw_shape is Shape.UNKNOWN:
         why = f"waiting for rates: {health.measured} of {job.world_size} ranks measured this window"
