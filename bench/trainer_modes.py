@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
+
+from sgdjob_operator.local.procs import free_port_blocks
 
 SWITCH_SEQUENCE = ("hierarchical", "async", "sync", "async", "hierarchical", "sync")  # from sync: all 6 ordered pairs
 
@@ -49,23 +50,10 @@ def quickstart_config(mode: str, steps: int, port: int) -> dict[str, Any]:
 
 
 def free_port_base(count: int) -> int:
-    """A base port with `count` consecutive free ports above it (checked, not reserved)."""
-    for _ in range(200):
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            base = int(sock.getsockname()[1])
-        if base + count < 65_000 and all(_port_free(base + i) for i in range(count)):
-            return base
-    raise RuntimeError("no block of free ports found")
-
-
-def _port_free(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
+    """A base port with `count` consecutive free ports above it (checked, not reserved), below the
+    ephemeral range: a port the kernel may hand to any outgoing connection (gloo's, an HTTP
+    client's) can be taken between this check and the trainer's bind."""
+    return free_port_blocks(1, size=count)[0]
 
 
 def launch(
