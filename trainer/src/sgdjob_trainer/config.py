@@ -7,6 +7,7 @@ validate specs, and the operator image carries no torch.
 
 from __future__ import annotations
 
+import math
 import re
 from enum import StrEnum
 from typing import Annotated, Any, Self
@@ -53,11 +54,28 @@ class LrScaling(StrEnum):
     SQRT = "sqrt"
     NONE = "none"
 
+    def factor(self, world_size: int, reference_world_size: int) -> float:
+        """How much the learning rate at `world_size` is of the one at the reference world size."""
+        ratio = world_size / reference_world_size
+        if self is LrScaling.LINEAR:
+            return ratio
+        if self is LrScaling.SQRT:
+            return math.sqrt(ratio)
+        return 1.0
+
 
 class StalenessLr(StrEnum):
     NONE = "none"
     INVERSE = "inverse"
     SQRT = "sqrt"
+
+    def factor(self, staleness: float) -> float:
+        """The async learning-rate damping of a gradient `staleness` steps old."""
+        if self is StalenessLr.INVERSE:
+            return 1.0 / (1.0 + staleness)
+        if self is StalenessLr.SQRT:
+            return 1.0 / math.sqrt(1.0 + staleness)
+        return 1.0
 
 
 class Precision(StrEnum):

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from sgdjob_trainer.config import LrScaling, Precision, TargetMetric, TrainingConfig
+from sgdjob_trainer.config import Precision, TargetMetric, TrainingConfig
 from sgdjob_trainer.data import ShardedStream, build_dataset, fetch, held_out_indices
 from sgdjob_trainer.emulation import ComputeEmulator
 from sgdjob_trainer.levers import LossScaler, lr_factor
@@ -69,12 +69,7 @@ log = logging.getLogger("sgdjob_trainer")
 
 def scaled_lr(training: TrainingConfig, world_size: int, reference_world_size: int) -> float:
     """The learning rate at this world size under the configured rule (for the global batch)."""
-    ratio = world_size / reference_world_size
-    if training.lr_scaling == LrScaling.LINEAR:
-        return training.learning_rate * ratio
-    if training.lr_scaling == LrScaling.SQRT:
-        return training.learning_rate * math.sqrt(ratio)
-    return training.learning_rate
+    return training.learning_rate * training.lr_scaling.factor(world_size, reference_world_size)
 
 
 def metrics_port(training: TrainingConfig, local_rank: int) -> int:

@@ -31,6 +31,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from sgdjob_operator.policy.samples import WorkerSample
+from sgdjob_trainer.config import StalenessLr
 
 # Averages over fewer synchronous steps than this are too noisy to decide on (the trainer's moving
 # average weighs about its last 20 steps).
@@ -74,7 +75,7 @@ class Efficiency:
         if not self.measured:
             return max(0.0, 1.0 - self.penalty * staleness)
         age = staleness * (world - 1) / world if world > 1 else 0.0
-        return self.stale(age) * self.per_sample(damping(self.damping, staleness))
+        return self.stale(age) * self.per_sample(StalenessLr(self.damping).factor(staleness))
 
     def describe(self) -> str:
         if not self.measured:
@@ -85,15 +86,6 @@ class Efficiency:
             f"statistical efficiency measured over {self.steps} synchronous steps on {self.ranks} ranks "
             f"(gradient noise scale {noise}, step-to-step gradient correlation {corr})"
         )
-
-
-def damping(rule: str, staleness: float) -> float:
-    """The trainer's async learning-rate factor for a gradient `staleness` steps old."""
-    if rule == "inverse":
-        return 1.0 / (1.0 + staleness)
-    if rule == "sqrt":
-        return 1.0 / math.sqrt(1.0 + staleness)
-    return 1.0
 
 
 def estimate(

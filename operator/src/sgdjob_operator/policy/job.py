@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from sgdjob_operator.api.models import Action, JobMode, PolicySpec, SGDJobSpec
 from sgdjob_operator.policy.comm import CommModel
-from sgdjob_trainer.config import SyncMode
+from sgdjob_trainer.config import LrScaling, SyncMode
 
 # Without a known memory limit, rebalancing gives a rank at most this multiple of the spec batch.
 DEFAULT_MAX_BATCH_FACTOR = 4
@@ -72,11 +71,9 @@ class JobView:
         under training.lrScaling: the trainer scales the rate by the world size, linearly (1 per
         sample), by its square root, or not at all."""
         now = self.world_size
-        if world <= 0 or now <= 0 or self.lr_scaling == "linear":
+        if world <= 0 or now <= 0:
             return 1.0
-        if self.lr_scaling == "sqrt":
-            return math.sqrt(now / world)
-        return now / world
+        return LrScaling(self.lr_scaling).factor(world, now) * now / world
 
     @property
     def global_batch(self) -> int:

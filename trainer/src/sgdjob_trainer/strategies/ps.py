@@ -38,7 +38,6 @@ the host's worker shares its CPU and GIL with the shard threads; per step each w
 from __future__ import annotations
 
 import logging
-import math
 import os
 import threading
 from collections.abc import Callable
@@ -63,11 +62,7 @@ IDLE_TIMEOUT = timedelta(days=30)
 
 
 def damping(rule: StalenessLr, staleness: float) -> float:
-    if rule == StalenessLr.INVERSE:
-        return 1.0 / (1.0 + staleness)
-    if rule == StalenessLr.SQRT:
-        return 1.0 / math.sqrt(1.0 + staleness)
-    return 1.0
+    return rule.factor(staleness)
 
 
 @dataclass(slots=True)
