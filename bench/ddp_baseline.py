@@ -19,12 +19,14 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from sgdjob_trainer.__main__ import load_run_config
 from sgdjob_trainer.data import ShardedStream, build_dataset, fetch, held_out_indices
 from sgdjob_trainer.emulation import ComputeEmulator
 from sgdjob_trainer.networks import build_loss, build_model
+from sgdjob_trainer.optim import build_optimizer
 from sgdjob_trainer.runtime import WorldInfo
 from sgdjob_trainer.validation import Validator
 
@@ -47,13 +49,14 @@ def main() -> None:
     net = build_model(train.model, train.seed)
     model = DistributedDataParallel(net)
     loss_fn = build_loss(train.loss, train.dataset, eval_y[:1])
-    optimizer = torch.optim.SGD(model.parameters(), lr=train.learning_rate, momentum=train.momentum)
+    optimizer = build_optimizer(train, net)  # the job's own optimizer (training.optimizer)
     emulator = ComputeEmulator(train.emulation, info.rank, info.node, train.batch_size, train.seed)
 
     # Rank 0 validates on the held-out split between steps, as the trainer's rank 0 does
     # (training.evaluation: the same samples, the same schedule, the same accuracy); the other ranks
     # wait for it at the next allreduce.
-    validator = Validator(train.evaluation, eval_x, eval_y, loss_fn) if info.rank == 0 else None
+    classification = loss_fn is F.cross_entropy
+    validator = Validator(train.evaluation, eval_x, eval_y, loss_fn, classification) if info.rank == 0 else None
     validations: list[dict[str, float | int | None]] = []
 
     def full_loss() -> float:

@@ -56,6 +56,21 @@ def free_port_base(count: int) -> int:
     return free_port_blocks(1, size=count)[0]
 
 
+def spawned_rank_env(rank: int, world: int, port: int) -> None:
+    """torchrun's environment contract for one process of a world spawned by a test on loopback
+    (metrics on an ephemeral port, so runs in a row never collide)."""
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        SGDJOB_METRICS_PORT="0",
+        SGDJOB_METRICS_HOST="127.0.0.1",
+    )
+
+
 def launch(
     config: dict[str, Any], workdir: Path, nproc: int = 4, env: dict[str, str] | None = None
 ) -> subprocess.Popen[bytes]:

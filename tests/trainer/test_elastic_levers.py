@@ -11,7 +11,6 @@ sync SGD on the same data.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from bench.trainer_modes import free_port_base
+from bench.trainer_modes import free_port_base, spawned_rank_env
 from sgdjob_trainer.levers import lr_factor
 from sgdjob_trainer.trainer import Trainer
 from sgdjob_trainer.wire.launch_contract import RunConfig
@@ -70,15 +69,13 @@ def _levers() -> dict[str, Any]:
             "scale": trainer.state.scaler.scale,
             "skipped": trainer.state.scaler.skipped,
             "lr": trainer.state.optimizer.param_groups[0]["lr"],
-            "ctx_lr": trainer.ctx.lr,
+            "ctx_lr": trainer.ctx.lr_scale * trainer.training.learning_rate,
         }
     return out
 
 
 def _child(rank: int, world: int, port: int, out: str, ckpt: str, steps: int, levers: bool) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), SGDJOB_METRICS_PORT="0",
-                      SGDJOB_METRICS_HOST="127.0.0.1")  # fmt: skip
+    spawned_rank_env(rank, world, port)
     torch.set_num_threads(1)
     trainer = Trainer(_config(steps, ckpt))
     resumed = trainer.state.step
@@ -89,7 +86,7 @@ def _child(rank: int, world: int, port: int, out: str, ckpt: str, steps: int, le
     result: dict[str, Any] = {
         "resumed": resumed,
         "step": trainer.state.step,
-        "lr": trainer.lr,
+        "lr": trainer.training.learning_rate * trainer.lr_scale,
         "lr_in_optimizer": trainer.state.optimizer.param_groups[0]["lr"],
         "lr_loaded": lr_before,
         "trace": trainer.stream.trace,

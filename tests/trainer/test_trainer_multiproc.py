@@ -9,7 +9,6 @@ switch, an async start with three parameter-server shards and a hierarchical sta
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 from pathlib import Path
@@ -22,7 +21,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from bench.trainer_modes import free_port_base
+from bench.trainer_modes import free_port_base, spawned_rank_env
 from sgdjob_trainer.config import SyncMode
 from sgdjob_trainer.data import ShardedStream, build_dataset, held_out_indices
 from sgdjob_trainer.networks import build_model
@@ -66,7 +65,7 @@ def _sync_vs_ddp(rank: int) -> dict[str, Any]:
     mine = _run(_config("sync", steps, momentum=0.9))
     model = build_model("mlp", seed=5)
     ddp = DistributedDataParallel(model)
-    opt = torch.optim.SGD(model.parameters(), lr=mine.lr, momentum=0.9)
+    opt = torch.optim.SGD(model.parameters(), lr=mine.training.learning_rate * mine.lr_scale, momentum=0.9)
     dataset = build_dataset("synthetic")
     # The trainer trains on everything but its held-out validation split; so does the reference.
     held_out = held_out_indices(len(dataset), mine.training.evaluation.samples)  # type: ignore[arg-type]
@@ -173,16 +172,7 @@ def _hierarchical_start(rank: int) -> dict[str, Any]:
 
 
 def _child(rank: int, port: int, out: str) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(WORLD),
-        LOCAL_WORLD_SIZE=str(WORLD),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        SGDJOB_METRICS_PORT="0",
-        SGDJOB_METRICS_HOST="127.0.0.1",
-    )
+    spawned_rank_env(rank, WORLD, port)
     torch.set_num_threads(1)
     results: dict[str, Any] = {"seconds": {}}
     phases = (

@@ -14,6 +14,7 @@ from sgdjob_trainer.data import SYNTHETIC_NOISE_FLOOR, ShardedStream, build_data
 from sgdjob_trainer.emulation import ComputeEmulator
 from sgdjob_trainer.hooks import load_hook
 from sgdjob_trainer.networks import build_loss, build_model
+from sgdjob_trainer.optim import OptimizerTemplate, remember_base_lrs
 from sgdjob_trainer.server import ControlInbox
 from sgdjob_trainer.strategies.hierarchical import group_by_node, group_by_speed, valid_groups
 from sgdjob_trainer.strategies.ps import Shard, damping
@@ -99,11 +100,20 @@ def test_emulation_factor_and_batch_scaling() -> None:
     assert all(0.9 <= v <= 1.1 for v in values) and len(set(values)) > 1
 
 
+def _sgd_template(numel: int) -> OptimizerTemplate:
+    """Plain SGD at rate 1 over one parameter of `numel` elements."""
+    param = torch.zeros(numel, requires_grad=True)
+    optimizer = torch.optim.SGD([param], lr=1.0)
+    remember_base_lrs(optimizer)
+    return OptimizerTemplate(optimizer, [param])
+
+
 def test_ps_shard_damps_by_staleness_and_discards_beyond_bound() -> None:
     assert damping(StalenessLr.SQRT, 3.0) == pytest.approx(0.5)
     assert damping(StalenessLr.INVERSE, 3.0) == pytest.approx(0.25)
-    shard = Shard(2, world_size=4, cfg=AsyncConfig(staleness=2, staleness_lr=StalenessLr.INVERSE), momentum=0.0)
-    shard.load(torch.zeros(2), lr=1.0, total_batch=128)
+    cfg = AsyncConfig(staleness=2, staleness_lr=StalenessLr.INVERSE)
+    shard = Shard(0, 2, world_size=4, cfg=cfg, template=_sgd_template(2))
+    shard.load(torch.zeros(2), lr_scale=1.0, total_batch=128, state={})
     out = torch.zeros(2)
     fresh = shard.apply(0, torch.ones(2), 32, out)
     assert fresh.applied and fresh.staleness == 0 and out.tolist() == [-0.25, -0.25]
@@ -117,8 +127,8 @@ def test_ps_shard_damps_by_staleness_and_discards_beyond_bound() -> None:
     dropped = shard.apply(0, torch.ones(2), 32, out)
     assert not dropped.applied and dropped.staleness == pytest.approx(3.0), "beyond the bound: discarded"
     assert out.tolist() == pytest.approx([-0.375] * 2), "and the worker gets the fresh model"
-    asp = Shard(1, 4, AsyncConfig(staleness=None), 0.0)
-    asp.load(torch.zeros(1), 1.0, 4)
+    asp = Shard(0, 1, 4, AsyncConfig(staleness=None), _sgd_template(1))
+    asp.load(torch.zeros(1), 1.0, 4, {})
     for _ in range(30):
         asp.apply(1, torch.zeros(1), 1, out[:1])
     assert asp.apply(0, torch.ones(1), 1, out[:1]).applied, "ASP applies everything"

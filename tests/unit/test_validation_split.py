@@ -94,14 +94,14 @@ def test_a_metric_hook_is_checked_where_the_job_is_written_and_where_it_runs() -
         }
     )
     x, y = torch.randn(6, 3), torch.randn(6, 3)
-    validator = Validator(cfg.evaluation, x, y, torch.nn.functional.mse_loss)
+    validator = Validator(cfg.evaluation, x, y, torch.nn.functional.mse_loss, False)
     result = validator.run(torch.nn.Identity())
     assert result.metric == pytest.approx(float((x - y).abs().mean()))
     assert cfg.target is not None and reached(cfg.target, result) == (result.metric <= 1.0)
     assert not reached(cfg.target, Validation(0.0, None, 0.0, None)), "no metric value: not reached"
     bad = cfg.evaluation.model_copy(update={"metric": "torch.nn.functional:missing"})
     with pytest.raises(ValueError, match=r"training\.evaluation\.metric: cannot load"):
-        Validator(bad, x, y, torch.nn.functional.mse_loss)
+        Validator(bad, x, y, torch.nn.functional.mse_loss, False)
     odd = cfg.evaluation.model_copy(update={"metric": "builtins:zip"})
     with pytest.raises(ValueError, match="returned zip, not a number"):
-        Validator(odd, x, y, torch.nn.functional.mse_loss).run(torch.nn.Identity())
+        Validator(odd, x, y, torch.nn.functional.mse_loss, False).run(torch.nn.Identity())

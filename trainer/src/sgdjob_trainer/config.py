@@ -274,6 +274,30 @@ class LrPolicy(CamelModel):
     ] = 0.0
 
 
+class OptimizerName(StrEnum):
+    SGD = "sgd"
+    ADAM = "adam"
+    ADAMW = "adamw"
+
+
+class OptimizerConfig(CamelModel):
+    """The declarative optimizer (`training.task` may build any torch optimizer instead). Its learning
+    rate is `learningRate`, SGD's momentum is `momentum`; weight decay applies to weights of 2 or
+    more dimensions, never to biases or normalisation scales."""
+
+    name: Annotated[OptimizerName, Field(description="sgd (with momentum), adam or adamw.")] = OptimizerName.SGD
+    betas: Annotated[
+        list[Annotated[float, Field(ge=0.0, lt=1.0)]],
+        Field(min_length=2, max_length=2, description="adam/adamw: the moments' decay rates [beta1, beta2]."),
+    ] = [0.9, 0.999]
+    eps: Annotated[float, Field(gt=0.0, le=1.0, description="adam/adamw: added to the denominator.")] = 1e-8
+    weight_decay: Annotated[
+        float,
+        Field(ge=0.0, le=1.0, description="Weight decay (decoupled for adamw) of weights with 2+ dimensions."),
+    ] = 0.0
+    nesterov: Annotated[bool, Field(description="sgd: Nesterov momentum (needs momentum > 0).")] = False
+
+
 class HierarchicalConfig(CamelModel):
     """Hierarchical SGD: allreduce inside a group every step, model averaging across groups."""
 
@@ -414,6 +438,18 @@ class Target(CamelModel):
 class TrainingConfig(CamelModel):
     """What to train and how; read by every trainer process."""
 
+    task: Annotated[
+        str | None,
+        Field(
+            max_length=256,
+            pattern=HOOK_PATTERN,
+            description=(
+                "A 'module:function' returning an sgdjob_trainer.task.Task (model, data, loss, optionally "
+                "optimizer, schedule and metric); replaces model, dataset and loss."
+            ),
+        ),
+    ] = None
+
     model: Annotated[
         str,
         Field(
@@ -438,6 +474,9 @@ class TrainingConfig(CamelModel):
         Field(gt=0.0, le=10.0, description="Learning rate at the reference world size (minReplicas x nprocPerNode)."),
     ] = 0.05
     momentum: Annotated[float, Field(ge=0.0, le=0.999, description="SGD momentum.")] = 0.0
+    optimizer: Annotated[
+        OptimizerConfig, Field(description="The optimizer: sgd, adam or adamw and their parameters.")
+    ] = OptimizerConfig()
     lr_scaling: Annotated[
         LrScaling, Field(description="How the learning rate follows a world-size change: linear, sqrt or none.")
     ] = LrScaling.LINEAR
@@ -514,11 +553,23 @@ class TrainingConfig(CamelModel):
 
     @model_validator(mode="after")
     def _names(self) -> Self:
+        if self.task is not None:
+            for name in ("model", "dataset", "loss"):
+                if name in self.model_fields_set:
+                    raise cross_field_error(name, f"training.task provides the {name}; remove training.{name}")
+        if self.momentum > 0 and self.optimizer.name != OptimizerName.SGD:
+            raise cross_field_error(
+                "momentum", f"momentum is SGD's; {self.optimizer.name.value} uses optimizer.betas instead"
+            )
+        if self.optimizer.nesterov and (self.optimizer.name != OptimizerName.SGD or self.momentum == 0):
+            raise cross_field_error("optimizer.nesterov", "Nesterov momentum needs optimizer.name sgd and momentum > 0")
         _hook_or_builtin(self.model, BUILTIN_MODELS, "model")
         _hook_or_builtin(self.dataset, BUILTIN_DATASETS, "dataset")
         _hook_or_builtin(self.loss, BUILTIN_LOSSES, "loss")
         if self.target is not None:
-            regression = self.loss == "mse" or (self.loss == "auto" and self.dataset == "synthetic")
+            regression = self.task is None and (
+                self.loss == "mse" or (self.loss == "auto" and self.dataset == "synthetic")
+            )
             if self.target.metric == TargetMetric.ACCURACY and regression:
                 raise cross_field_error(
                     "target.metric", "an accuracy target needs a classification (cross-entropy) loss"

@@ -1,6 +1,6 @@
 """Efficiency levers: learning-rate warmup and schedule, mixed precision with loss scaling.
 
-Learning rate at a step = the world-size rule's rate (trainer.scaled_lr) x `lr_factor(step)`:
+Learning rate at a step = each group's base rate x the world-size rule (optim.py) x `lr_factor(step)`:
 linear warmup from 0 over `warmupSteps`, then constant, cosine down to `minFactor` at the job's
 last step, or x `gamma` every `stepSize` steps. The same function runs on the parameter-server
 shards (by the pushing worker's step), so async follows the same schedule as sync.

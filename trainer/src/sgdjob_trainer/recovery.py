@@ -93,7 +93,7 @@ class Recovery:
             telemetry.set_batch_size(ctx.batch_size())
             if self.inbox is not None:
                 self.inbox.mark_applied(state.control_epoch)
-            log.info("%s, mode %s, lr %.4g", reason, state.mode.value, ctx.lr)
+            log.info("%s, mode %s, lr x %.4g", reason, state.mode.value, ctx.lr_scale)
         if previous is not None and previous.get("life") != self.life:
             reached = int(previous.get("step", 0))
             record = {

@@ -28,7 +28,7 @@ from sgdjob_trainer.levers import LossScaler
 @dataclass(slots=True)
 class TrainState:
     model: nn.Module
-    optimizer: torch.optim.SGD
+    optimizer: torch.optim.Optimizer
     mode: SyncMode
     step: int = 0
     control_epoch: int = 0
@@ -37,7 +37,7 @@ class TrainState:
     data: DataPosition = field(default_factory=DataPosition)
     jitter_rng: random.Random = field(default_factory=random.Random)
     scaler: LossScaler = field(default_factory=lambda: LossScaler(False))
-    # Shard index -> {"params", "momentum", "version"}: parameter-server shards loaded from a
+    # Shard index -> {"params", "state", "version"}: parameter-server shards loaded from a
     # checkpoint, consumed (restored into the shards) by the next entry into async mode.
     ps_shards: dict[int, dict[str, Any]] = field(default_factory=dict)
 

@@ -39,11 +39,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from sgdjob_trainer.assembly import assemble
 from sgdjob_trainer.config import Precision, TargetMetric, TrainingConfig
-from sgdjob_trainer.data import ShardedStream, build_dataset, fetch, held_out_indices
+from sgdjob_trainer.data import DataPosition
 from sgdjob_trainer.emulation import ComputeEmulator
-from sgdjob_trainer.levers import LossScaler, lr_factor
-from sgdjob_trainer.networks import build_loss, build_model
+from sgdjob_trainer.levers import LossScaler
+from sgdjob_trainer.optim import OptimizerTemplate
 from sgdjob_trainer.recovery import Recovery
 from sgdjob_trainer.runtime import WorldInfo, choose_device, init_distributed, setup_logging, shutdown_distributed
 from sgdjob_trainer.server import ControlInbox, TrainerServer
@@ -65,11 +66,6 @@ from sgdjob_trainer.wire.launch_contract import (
 from sgdjob_trainer.wire.worker_status import Termination
 
 log = logging.getLogger("sgdjob_trainer")
-
-
-def scaled_lr(training: TrainingConfig, world_size: int, reference_world_size: int) -> float:
-    """The learning rate at this world size under the configured rule (for the global batch)."""
-    return training.learning_rate * training.lr_scaling.factor(world_size, reference_world_size)
 
 
 def metrics_port(training: TrainingConfig, local_rank: int) -> int:
@@ -97,14 +93,10 @@ class Trainer:
         # gloo group for small CPU-side agreements, whatever backend the gradients use.
         self.ctl = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
 
-        dataset = build_dataset(t.dataset)
-        model = build_model(t.model, t.seed).to(self.device)
-        # Hooks may build models nondeterministically; rank 0's parameters are the start for all.
-        with torch.no_grad():
-            for tensor in model.state_dict().values():
-                dist.broadcast(tensor, src=0)
-        self.lr = scaled_lr(t, self.info.world_size, config.reference_world_size)
-        optimizer = torch.optim.SGD(model.parameters(), lr=self.lr, momentum=t.momentum)
+        position = DataPosition()
+        parts = assemble(t, self.info, self.device, position, self.ctl)
+        model, optimizer = parts.model, parts.optimizer
+        self.lr_scale = t.lr_scaling.factor(self.info.world_size, config.reference_world_size)
         self.emulator = ComputeEmulator(t.emulation, self.info.rank, self.info.node, t.batch_size, t.seed)
         scaler = LossScaler(t.precision == Precision.FP16)
         self.state = TrainState(
@@ -112,19 +104,19 @@ class Trainer:
             optimizer=optimizer,
             mode=config.mode,
             groups=t.hierarchical.groups,
+            data=position,
             jitter_rng=self.emulator.rng,
             scaler=scaler,
         )
         # The validation split: no rank trains on it (the stream excludes it), rank 0 validates on it.
-        held_out = held_out_indices(len(dataset), t.evaluation.samples)  # type: ignore[arg-type]
-        self.stream = ShardedStream(
-            dataset, self.info.rank, self.info.world_size, t.seed, self.state.data, held_out=held_out
+        self.stream = parts.stream
+        self.eval_x, self.eval_y = parts.eval_x, parts.eval_y
+        loss_fn = parts.task.loss
+        self.validator = Validator(
+            t.evaluation, self.eval_x, self.eval_y, loss_fn, parts.task.is_classification(), parts.task.metric
         )
-        self.eval_x, self.eval_y = (v.to(self.device) for v in fetch(dataset, held_out))
-        loss_fn = build_loss(t.loss, t.dataset, self.eval_y)
-        self.validator = Validator(t.evaluation, self.eval_x, self.eval_y, loss_fn)
         if t.target is not None and t.target.metric == TargetMetric.ACCURACY and not self.validator.classification:
-            raise ValueError("training.target: an accuracy target needs a cross-entropy loss")
+            raise ValueError("training.target: an accuracy target needs a classification task (cross-entropy loss)")
         self.target_hit = False  # rank 0: its validation reached training.target
         numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
         self.telemetry.set_gradient_bytes(exchange_bytes(list(model.parameters()), t.compression))
@@ -133,17 +125,27 @@ class Trainer:
             self.info.world_size,
             numel,
             t.async_,
-            t.momentum,
+            OptimizerTemplate(optimizer, [p for p in model.parameters() if p.requires_grad]),
             t.steps,
             self.inbox.pending_epoch if self.inbox else (lambda: 0),
             self.ctl if self.ctl is not None else dist.group.WORLD,
-            lambda step: lr_factor(t.lr_policy, step, t.steps),
+            parts.schedule,
         )
         # Called on every rank right after each switch (all ranks are at the same point, so an
         # observer may run collectives): lets tests and tools check the model's consistency.
         self.switch_observers: list[Callable[[Trainer], None]] = []
         self.ctx = Context(
-            self.info, self.device, t, self.state, self.stream, self.emulator, loss_fn, self.lr, self.telemetry, ps
+            self.info,
+            self.device,
+            t,
+            self.state,
+            self.stream,
+            self.emulator,
+            loss_fn,
+            self.lr_scale,
+            parts.schedule,
+            self.telemetry,
+            ps,
         )
         self.interrupted = False  # the run ended by a graceful stop before its last step
         self.stop_seen = False
@@ -151,15 +153,15 @@ class Trainer:
         # checkpoint directory holds a good checkpoint.
         self.recovery = Recovery(self.ctx, self.ctl, config.job_name, self.inbox)
         log.info(
-            "job %s: world %d (restart %d), mode %s at step %d, model %s on %s, lr %.4g, %d steps, device %s",
+            "job %s: world %d (restart %d), mode %s at step %d, %s, %s, lr x %.4g, %d steps, device %s",
             config.job_name,
             self.info.world_size,
             self.info.restart_count,
             self.state.mode.value,
             self.state.step,
-            t.model,
-            t.dataset,
-            self.lr,
+            f"task {t.task}" if t.task else f"model {t.model} on {t.dataset}",
+            type(optimizer).__name__,
+            self.lr_scale,
             t.steps,
             self.device,
         )
@@ -275,7 +277,8 @@ class Trainer:
     def _apply(self, command: ControlCommand) -> None:
         state, world = self.state, self.info.world_size
         if command.batch_sizes:
-            shard = self.stream.size // world  # a batch must fit in one rank's shard of an epoch
+            # A batch must fit in one rank's shard of an epoch (a stream's length is unknown).
+            shard = self.stream.size // world if self.stream.size is not None else 65_536
             bad = {r: b for r, b in command.batch_sizes.items() if not 0 <= r < world or not 1 <= b <= shard}
             if bad:
                 log.warning(

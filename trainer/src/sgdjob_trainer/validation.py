@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
-import torch.nn.functional as F
 
 from sgdjob_trainer.config import Evaluation, Target, TargetMetric
 from sgdjob_trainer.hooks import load_hook
@@ -69,13 +68,29 @@ def metric_value(fn: MetricFn, spec: str, out: torch.Tensor, y: torch.Tensor) ->
         ) from err
 
 
+def predicted_classes(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The argmax over the output's class dimension: the last one when the output is the target's
+    shape plus classes ([B, T, V] against [B, T]), else dimension 1 (cross_entropy's convention)."""
+    return out.argmax(dim=-1) if out.shape[:-1] == y.shape else out.argmax(dim=1)
+
+
 class Validator:
     """Evaluates a model on fixed held-out samples; `due` says when, by steps or seconds."""
 
-    def __init__(self, cfg: Evaluation, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn) -> None:
+    def __init__(
+        self,
+        cfg: Evaluation,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        loss_fn: LossFn,
+        classification: bool,
+        task_metric: MetricFn | None = None,
+    ) -> None:
         self.cfg, self.x, self.y, self.loss_fn = cfg, x, y, loss_fn
-        self.classification = loss_fn is F.cross_entropy
-        self.metric_fn = load_metric(cfg.metric) if cfg.metric is not None else None
+        self.classification = classification
+        # evaluation.metric wins over the task's own metric.
+        self.metric_fn = load_metric(cfg.metric) if cfg.metric is not None else task_metric
+        self.metric_name = cfg.metric or "Task.metric"
         self.last = time.monotonic()
 
     def due(self, step: int) -> bool:
@@ -94,10 +109,10 @@ class Validator:
                 loss = float(self.loss_fn(out, self.y))
                 accuracy = None
                 if self.classification and len(self.y) > 0:
-                    accuracy = float((out.argmax(dim=1) == self.y).float().mean())
+                    accuracy = float((predicted_classes(out, self.y) == self.y).float().mean())
                 metric = None
-                if self.metric_fn is not None and self.cfg.metric is not None and len(self.y) > 0:
-                    metric = metric_value(self.metric_fn, self.cfg.metric, out, self.y)
+                if self.metric_fn is not None and len(self.y) > 0:
+                    metric = metric_value(self.metric_fn, self.metric_name, out, self.y)
         finally:
             model.train(was_training)
         self.last = time.monotonic()

@@ -68,7 +68,8 @@ def run(
 ) -> None:
     """Run the SGDJob in FILE as local worker processes (one torchrun agent per emulated node).
 
-    Writes OUT/report.json (throughput, bound, efficiency, losses, mode timeline, decisions,
+    FILE's folder goes first on the workers' PYTHONPATH, so a training.task or hook module beside
+    the job file is importable. Writes OUT/report.json (throughput, bound, efficiency, losses, mode timeline, decisions,
     per-rank speeds) and PNG plots. A live view on a terminal, plain lines otherwise.
     Exits 0 when every worker succeeded, 2 for a bad spec, 130/143 when interrupted.
     """
@@ -80,7 +81,11 @@ def run(
         sys.exit(EXIT_USAGE)
     job = _select(jobs, name, file)
     options = RunOptions(
-        out_dir=out_dir or default_out_dir(job), mode=mode, poll_interval_s=poll_s, timeout_s=timeout_s
+        out_dir=out_dir or default_out_dir(job),
+        mode=mode,
+        poll_interval_s=poll_s,
+        timeout_s=timeout_s,
+        code_dirs=(file.parent,),
     )
     display = RichDisplay() if sys.stdout.isatty() else PlainDisplay()
     outcome = asyncio.run(run_local(job, options, display))

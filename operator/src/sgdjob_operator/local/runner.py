@@ -17,7 +17,7 @@ import secrets
 import signal
 import sys
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,6 +54,9 @@ class RunOptions:
     stop_grace_s: float = 10.0
     python: str = sys.executable
     trainer_module: str = TRAINER_MODULE  # what torchrun runs with `-m`; the real trainer unless a test swaps it
+    # Folders put first on the workers' PYTHONPATH: `sgdjob run` adds the job file's folder, so a
+    # task or hook module beside the job file imports as it would from the worker image.
+    code_dirs: tuple[Path, ...] = ()
 
 
 @dataclass(slots=True)
@@ -120,6 +123,15 @@ class LocalRun:
 PollHook = Callable[[LocalRun, list[ScrapeResult], ProgressFrame], Awaitable[None]]
 
 
+def with_code_dirs(env: Mapping[str, str], dirs: Sequence[Path]) -> dict[str, str]:
+    """`env` with `dirs` first on PYTHONPATH (after nothing; before what the user had)."""
+    out = dict(env)
+    paths = [str(d.resolve()) for d in dirs] + [p for p in out.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if paths:
+        out["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    return out
+
+
 def default_out_dir(job: SGDJob, now: float | None = None) -> Path:
     stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
     return Path("runs") / f"{job_name(job)}-{stamp}"
@@ -140,7 +152,7 @@ def prepare(job: SGDJob, options: RunOptions) -> tuple[LaunchPlan, str]:
         metrics_bases=ports[1:],
         token=token,
         python=options.python,
-        base_env=os.environ,
+        base_env=with_code_dirs(os.environ, options.code_dirs),
         notes=notes,
         trainer_module=options.trainer_module,
         auto=auto,

@@ -3,7 +3,8 @@
 Each step a worker computes a gradient on the model it last pulled, pushes it to every shard and
 continues from the fresh model the shards send back: it never waits for another worker, only for
 the shards' service time. Entering async loads the (consistent) model into the shards; leaving
-gives every rank the server's model, so e.g. async -> sync starts every rank from it.
+gives every rank the server's model, so e.g. async -> sync starts every rank from it. The optimizer
+state goes with the model both ways (ps.py).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import time
 import torch
 
 from sgdjob_trainer.config import SyncMode
+from sgdjob_trainer.optim import flat_state, load_flat_state
 from sgdjob_trainer.strategies.base import StepResult, Strategy
 from sgdjob_trainer.strategies.ps import ParameterServer
 
@@ -29,8 +31,11 @@ class AsyncStrategy(Strategy):
         return self.ctx.ps
 
     def enter(self) -> None:
-        self.server.load(self.flat_params(), self.ctx.lr, self.ctx.total_batch())
-        if self.ctx.state.ps_shards:  # a resumed job: the shards' momentum and versions, once
+        ctx = self.ctx
+        self.server.load(
+            self.flat_params(), ctx.lr_scale, ctx.total_batch(), flat_state(ctx.state.optimizer, self.params)
+        )
+        if self.ctx.state.ps_shards:  # a resumed job: the shards' optimizer state and versions, once
             restored = self.server.restore(self.ctx.state.ps_shards)
             log.info("async: restored %d parameter-server shard(s) from the checkpoint", restored)
             self.ctx.state.ps_shards = {}
@@ -44,7 +49,6 @@ class AsyncStrategy(Strategy):
             bound,
             cfg.staleness_lr.value,
         )
-        self.reset_optimizer()
 
     def step(self, offered_epoch: int) -> StepResult:
         loss, compute, batch_size = self.compute_gradients()
@@ -73,4 +77,5 @@ class AsyncStrategy(Strategy):
 
     def leave(self) -> None:
         self.set_params(self.server.gather(self.numel).to(self.params[0].device))
-        self.reset_optimizer()
+        # The shards' optimizer state, so the next mode continues Adam's moments (or momentum).
+        load_flat_state(self.ctx.state.optimizer, self.params, self.server.gather_state(self.numel))

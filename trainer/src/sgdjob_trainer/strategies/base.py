@@ -17,7 +17,7 @@ from __future__ import annotations
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
@@ -28,9 +28,11 @@ from sgdjob_trainer.config import Compression, SyncMode, TrainingConfig
 from sgdjob_trainer.data import ShardedStream
 from sgdjob_trainer.emulation import ComputeEmulator
 from sgdjob_trainer.gradient_stats import GradientStats
-from sgdjob_trainer.levers import autocast, lr_factor
+from sgdjob_trainer.levers import autocast
 from sgdjob_trainer.networks import LossFn
+from sgdjob_trainer.optim import set_lr
 from sgdjob_trainer.runtime import WorldInfo
+from sgdjob_trainer.streaming import IterableStream
 from sgdjob_trainer.telemetry import Telemetry
 from sgdjob_trainer.train_state import TrainState
 
@@ -70,10 +72,13 @@ class Context:
     device: torch.device
     training: TrainingConfig
     state: TrainState
-    stream: ShardedStream
+    stream: ShardedStream | IterableStream
     emulator: ComputeEmulator
     loss_fn: LossFn
-    lr: float
+    # Every parameter group's learning rate is its base rate x lr_scale (the world-size rule) x
+    # schedule(step) (lrPolicy or the task's lr_lambda); see optim.py.
+    lr_scale: float
+    schedule: Callable[[int], float]
     telemetry: Telemetry
     ps: ParameterServer | None = None
     # Set (from the SIGTERM handler) when this process is asked to stop gracefully.
@@ -169,10 +174,6 @@ class Strategy(ABC):
                 p.copy_(flat[offset : offset + n].view_as(p))
                 offset += n
 
-    def reset_optimizer(self) -> None:
-        """Momentum from another mode's update rule does not carry over a switch."""
-        self.ctx.state.optimizer.state.clear()
-
     def weighted_allreduce(
         self, group: dist.ProcessGroup | None, samples: int, offered_epoch: int
     ) -> tuple[float, int, bool, bool]:
@@ -211,9 +212,7 @@ class Strategy(ABC):
         """One update at the scheduled learning rate; skipped for a non-finite (fp16) gradient."""
         start = time.perf_counter()
         ctx = self.ctx
-        lr = ctx.lr * lr_factor(ctx.training.lr_policy, ctx.state.step, ctx.training.steps)
-        for group in ctx.state.optimizer.param_groups:
-            group["lr"] = lr
+        set_lr(ctx.state.optimizer, ctx.lr_scale * ctx.schedule(ctx.state.step))
         if finite:
             ctx.state.optimizer.step()
         return time.perf_counter() - start

@@ -13,6 +13,10 @@ allreduce completes only when every group reached that round, so a fast group ru
 `staleness` rounds ahead of the slowest and then waits; a slow group never stalls a fast one
 beyond that bound. staleness 0 is plain periodic model averaging.
 
+Optimizer state: each group's ranks step the same optimizer on the same gradients, so a group holds
+one state, its own (the cross-group average moves parameters only); leaving hierarchical averages
+the state over all ranks, so the next mode starts from one state (optim.average_state).
+
 Control: rank 0 adds its pending command epoch to each round's buffer; a round is consumed at the
 same step number by every rank (round r at boundary r + staleness), so all ranks see the epoch
 at the same step.
@@ -29,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from sgdjob_trainer.config import GroupBy, SyncMode
+from sgdjob_trainer.optim import average_state
 from sgdjob_trainer.strategies.base import StepResult, Strategy
 
 log = logging.getLogger("sgdjob_trainer.hierarchical")
@@ -90,7 +95,6 @@ class HierarchicalStrategy(Strategy):
         )
         self.local_steps = 0
         self.outstanding: deque[tuple[dist.Work, torch.Tensor, torch.Tensor]] = deque()
-        self.reset_optimizer()
 
     def _resolve_groups(self) -> list[list[int]]:
         ctx = self.ctx
@@ -167,4 +171,5 @@ class HierarchicalStrategy(Strategy):
         flat = self.flat_params() / self.ctx.info.world_size
         dist.all_reduce(flat)
         self.set_params(flat)
-        self.reset_optimizer()
+        # Each group ran its own copy of the optimizer; the next mode starts from their mean.
+        average_state(self.ctx.state.optimizer, self.params)

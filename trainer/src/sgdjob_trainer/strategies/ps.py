@@ -23,9 +23,12 @@ End of an async phase: shard 0 raises `stop` when any worker's push completes st
 next reply. Control epochs travel the same way (rank 0's pending epoch in every shard-0 reply), and
 so do a graceful stop (`interrupt`, raised by any worker's push flagged `stopping`) and checkpoint
 requests (`checkpoint_request`: the step of the checkpoint every worker must write its part of).
-The learning rate follows the schedule by the pushing worker's step (`lr_factor`). Checkpoints:
-`snapshot()` gives a host's shards and `restore()` puts them back after `load()` when a resumed
-job re-enters async mode.
+The update is the job's own optimizer (SGD, Adam, AdamW, ...): each shard runs a copy over its slice
+(optim.OptimizerTemplate), loaded with that slice of the workers' optimizer state on entry and
+gathered back on exit (`gather_state`), so a switch never resets momentum or Adam's moments. The
+learning rate follows the schedule by the pushing worker's step (`lr_factor`). Checkpoints:
+`snapshot()` gives a host's shards (parameters, optimizer state, version) and `restore()` puts them
+back after `load()` when a resumed job re-enters async mode.
 
 Limits: each shard is one Python thread serialising its pushes (measured on the quickstart MLP,
 4 processes on a loaded 2-core machine: about 3 ms per exchange for a remote worker, 0.4 ms for
@@ -49,6 +52,7 @@ import torch
 import torch.distributed as dist
 
 from sgdjob_trainer.config import AsyncConfig, StalenessLr
+from sgdjob_trainer.optim import FlatState, OptimizerTemplate, flat_state, load_flat_state, set_lr, slice_state
 from sgdjob_trainer.runtime import COLLECTIVE_TIMEOUT
 
 log = logging.getLogger("sgdjob_trainer.ps")
@@ -77,26 +81,33 @@ class Reply:
 
 
 class Shard:
-    """One slice of the parameters and its update rule; every access under the lock."""
+    """One slice [lo, hi) of the parameters and the job's optimizer over it (optim.OptimizerTemplate:
+    the same class and group settings, its state the slice of the workers' state); every access
+    under the lock."""
 
-    def __init__(self, size: int, world_size: int, cfg: AsyncConfig, momentum: float) -> None:
+    def __init__(self, lo: int, hi: int, world_size: int, cfg: AsyncConfig, template: OptimizerTemplate) -> None:
         self.lock = threading.Lock()
-        self.params = torch.zeros(size)
-        self.momentum_buf = torch.zeros(size)
+        self.params = torch.zeros(hi - lo)
+        self.opt, self.views = template.build(lo, hi, self.params)
+        bounds, at = [], 0
+        for view in self.views:
+            bounds.append((at, at + view.numel()))
+            at += view.numel()
+        self.bounds = bounds
         self.world_size = world_size
         self.cfg = cfg
-        self.momentum = momentum
         self.version = 0
         self.base = [0] * world_size
-        self.lr = 0.0
+        self.lr_scale = 1.0
         self.total_batch = 1
 
-    def load(self, params: torch.Tensor, lr: float, total_batch: int) -> None:
+    def load(self, params: torch.Tensor, lr_scale: float, total_batch: int, state: FlatState) -> None:
+        """The slice of a consistent model and of its optimizer state (optim.slice_state)."""
         with self.lock:
-            self.params = params.detach().to("cpu", torch.float32).clone()
-            self.momentum_buf.zero_()
+            self.params.copy_(params.detach().to("cpu", torch.float32))  # in place: the views stay
+            load_flat_state(self.opt, self.views, state)
             self.base = [self.version] * self.world_size
-            self.lr, self.total_batch = lr, total_batch
+            self.lr_scale, self.total_batch = lr_scale, total_batch
 
     def apply(
         self, worker: int, grad: torch.Tensor, batch_size: int, out: torch.Tensor, lr_factor: float = 1.0
@@ -106,28 +117,34 @@ class Shard:
             staleness = (self.version - self.base[worker]) / max(1, self.world_size - 1)
             applied = self.cfg.staleness is None or staleness <= self.cfg.staleness
             if applied:
-                scale = self.lr * lr_factor * batch_size / self.total_batch * damping(self.cfg.staleness_lr, staleness)
-                if self.momentum > 0:
-                    self.momentum_buf.mul_(self.momentum).add_(grad, alpha=scale)
-                    self.params.sub_(self.momentum_buf)
-                else:
-                    self.params.add_(grad, alpha=-scale)
+                # Each push is its batch's share of a sync step: the rate x b / (sum of batches).
+                factor = self.lr_scale * lr_factor * batch_size / self.total_batch
+                set_lr(self.opt, factor * damping(self.cfg.staleness_lr, staleness))
+                for view, (a, b) in zip(self.views, self.bounds, strict=True):
+                    view.grad = grad[a:b]
+                self.opt.step()
                 self.version += 1
             self.base[worker] = self.version
             out.copy_(self.params)
             return Reply(self.version, 0, False, staleness, applied)
 
+    def state(self) -> FlatState:
+        with self.lock:
+            return flat_state(self.opt, self.views)
+
     def snapshot(self) -> dict[str, Any]:
         with self.lock:
-            return {"params": self.params.clone(), "momentum": self.momentum_buf.clone(), "version": self.version}
+            return {"params": self.params.clone(), "state": flat_state(self.opt, self.views), "version": self.version}
 
     def restore(self, doc: dict[str, Any]) -> bool:
-        """Momentum and version from a checkpoint of the same shard layout (the parameters came
-        with the model). False when the layout differs."""
+        """Optimizer state and version from a checkpoint of the same shard layout (the parameters
+        came with the model). False when the layout differs."""
         with self.lock:
-            if doc["momentum"].shape != self.momentum_buf.shape:
+            state = doc.get("state")
+            size = self.params.numel()
+            if state is None or any(v.dim() > 0 and v.numel() != size for v in state.values()):
                 return False
-            self.momentum_buf.copy_(doc["momentum"])
+            load_flat_state(self.opt, self.views, state)
             self.version = int(doc["version"])
             self.base = [self.version] * self.world_size
             return True
@@ -143,7 +160,7 @@ class ParameterServer:
         world_size: int,
         numel: int,
         cfg: AsyncConfig,
-        momentum: float,
+        template: OptimizerTemplate,
         steps: int,
         control_epoch: Callable[[], int],
         ctl: dist.ProcessGroup | None,
@@ -165,7 +182,7 @@ class ParameterServer:
         # CPU (gloo) group over all ranks for loading and gathering shards, whatever the training backend is.
         self.ctl = ctl
         self.shards = {
-            j: Shard(hi - lo, world_size, cfg, momentum)
+            j: Shard(lo, hi, world_size, cfg, template)
             for j, (lo, hi) in enumerate(self.bounds)
             if self.hosts[j] == rank
         }
@@ -262,13 +279,13 @@ class ParameterServer:
         )
 
     # -- collective phases -------------------------------------------------------------------------
-    def load(self, flat: torch.Tensor, lr: float, total_batch: int) -> None:
-        """Collective: each host takes its slice of the (consistent) model; then a barrier, so no
-        push reaches a shard before it is loaded."""
+    def load(self, flat: torch.Tensor, lr_scale: float, total_batch: int, state: FlatState) -> None:
+        """Collective: each host takes its slice of the (consistent) model and optimizer state; then
+        a barrier, so no push reaches a shard before it is loaded."""
         cpu = flat.detach().to("cpu", torch.float32)
         for j, shard in self.shards.items():
             lo, hi = self.bounds[j]
-            shard.load(cpu[lo:hi], lr, total_batch)
+            shard.load(cpu[lo:hi], lr_scale, total_batch, slice_state(state, lo, hi))
         self.stop_flag = False
         if self.ctl is not None:
             dist.barrier(group=self.ctl)
@@ -283,12 +300,37 @@ class ParameterServer:
                 dist.broadcast(flat[lo:hi], src=self.hosts[j], group=self.ctl)
         return flat
 
+    def gather_state(self, numel: int) -> FlatState:
+        """Collective: the shards' optimizer state, whole, on every rank (scalars: shard 0's)."""
+        hosted = {j: {k: v.dim() for k, v in shard.state().items()} for j, shard in self.shards.items()}
+        everyone: list[dict[int, dict[str, int]] | None] = [hosted]
+        if self.ctl is not None:
+            everyone = [None] * self.world_size
+            dist.all_gather_object(everyone, hosted, group=self.ctl)
+        keys: dict[int, dict[str, int]] = {}
+        for entry in everyone:
+            keys.update(entry or {})
+        out: FlatState = {}
+        for j, (lo, hi) in enumerate(self.bounds):
+            mine = self.shards[j].state() if j in self.shards else {}
+            for key, dim in sorted(keys.get(j, {}).items()):
+                if dim == 0 and j > 0:
+                    continue
+                part = mine[key].to(torch.float32) if key in mine else torch.zeros(() if dim == 0 else hi - lo)
+                if self.ctl is not None:
+                    dist.broadcast(part, src=self.hosts[j], group=self.ctl)
+                if dim == 0:
+                    out[key] = part
+                else:
+                    out.setdefault(key, torch.zeros(numel))[lo:hi] = part
+        return out
+
     def snapshot(self) -> dict[int, dict[str, Any]]:
         """This rank's hosted shards, for its checkpoint part."""
         return {j: shard.snapshot() for j, shard in self.shards.items()}
 
     def restore(self, docs: dict[int, dict[str, Any]]) -> int:
-        """After `load()`: momentum and versions of the hosted shards from a checkpoint; how many."""
+        """After `load()`: optimizer state and versions of the hosted shards from a checkpoint; how many."""
         return sum(1 for j, shard in self.shards.items() if j in docs and shard.restore(docs[j]))
 
     def close(self) -> None:

@@ -1,0 +1,192 @@
+"""The job's optimizer: built from `training.optimizer` or taken from the task, checked, and its
+state moved between modes.
+
+Learning rates: each parameter group remembers the rate it was built with (`BASE_LR`, the rate at
+the reference world size); every update sets `lr = base x world-size factor x schedule(step)`, so
+parameter groups with different rates keep their ratios.
+
+Optimizer state across modes: sync, hierarchical and async all run the same optimizer (async runs
+one copy per parameter-server shard over its slice of the parameters). State moves between them in
+a flat form, `FlatState`: each elementwise entry (a tensor shaped like its parameter: momentum,
+Adam's moments) becomes one vector over all trainable parameters in model order, and each scalar
+entry (Adam's step count) one 0-dim tensor. Sharding a `FlatState` is slicing its vectors, so a
+switch carries Adam's moments into the shards and back without a reset. An optimizer whose state
+is neither (Adafactor's factored moments) cannot be sharded: `flat_state` says so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from sgdjob_trainer.config import OptimizerName, TrainingConfig
+
+BASE_LR = "sgdjob_base_lr"
+FlatState = dict[str, torch.Tensor]
+
+
+def build_optimizer(training: TrainingConfig, model: nn.Module) -> torch.optim.Optimizer:
+    """`training.optimizer` over the model's trainable parameters; weight decay on weights of 2+
+    dimensions only (biases and normalisation scales are not decayed)."""
+    cfg = training.optimizer
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in trainable if p.dim() >= 2]
+    plain = [p for p in trainable if p.dim() < 2]
+    groups: list[dict[str, Any]] = [
+        g
+        for g in ({"params": decay, "weight_decay": cfg.weight_decay}, {"params": plain, "weight_decay": 0.0})
+        if g["params"]
+    ]
+    lr = training.learning_rate
+    if cfg.name == OptimizerName.SGD:
+        return torch.optim.SGD(groups, lr=lr, momentum=training.momentum, nesterov=cfg.nesterov)
+    betas = (cfg.betas[0], cfg.betas[1])
+    if cfg.name == OptimizerName.ADAM:
+        return torch.optim.Adam(groups, lr=lr, betas=betas, eps=cfg.eps)
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=cfg.eps)
+
+
+def check_optimizer(optimizer: object, model: nn.Module, where: str) -> torch.optim.Optimizer:
+    """The optimizer a task built, checked: a torch optimizer that takes no closure, over exactly
+    the model's trainable parameters, each once."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"{where}: the optimizer function returned {type(optimizer).__name__}, not a torch.optim.Optimizer"
+        )
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise ValueError(f"{where}: LBFGS needs a closure that re-evaluates the loss; SGDJob steps without one")
+    seen = [id(p) for g in optimizer.param_groups for p in g["params"]]
+    trainable = {id(p) for p in model.parameters() if p.requires_grad}
+    if len(seen) != len(set(seen)):
+        raise ValueError(f"{where}: a parameter appears in more than one parameter group")
+    if set(seen) != trainable:
+        missing, extra = len(trainable - set(seen)), len(set(seen) - trainable)
+        raise ValueError(
+            f"{where}: the optimizer must cover exactly the model's trainable parameters "
+            f"({missing} missing, {extra} not in the model); build it from model.parameters()"
+        )
+    return optimizer
+
+
+def remember_base_lrs(optimizer: torch.optim.Optimizer) -> None:
+    for group in optimizer.param_groups:
+        group.setdefault(BASE_LR, float(group["lr"]))
+
+
+def set_lr(optimizer: torch.optim.Optimizer, factor: float) -> None:
+    """Every group's learning rate = its base rate x factor."""
+    for group in optimizer.param_groups:
+        group["lr"] = group[BASE_LR] * factor
+
+
+def flat_state(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> FlatState:
+    """The optimizer's state over `params` in flat form (module doc), on the CPU."""
+    numel = sum(p.numel() for p in params)
+    states = [{k: _tensor(v) for k, v in optimizer.state.get(p, {}).items() if v is not None} for p in params]
+    scalar_keys = {
+        k for p, st in zip(params, states, strict=True) if p.dim() > 0 for k, v in st.items() if v.dim() == 0
+    }
+    out: FlatState = {}
+    offset = 0
+    for p, st in zip(params, states, strict=True):
+        n = p.numel()
+        for key, value in st.items():
+            if key in scalar_keys:
+                out.setdefault(key, value.detach().to("cpu").clone())
+                continue
+            if value.shape != p.shape:
+                raise ValueError(
+                    f"optimizer {type(optimizer).__name__} keeps '{key}' of shape {tuple(value.shape)} for a "
+                    f"parameter of shape {tuple(p.shape)}: not elementwise, so async mode cannot shard it over "
+                    "parameter servers; use an elementwise optimizer (sgd, adam, adamw, rmsprop, adagrad) or keep "
+                    "the job in sync/hierarchical (spec.mode)"
+                )
+            if key not in out:
+                out[key] = torch.zeros(numel, dtype=value.dtype)
+            out[key][offset : offset + n] = value.detach().reshape(-1).to("cpu")
+        offset += n
+    return out
+
+
+def load_flat_state(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], flat: FlatState) -> None:
+    """Replace the optimizer's state over `params` with `flat` (vectors sliced per parameter)."""
+    offset = 0
+    for p in params:
+        n = p.numel()
+        state: dict[str, Any] = {}
+        for key, value in flat.items():
+            if value.dim() == 0:
+                state[key] = value.clone()  # step counts stay on the CPU, as the optimizers keep them
+            else:
+                state[key] = value[offset : offset + n].view_as(p).to(p.device).clone()
+        optimizer.state.pop(p, None)
+        if state:
+            optimizer.state[p] = state
+        offset += n
+
+
+def slice_state(flat: FlatState, lo: int, hi: int) -> FlatState:
+    return {k: v if v.dim() == 0 else v[lo:hi].clone() for k, v in flat.items()}
+
+
+def average_state(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> None:
+    """Collective: every rank's state becomes the mean of all ranks' (scalars: the largest), so
+    ranks that ran apart (hierarchical groups) continue with one state."""
+    flat = flat_state(optimizer, params)
+    shapes: list[dict[str, int] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(shapes, {k: v.dim() for k, v in flat.items()})
+    keys: dict[str, int] = {}
+    for entry in shapes:
+        keys.update(entry or {})
+    numel = sum(p.numel() for p in params)
+    device = params[0].device if params else torch.device("cpu")
+    world = dist.get_world_size()
+    averaged: FlatState = {}
+    for key in sorted(keys):
+        scalar = keys[key] == 0
+        value = flat.get(key, torch.zeros(() if scalar else numel))
+        buf = value.to(device, torch.float64 if scalar else value.dtype)
+        dist.all_reduce(buf, op=dist.ReduceOp.MAX if scalar else dist.ReduceOp.SUM)
+        averaged[key] = (buf if scalar else buf / world).to("cpu", value.dtype)
+    load_flat_state(optimizer, params, averaged)
+
+
+def _tensor(value: Any) -> torch.Tensor:
+    return value if isinstance(value, torch.Tensor) else torch.tensor(float(value))
+
+
+class OptimizerTemplate:
+    """How to make the job's optimizer over a slice of the flat parameter vector (a parameter-server
+    shard): the optimizer's class, each group's settings, and each trainable parameter's place."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> None:
+        self.cls = type(optimizer)
+        self.groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        group_of = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
+        self.layout: list[tuple[int, int, int]] = []
+        offset = 0
+        for p in params:
+            self.layout.append((offset, p.numel(), group_of[id(p)]))
+            offset += p.numel()
+
+    def build(self, lo: int, hi: int, buffer: torch.Tensor) -> tuple[torch.optim.Optimizer, list[torch.Tensor]]:
+        """An optimizer over views of `buffer` (the flat slice [lo, hi)), one view per parameter
+        piece in the slice, in model order; the views are returned in that order."""
+        members: list[list[torch.Tensor]] = [[] for _ in self.groups]
+        views: list[torch.Tensor] = []
+        for offset, numel, group in self.layout:
+            a, b = max(lo, offset), min(hi, offset + numel)
+            if a < b:
+                view = buffer[a - lo : b - lo]
+                members[group].append(view)
+                views.append(view)
+        groups = [{**self.groups[i], "params": m} for i, m in enumerate(members) if m]
+        if not groups:  # an empty slice still needs an optimizer object
+            placeholder = torch.zeros(0)
+            groups, views = [{**self.groups[0], "params": [placeholder]}], [placeholder]
+        # Optimizer subclasses take (params, **defaults); the groups carry every setting.
+        return self.cls(groups), views  # type: ignore[call-arg]
