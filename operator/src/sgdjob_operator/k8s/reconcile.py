@@ -282,8 +282,8 @@ async def reconcile(rt: Runtime, ref: JobRef) -> float | None:
         await rt.kube.delete_job(ref)
         return None
     delay = next_delay(rt, ref, spec, plan.status, pods)
-    if gate.queued and not spec.run_policy.suspend:
-        delay = min(delay, QUEUED_POLL_S)
+    if (gate.queued and not spec.run_policy.suspend) or not gate.ready:
+        delay = min(delay, QUEUED_POLL_S)  # Kueue's and the schedulers' objects are polled, not watched
     return min(delay, 5.0) if failed else delay
 
 
