@@ -22,6 +22,9 @@ ALL_ON = [
     "--set", "webhook.caBundle=Zm9v",
     "--set", "watchNamespaces={team-a,team-b}",
     "--set", "extraArgs={--verbose}",
+    "--set", "rbac.integrations.volcano=true",
+    "--set", "rbac.integrations.coscheduling=true",
+    "--set", "rbac.integrations.kueue=true",
 ]  # fmt: skip
 # Stands in for prometheus-operator's CRD so the optional ServiceMonitor can be dry-run too.
 SERVICE_MONITOR_CRD = {
@@ -110,6 +113,40 @@ def test_namespaced_install_uses_roles() -> None:
     kinds = [(d["kind"], d["metadata"].get("namespace")) for d in _render(*ALL_ON)]
     assert ("Role", "team-a") in kinds and ("RoleBinding", "team-b") in kinds
     assert ("ServiceMonitor", "sgdjob-system") in kinds and ("ValidatingWebhookConfiguration", None) in kinds
+
+
+def _grants(doc: dict[str, Any]) -> set[tuple[str, str, str]]:
+    return {
+        (group, resource, verb)
+        for rule in doc.get("rules", [])
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+    }
+
+
+GANG = {("scheduling.volcano.sh", "podgroups", verb) for verb in ("get", "create", "patch")} | {
+    ("scheduling.x-k8s.io", "podgroups", verb) for verb in ("get", "create", "patch")
+}
+KUEUE = {("kueue.x-k8s.io", "workloads", verb) for verb in ("get", "create", "delete")}
+PRIORITY = {("scheduling.k8s.io", "priorityclasses", "get")}
+
+
+def test_gang_and_kueue_permissions_only_when_asked_for() -> None:
+    default = set().union(*(_grants(d) for d in _render() if d["kind"] in ("ClusterRole", "Role")))
+    assert not (GANG | KUEUE | PRIORITY) & default
+    on = ALL_ON[-6:]
+    cluster_role = next(d for d in _render(*on) if d["kind"] == "ClusterRole")
+    assert _grants(cluster_role) >= GANG | KUEUE | PRIORITY
+    only_volcano = _grants(
+        next(d for d in _render("--set", "rbac.integrations.volcano=true") if d["kind"] == "ClusterRole")
+    )
+    assert {g for g in GANG if g[0] == "scheduling.volcano.sh"} <= only_volcano and not KUEUE & only_volcano
+    # Namespaced install: the namespaced objects in each Role, the cluster-scoped PriorityClass in the ClusterRole.
+    docs = _render(*on, "--set", "watchNamespaces={team-a}")
+    role = next(d for d in docs if d["kind"] == "Role")
+    cluster_role = next(d for d in docs if d["kind"] == "ClusterRole")
+    assert _grants(role) >= GANG | KUEUE and _grants(cluster_role) >= PRIORITY and not PRIORITY & _grants(role)
 
 
 @pytest.mark.parametrize("options", [[], ALL_ON], ids=["defaults", "all-options"])

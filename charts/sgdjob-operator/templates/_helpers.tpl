@@ -37,6 +37,8 @@ tests/packaging/test_helm_install.py records every request of the installed oper
 compares the set with these rules (kopf: list/watch of sgdjobs and pods, patch of sgdjobs for its
 annotations; the operator: get sgdjobs, patch status, create/delete pods and the job's Service,
 Secret and ConfigMap, get them for the clean-up, patch the ConfigMap, delete finished jobs, Events).
+rbac.integrations adds what gang scheduling (PodGroups: get, create, patch minMember) and Kueue
+(Workloads: get, create, delete; PriorityClasses: get, in the ClusterRole) need; off by default.
 */}}
 {{- define "sgdjob-operator.rules" -}}
 - apiGroups: ["sgdjob.dev"]
@@ -57,4 +59,21 @@ Secret and ConfigMap, get them for the clean-up, patch the ConfigMap, delete fin
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]
+{{- with .Values.rbac.integrations }}
+{{- if .volcano }}
+- apiGroups: ["scheduling.volcano.sh"]
+  resources: ["podgroups"]
+  verbs: ["get", "create", "patch"]
+{{- end }}
+{{- if .coscheduling }}
+- apiGroups: ["scheduling.x-k8s.io"]
+  resources: ["podgroups"]
+  verbs: ["get", "create", "patch"]
+{{- end }}
+{{- if .kueue }}
+- apiGroups: ["kueue.x-k8s.io"]
+  resources: ["workloads"]
+  verbs: ["get", "create", "delete"]
+{{- end }}
+{{- end }}
 {{- end }}

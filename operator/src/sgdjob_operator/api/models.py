@@ -13,6 +13,7 @@ from typing import Annotated, Any, Self
 from pydantic import Field, model_validator
 from pydantic_core import PydanticCustomError
 
+from sgdjob_operator.api.scheduling import SchedulingPolicy, check_against_spec
 from sgdjob_trainer.config import CamelModel, SyncMode, TrainingConfig, cross_field_error
 
 GROUP = "sgdjob.dev"
@@ -159,6 +160,9 @@ class RunPolicy(CamelModel):
     suspend: Annotated[
         bool, Field(description="When true, worker pods are removed and the job waits; checkpoints are kept.")
     ] = False
+    scheduling_policy: Annotated[
+        SchedulingPolicy | None, Field(description="Gang scheduling of the worker pods (Volcano or coscheduling).")
+    ] = None
 
 
 POD_TEMPLATE_DESCRIPTION = (
@@ -232,6 +236,8 @@ class SGDJobSpec(CamelModel):
                 "policy.allowedActions",
                 "rescale is allowed but minReplicas == maxReplicas: widen the bounds or drop rescale",
             )
+        if self.run_policy.scheduling_policy is not None:
+            check_against_spec(self.run_policy.scheduling_policy, self.template, self.max_workers)
         try:
             self.training.check_world(self.max_world_size)
         except PydanticCustomError as err:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sgdjob_operator.api.models import API_VERSION, KIND, SGDJobSpec
+from sgdjob_operator.k8s import gang
 from sgdjob_trainer.config import SyncMode
 from sgdjob_trainer.wire.launch_contract import (
     ENV_CONTROL_TOKEN_FILE,
@@ -78,6 +79,14 @@ class JobRef:
     @property
     def rdzv_pod(self) -> str:
         return f"{self.name}-rdzv"
+
+    @property
+    def pod_group(self) -> str:
+        return self.name
+
+    @property
+    def workload(self) -> str:
+        return f"sgdjob-{self.name}"[:253]
 
     def worker(self, index: int) -> str:
         return f"{self.name}-worker-{index}"
@@ -236,9 +245,10 @@ def build_worker_pod(
     pod_spec: dict[str, Any] = template.get("spec") or {}
     name = job.worker(index)
     meta = _meta(job, name, ROLE_WORKER, {LABEL_INDEX: str(index)})
-    meta["labels"] = {**(tmeta.get("labels") or {}), **meta["labels"]}
-    if tmeta.get("annotations"):
-        meta["annotations"] = dict(tmeta["annotations"])
+    group_labels, group_annotations, group_fields = gang.pod_scheduling(spec, job.pod_group)
+    meta["labels"] = {**(tmeta.get("labels") or {}), **meta["labels"], **group_labels}
+    if tmeta.get("annotations") or group_annotations:
+        meta["annotations"] = {**(tmeta.get("annotations") or {}), **group_annotations}
 
     containers: list[dict[str, Any]] = pod_spec.get("containers") or [{"name": CONTAINER}]
     main = containers[_trainer_container(containers)]
@@ -277,12 +287,26 @@ def build_worker_pod(
     # Trainers never call the Kubernetes API; a template that needs it can say so.
     pod_spec.setdefault("automountServiceAccountToken", False)
     harden(pod_spec, main, non_root=main["image"] == default_image)
+    pod_spec.update(group_fields)
     pod_spec["hostname"] = name
     pod_spec["subdomain"] = job.service
     affinity = _exclusion_affinity(pod_spec.get("affinity") or {}, excluded_nodes)
     if affinity:
         pod_spec["affinity"] = affinity
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
+
+
+def build_pod_group(job: JobRef, spec: SGDJobSpec) -> dict[str, Any] | None:
+    """The gang's PodGroup (Volcano or coscheduling), owned by the job; None without a gang."""
+    return gang.pod_group(_meta(job, job.pod_group), spec)
+
+
+def build_workload(
+    job: JobRef, spec: SGDJobSpec, queue: str, *, default_image: str, priority: tuple[str, int] | None = None
+) -> dict[str, Any]:
+    """The Kueue Workload of a job labelled with a queue name: one pod set of `replicas` workers."""
+    worker = build_worker_pod(job, spec, 0, default_image=default_image)
+    return gang.workload(_meta(job, job.workload), queue, worker, spec.replicas, priority)
 
 
 def build_rdzv_pod(job: JobRef, spec: SGDJobSpec, *, default_image: str) -> dict[str, Any]:

@@ -195,6 +195,17 @@ class Kube:
         status, _ = await self.request("POST", core_path(ns, PLURALS[obj["kind"]]), obj, ok=(409,))
         return status != 409
 
+    async def create_at(self, collection: str, obj: dict[str, Any]) -> bool:
+        """Create any object (a custom resource) in its collection path; False when it exists (409)."""
+        status, _ = await self.request("POST", collection, obj, ok=(409,))
+        return status != 409
+
+    async def delete_at(self, path: str) -> bool:
+        """Delete any object by its path; False when it was already gone (404)."""
+        body = {"kind": "DeleteOptions", "apiVersion": "v1", "propagationPolicy": "Background"}
+        status, _ = await self.request("DELETE", path, body, ok=(404,))
+        return status != 404
+
     async def delete(self, kind: str, ns: str, name: str, *, grace_s: int | None = None) -> bool:
         """Delete; False when it was already gone (404). Background propagation: GC removes dependents."""
         body: dict[str, Any] = {"kind": "DeleteOptions", "apiVersion": "v1", "propagationPolicy": "Background"}

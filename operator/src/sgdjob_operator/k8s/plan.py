@@ -32,6 +32,7 @@ from sgdjob_operator.k8s.status import (
 from sgdjob_trainer.wire.worker_status import TARGET_REACHED, parse_termination
 
 MAX_COUNTED = 256
+QUEUED = "Queued"  # the Suspended condition's reason while Kueue has not admitted the job
 
 
 @dataclass(slots=True)
@@ -104,9 +105,10 @@ def _count_failures(plan: Plan, spec: SGDJobSpec, ws: Sequence[PodView], now: fl
 
 
 def plan_reconcile(
-    spec: SGDJobSpec, status: SGDJobStatus, pods: Sequence[PodView], *, generation: int, now: float
+    spec: SGDJobSpec, status: SGDJobStatus, pods: Sequence[PodView], *, generation: int, now: float, queued: str = ""
 ) -> Plan:
-    """One reconciliation step; `status` is not modified (the plan carries a copy)."""
+    """One reconciliation step; `status` is not modified (the plan carries a copy). `queued` says why
+    the job may not run yet though not suspended (waiting for Kueue admission); '' when it may."""
     st = status.model_copy(deep=True)
     plan = Plan(status=st)
     st.observed_generation = max(st.observed_generation, generation)
@@ -139,20 +141,8 @@ def plan_reconcile(
         plan.delete_job = ttl is not None and done is not None and now >= done + ttl
         return plan
 
-    if spec.run_policy.suspend:
-        for pod in pods:
-            if not pod.deleting:
-                plan.delete_pods.append((pod.name, "job suspended"))
-        st.phase = Phase.SUSPENDED
-        st.start_time = None  # as for Kubernetes Jobs: the deadline counts from the resume
-        st.message = "suspended: worker pods removed, checkpoints kept"
-        st.conditions = merge_conditions(
-            st.conditions,
-            desired_conditions(Phase.SUSPENDED, created=True, adapting_reason="", message=st.message),
-            now,
-        )
-        if previous_phase is not Phase.SUSPENDED:
-            plan.events.append(Event("Normal", "Suspended", st.message))
+    if spec.run_policy.suspend or queued:
+        _hold(plan, pods, previous_phase, queued if not spec.run_policy.suspend else "", now)
         return plan
 
     succeeded = [p for p in ws if p.phase == "Succeeded"]
@@ -189,7 +179,11 @@ def plan_reconcile(
         st.message = f"completing: {len(succeeded)} of {len(ws)} workers finished"
     st.phase = phase
     if previous_phase is Phase.SUSPENDED:
-        plan.events.append(Event("Normal", "Resumed", "job resumed: worker pods recreated"))
+        plan.events.append(
+            Event("Normal", "Admitted", "admitted by Kueue: worker pods created")
+            if _was_queued(status)
+            else Event("Normal", "Resumed", "job resumed: worker pods recreated")
+        )
     if phase is not previous_phase and phase in (Phase.RUNNING, Phase.ADAPTING):
         plan.events.append(
             Event(
@@ -208,6 +202,43 @@ def plan_reconcile(
         now,
     )
     return plan
+
+
+def _was_queued(status: SGDJobStatus) -> bool:
+    return any(c.type == "Suspended" and c.status == "True" and c.reason == QUEUED for c in status.conditions)
+
+
+def _hold(plan: Plan, pods: Sequence[PodView], previous_phase: Phase, queued: str, now: float) -> None:
+    """No pods while suspended or queued: Suspended phase (as Kubernetes and Kubeflow jobs show a job
+    Kueue holds), with the Suspended condition's reason telling the user's suspend from the queue's."""
+    st = plan.status
+    why = "waiting for Kueue admission" if queued else "job suspended"
+    for pod in pods:
+        if not pod.deleting:
+            plan.delete_pods.append((pod.name, why))
+    was_queued = _was_queued(st)
+    st.phase = Phase.SUSPENDED
+    st.start_time = None  # as for Kubernetes Jobs: the deadline counts from the resume
+    st.message = (
+        f"queued: {queued}; no worker pods until admitted"
+        if queued
+        else ("suspended: worker pods removed, checkpoints kept")
+    )
+    st.conditions = merge_conditions(
+        st.conditions,
+        desired_conditions(
+            Phase.SUSPENDED,
+            created=True,
+            adapting_reason="",
+            message=st.message,
+            suspended_reason=QUEUED if queued else "JobSuspended",
+        ),
+        now,
+    )
+    if queued and (previous_phase is not Phase.SUSPENDED or not was_queued):
+        plan.events.append(Event("Normal", QUEUED, st.message))
+    elif not queued and (previous_phase is not Phase.SUSPENDED or was_queued):
+        plan.events.append(Event("Normal", "Suspended", st.message))
 
 
 def _fill_counts(st: SGDJobStatus, spec: SGDJobSpec, ws: Sequence[PodView]) -> None:

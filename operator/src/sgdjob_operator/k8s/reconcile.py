@@ -34,6 +34,7 @@ from sgdjob_operator.k8s.builders import (
 from sgdjob_operator.k8s.client import ApiError, Kube, core_path
 from sgdjob_operator.k8s.observe import Observation, command_to_push, endpoints, observe, record_observation
 from sgdjob_operator.k8s.plan import plan_reconcile
+from sgdjob_operator.k8s.queueing import QUEUED_POLL_S, Gate, ensure_pod_group, kueue_gate
 from sgdjob_operator.k8s.settings import OperatorSettings
 from sgdjob_operator.k8s.status import FINISHED, Event, PodView, controller, dump_status, finish, in_flight, load_status
 from sgdjob_operator.k8s.status import workers as worker_pods
@@ -214,12 +215,28 @@ async def reconcile(rt: Runtime, ref: JobRef) -> float | None:
     if time.monotonic() - rt.last_ensure.get(ref.uid, -1e9) > rt.settings.resync_s and st.phase not in FINISHED:
         await ensure_children(rt, ref, spec, st)
     pods = [PodView.from_obj(p) for p in await rt.kube.job_pods(ref)]
+    gate = Gate()
+    await kueue_gate(
+        rt.kube,
+        ref,
+        spec,
+        body["metadata"].get("labels") or {},
+        finished=st.phase in FINISHED,
+        image=rt.settings.trainer_image,
+        gate=gate,
+    )
     outcome: Outcome | None = None
     due = rt.next_monitor.get(ref.uid, 0.0)
-    if st.phase in (Phase.RUNNING, Phase.ADAPTING) and time.monotonic() >= due and not spec.run_policy.suspend:
+    held = spec.run_policy.suspend or bool(gate.queued)
+    if st.phase in (Phase.RUNNING, Phase.ADAPTING) and time.monotonic() >= due and not held:
         rt.next_monitor[ref.uid] = time.monotonic() + spec.policy.interval_seconds
         outcome, events, spec = await _monitor(rt, ref, spec, st, pods, now)
-    plan = plan_reconcile(spec, st, pods, generation=generation, now=now)
+    if st.phase not in FINISHED and not held:
+        await ensure_pod_group(rt.kube, ref, spec, gate)  # after _monitor: minMember follows its rescale
+    events += gate.events + await _once(rt, ref, "SchedulingFailed", gate.problem)
+    plan = plan_reconcile(spec, st, pods, generation=generation, now=now, queued=gate.queued)
+    if not gate.ready:
+        plan.create_workers = []  # a gang's pods wait for their PodGroup, or a scheduler could split them
     excluded = controller(plan.status).excluded_nodes
     creates = [
         build_worker_pod(ref, spec, i, default_image=rt.settings.trainer_image, excluded_nodes=excluded)
@@ -265,6 +282,8 @@ async def reconcile(rt: Runtime, ref: JobRef) -> float | None:
         await rt.kube.delete_job(ref)
         return None
     delay = next_delay(rt, ref, spec, plan.status, pods)
+    if (gate.queued and not spec.run_policy.suspend) or not gate.ready:
+        delay = min(delay, QUEUED_POLL_S)  # Kueue's and the schedulers' objects are polled, not watched
     return min(delay, 5.0) if failed else delay
 
 

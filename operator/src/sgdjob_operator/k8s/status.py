@@ -214,7 +214,7 @@ def new_command(status: SGDJobStatus, now: float, reason: str, *, mode: str) -> 
 
 
 def desired_conditions(
-    phase: Phase, *, created: bool, adapting_reason: str, message: str
+    phase: Phase, *, created: bool, adapting_reason: str, message: str, suspended_reason: str = "JobSuspended"
 ) -> dict[str, tuple[bool, str, str]]:
     """Condition type -> (true?, reason, message) for a phase."""
     return {
@@ -231,7 +231,7 @@ def desired_conditions(
         "Adapting": (phase is Phase.ADAPTING, adapting_reason or "Stable", message if phase is Phase.ADAPTING else ""),
         "Suspended": (
             phase is Phase.SUSPENDED,
-            "JobSuspended" if phase is Phase.SUSPENDED else "JobResumed",
+            suspended_reason if phase is Phase.SUSPENDED else "JobResumed",
             message if phase is Phase.SUSPENDED else "",
         ),
         "Succeeded": (
