@@ -75,7 +75,7 @@ def kubernetes_shell(spec: SGDJobSpec, scrapes: Scrapes) -> tuple[Decisions, lis
         step, problem = evaluate_job(spec, st, obs, t, busy="")
         assert problem == ""
         record_observation(st, obs, step.health)
-        apply_step(st, step, t)
+        apply_step(st, step, t, spec)
         command = command_to_push(st, obs)
         if command is not None:
             pushed.append(command)
