@@ -3,8 +3,11 @@ names, a restart mid-change neither duplicates nor picks another pod, and exclus
 
 from __future__ import annotations
 
+import dataclasses
+
 from sgdjob_operator.api.models import SGDJobStatus
 from sgdjob_operator.k8s.actuator import apply_step, driver_state, store
+from sgdjob_operator.k8s.builders import JobRef, build_worker_pod
 from sgdjob_operator.k8s.membership import goal_replicas, normalise, record_scale, rescaled_indices, wanted_indices
 from sgdjob_operator.k8s.plan import plan_reconcile
 from sgdjob_operator.k8s.status import PodView, controller, dump_status, load_status, rfc3339
@@ -110,3 +113,20 @@ def test_exclusions_an_older_operator_stored_are_dated_then_expire() -> None:
     assert [e.reason for e in later.events] == ["NodeExclusionExpired"]
     # excludeNodeSeconds 0: kept for the job's lifetime.
     assert excluded({"excludeNodeSeconds": 0}, ["old"], T0 + 10**8) == (["old"], [])
+
+
+def test_an_unschedulable_replacement_is_recreated_once_its_exclusion_expires() -> None:
+    """A replacement that found no node other than the one it stays off waits Pending; once that
+    exclusion expires it is recreated, and may land there (the job grows back to its replicas)."""
+    entry = {"node": "bad", "since": rfc3339(T0), "until": rfc3339(T0 + 600)}
+    st = load_status({**dump_status(running()), "controller": {"excludedNodes": [entry]}})
+    ref = JobRef(name="j", namespace="ns", uid="u")
+    obj = build_worker_pod(ref, _spec(), 1, default_image="img", excluded_nodes=["bad"])
+    waiting = dataclasses.replace(PodView.from_obj(obj), uid="p1")  # never scheduled: Pending, no node
+    assert waiting.excluded == ("bad",) and waiting.phase == "Pending" and waiting.node is None
+    pods = [pod(0, node="ok"), waiting, rdzv()]
+    held = plan_reconcile(_spec(), st, pods, generation=1, now=T0 + 599)
+    assert held.delete_pods == [] and held.create_workers == []
+    freed = plan_reconcile(_spec(), st, pods, generation=1, now=T0 + 600)
+    assert freed.delete_pods == [("j-worker-1", "exclusion of bad expired; recreated")]
+    assert "NodeExclusionExpired" in [e.reason for e in freed.events]

@@ -236,6 +236,9 @@ def _plan_membership(plan: Plan, spec: SGDJobSpec, ws: Sequence[PodView]) -> Non
             plan.delete_pods.append((pod.name, f"scaled down to {spec.replicas} replicas"))
         elif pod.node is not None and pod.node in excluded and pod.phase != "Succeeded":
             plan.delete_pods.append((pod.name, f"node {pod.node} excluded for this job; replaced"))
+        elif pod.node is None and pod.phase == "Pending" and (freed := sorted(set(pod.excluded) - excluded)):
+            # Unscheduled, perhaps for want of the nodes it stays off: those may take it again.
+            plan.delete_pods.append((pod.name, f"exclusion of {', '.join(freed)} expired; recreated"))
     held = {p.index for p in ws}
     plan.create_workers = [i for i in wanted if i not in held]
 
