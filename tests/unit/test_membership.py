@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
 from sgdjob_operator.api.models import SGDJobStatus
+from sgdjob_operator.api.validation import SpecError, validate_spec
 from sgdjob_operator.k8s.actuator import apply_step, driver_state, store
 from sgdjob_operator.k8s.builders import JobRef, build_worker_pod
 from sgdjob_operator.k8s.membership import goal_replicas, normalise, record_scale, rescaled_indices, wanted_indices
@@ -130,3 +133,9 @@ def test_an_unschedulable_replacement_is_recreated_once_its_exclusion_expires() 
     freed = plan_reconcile(_spec(), st, pods, generation=1, now=T0 + 600)
     assert freed.delete_pods == [("j-worker-1", "exclusion of bad expired; recreated")]
     assert "NodeExclusionExpired" in [e.reason for e in freed.events]
+
+
+def test_exclude_node_seconds_is_bounded_and_named() -> None:
+    with pytest.raises(SpecError, match=r"spec\.policy\.excludeNodeSeconds"):
+        validate_spec({"policy": {"excludeNodeSeconds": -1}})
+    assert validate_spec({}).policy.exclude_node_seconds == 3600
