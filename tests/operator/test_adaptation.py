@@ -25,7 +25,9 @@ class FakeWorker:
     """One trainer process as the operator sees it. Sync: every rank takes the slowest rank's step
     time and waits the difference; any other mode: each rank runs at its own speed."""
 
-    def __init__(self, rank: int, world: int, host: str, port: int, compute_s: float, shared: dict[str, Any]) -> None:
+    def __init__(
+        self, rank: int, world: int, host: str, port: int, compute_s: float, shared: dict[str, Any], node: str = ""
+    ) -> None:
         self.rank, self.world, self.compute_s, self.shared = rank, world, compute_s, shared
         self.reg = CollectorRegistry()
         self.steps = Counter("sgdjob_steps", "steps", registry=self.reg)
@@ -38,7 +40,7 @@ class FakeWorker:
         self.epoch = Gauge("sgdjob_control_epoch", "epoch", registry=self.reg)
         self.mode = Gauge("sgdjob_mode", "mode", ["mode"], registry=self.reg)
         Gauge("sgdjob_worker_info", "info", ["rank", "local_rank", "node"], registry=self.reg).labels(
-            rank=str(rank), local_rank="0", node=f"node-{rank}"
+            rank=str(rank), local_rank="0", node=node or f"node-{rank}"
         ).set(1)
         self.last = time.monotonic()
         self.done = 0.0
@@ -227,7 +229,8 @@ def test_node_bound_straggler_is_replaced_off_its_node(cluster: Cluster, operato
         )
         decision = status["decisions"][-1]
         assert decision["action"] == "replaceWorker" and decision["rank"] == 3
-        assert status["controller"]["excludedNodes"] == ["node-3"]
+        (excluded,) = status["controller"]["excludedNodes"]
+        assert excluded["node"] == "node-3" and excluded["since"] and excluded["until"] > excluded["since"]
         new = wait_for(
             "worker 3 recreated",
             lambda: (p := cluster.pods("swap").get("swap-worker-3")) is not None and p.metadata.uid != old and p,
@@ -266,6 +269,58 @@ def test_straggler_removed_by_rescale_within_bounds(cluster: Cluster, operator: 
             wait_for("back to Running", lambda: (s := cluster.status("trim")).get("phase") == "Running" and s)["ready"]
             == "3/3"
         )
+    finally:
+        for w in workers:
+            w.stop()
+
+
+def test_rescale_removes_the_slow_ranks_pod_and_a_healthy_job_grows_back(cluster: Cluster, operator: Operator) -> None:
+    policy = {"intervalSeconds": 1, "persistenceIntervals": 2, "cooldownSeconds": 5, "allowedActions": ["rescale"]}
+    spec = {"minReplicas": 3, "maxReplicas": 4, "policy": policy}
+    shared, workers = _start(cluster, "mid", spec, [0.02, 0.2, 0.02, 0.02], subnet=24)  # rank 1 ten times slower
+    hosts = [f"127.0.24.{i + 2}" for i in range(4)]
+    try:
+        kept = {n: p.metadata.uid for n, p in cluster.pods("mid").items() if n != "mid-worker-1"}
+        status = wait_for("rescale decided", lambda: (s := cluster.status("mid")).get("decisions") and s, timeout=90)
+        assert status["decisions"][-1]["action"] == "rescale" and status["decisions"][-1]["replicas"] == 3
+        assert status["controller"]["workerIndices"] == [0, 2, 3]
+        assert [e["node"] for e in status["controller"]["excludedNodes"]] == ["node-1"]
+        assert cluster.job("mid")["spec"]["replicas"] == 3
+        wait_for("the slow rank's pod removed", lambda: set(cluster.pods("mid")) == set(kept))
+        event = wait_for("Rescale event", lambda: [e for e in cluster.events("mid") if e.reason == "Rescale"])
+        assert "removing mid-worker-1" in event[0].message and "node node-1 excluded" in event[0].message
+
+        # A restarted operator keeps the same three pods: no duplicate, no other pod removed.
+        operator.kill()
+        operator.start()
+        time.sleep(4)
+        assert {n: p.metadata.uid for n, p in cluster.pods("mid").items()} == kept
+
+        # The world re-forms from the three pods left (ranks 0..2), all fast: the fleet is healthy,
+        # so after the cooldown the policy grows the job back to the 4 replicas the user asked for.
+        for w in workers:
+            w.stop()
+        port = workers[0].server.server_address[1]
+        workers = [
+            FakeWorker(r, 3, hosts[i], port, 0.02, {**shared, "speeds": [0.02] * 3}, node=f"node-{i}")
+            for r, i in enumerate((0, 2, 3))
+        ]
+        status = wait_for(
+            "grown back", lambda: (s := cluster.status("mid"))["decisions"][-1]["replicas"] == 4 and s, timeout=90
+        )
+        decision = status["decisions"][-1]
+        assert decision["action"] == "rescale" and "grow to 4 nodes" in decision["reason"]
+        assert cluster.job("mid")["spec"]["replicas"] == 4 and "workerIndices" not in status["controller"]
+        new = wait_for("worker 1 recreated", lambda: cluster.pods("mid").get("mid-worker-1"))
+        assert set(cluster.pods("mid")) == {f"mid-worker-{i}" for i in range(4)}
+        (term,) = (
+            new.spec.affinity.node_affinity.required_during_scheduling_ignored_during_execution.node_selector_terms
+        )
+        assert [(f.key, f.values) for f in term.match_fields] == [("metadata.name", ["node-1"])]  # still excluded
+        grow = wait_for(
+            "growth event", lambda: [e for e in cluster.events("mid") if "growing back" in (e.message or "")]
+        )
+        assert "rescaling 3 -> 4 workers" in grow[0].message
     finally:
         for w in workers:
             w.stop()

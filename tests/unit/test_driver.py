@@ -141,6 +141,39 @@ def test_rescale_is_clamped_and_a_no_op_is_refused() -> None:
         action_for(DriverState(), Rescale(replicas=9, reason="more"), Observed(samples), spec, view)
 
 
+def test_a_healthy_job_below_its_goal_grows_back_unless_held_or_not_allowed() -> None:
+    """The operator's case: its shrink lowered spec.replicas to 3; the user's 4 is the goal."""
+    spec = spec_for(replicas=3, policy={"allowedActions": ["rescale"]})
+    healthy = feed([[100.0] * 3] * 6)
+
+    def actions(goal: int | None, busy: str = "", spec: SGDJobSpec = spec) -> list[Any]:
+        state, out = DriverState(), []
+        for t, samples in healthy:
+            step = drive(state, Observed(samples, applied_epoch=0, in_flight=busy, goal_replicas=goal), spec, t)
+            state, out = step.state, [*out, step.action]
+        return out
+
+    grown = actions(4)
+    assert grown[:3] == [None] * 3  # a baseline, then persistence
+    scale = grown[3]
+    assert isinstance(scale, Scale) and (scale.replicas, scale.current, scale.remove_ranks) == (4, 3, ())
+    assert scale.remove_pods == () and scale.exclude_node is None
+    assert "grow to 4 nodes" in scale.decision.reason and scale.decision.predicted_gain > 0
+    assert grown[4:] == [None, None]  # one change; then the cooldown (and in the operator, in flight)
+    assert actions(None) == [None] * 6  # without a goal above spec.replicas: nothing to grow to
+    assert actions(4, busy="3 of 3 workers ready") == [None] * 6
+    assert actions(4, spec=spec_for(replicas=3, policy={"allowedActions": ["rebalance"]})) == [None] * 6
+
+
+def test_a_rescale_names_the_pods_and_node_of_the_ranks_it_removes() -> None:
+    spec = spec_for(policy={"allowedActions": ["rescale"]})
+    samples = feed([STRAGGLER])[0][1]
+    slow = Rescale(replicas=3, reason="slow node", remove_ranks=(1,), exclude_node="node-1")
+    _, scale = action_for(DriverState(), slow, Observed(samples), spec, job_view(spec, replicas=4))
+    assert isinstance(scale, Scale)
+    assert (scale.remove_pods, scale.remove_nodes, scale.exclude_node) == (("job-worker-1",), ("node-1",), "node-1")
+
+
 def test_a_fixed_mode_is_never_switched() -> None:
     spec = spec_for(mode="sync", policy={"allowedActions": ["switchMode"]})
     steps = run_driver(spec, feed([[100.0, 100.0, 50.0, 50.0]] * 8))

@@ -51,6 +51,22 @@ def test_straggler_without_replacement_allowed_is_removed_by_rescale() -> None:
     assert d.replicas == 7 and d.remove_ranks == (7,)
 
 
+def test_a_shrunk_job_grows_back_once_healthy_after_the_cooldown_and_then_stays() -> None:
+    h = Harness([FAST] * 7 + [SLOW], policy={"allowedActions": ["rescale"], "cooldownSeconds": 90}, min_replicas=6)
+    run(h, 4)
+    shrink = h.history[3]
+    assert isinstance(shrink.decision, Rescale) and shrink.decision.remove_ranks == (7,)
+    assert shrink.decision.exclude_node == "node-7"  # one rank per node: the node is to blame
+    run(h, 20)
+    grow, *rest = h.changes()[1:]
+    assert isinstance(grow.decision, Rescale) and grow.decision.replicas == 8 and grow.decision.remove_ranks == ()
+    assert "grow to 8 nodes" in grow.decision.reason and grow.decision.predicted_gain > 0.1
+    assert grow.state.last_change is not None and grow.state.last_change - 30.0 >= 90  # after the cooldown
+    waited = [e.decision.reason for e in h.history[4:] if "cooldown" in e.decision.reason]
+    assert waited and all("grow to 8 nodes" in w for w in waited)
+    assert rest == [] and len(h.speeds) == 8  # grown back, and no flapping after it
+
+
 def test_replacement_needs_elastic_room_else_rebalance() -> None:
     h = Harness([FAST] * 7 + [SLOW], min_replicas=8)
     run(h, 4)

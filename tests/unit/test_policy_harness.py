@@ -154,8 +154,12 @@ class Harness:
             self._restart()
         elif isinstance(d, Rescale):
             keep = [r for r in range(len(self.speeds)) if r not in d.remove_ranks]
+            typical = sorted(self.speeds)[len(self.speeds) // 2]
             self.speeds = [self.speeds[r] for r in keep]
             self.node_names = [self.node_names[r] for r in keep]
+            for k in range(d.replicas - len(self.speeds) // self.nproc):  # a grown job gets fresh nodes
+                self.speeds += [typical] * self.nproc
+                self.node_names += [f"node-grown-{self.now:g}-{k}"] * self.nproc
             self.batches = {}
             self._restart()
 

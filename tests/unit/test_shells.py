@@ -75,7 +75,7 @@ def kubernetes_shell(spec: SGDJobSpec, scrapes: Scrapes) -> tuple[Decisions, lis
         step, problem = evaluate_job(spec, st, obs, t, busy="")
         assert problem == ""
         record_observation(st, obs, step.health)
-        apply_step(st, step, t)
+        apply_step(st, step, t, spec)
         command = command_to_push(st, obs)
         if command is not None:
             pushed.append(command)
@@ -206,3 +206,40 @@ def test_the_local_controller_acts_within_persistence_intervals_of_the_training_
     dated, undated = firsts
     assert dated <= bound < undated, firsts
     assert undated == pytest.approx(dated + 1.05)  # the undated run spends its first poll on a baseline
+
+
+@dataclass
+class GrowingRun(FakeRun):
+    """A local run that lost a node: three agents where the spec asks for four."""
+
+    fleet: FakeFleet = field(default_factory=lambda: FakeFleet([f"node-{r}" for r in range(3)]))
+    rescales: list[tuple[int, tuple[str, ...]]] = field(default_factory=list)
+
+    async def rescale(self, nodes: int, mode: SyncMode, reason: str, remove: tuple[str, ...] = ()) -> None:
+        self.rescales.append((nodes, remove))
+
+
+def test_a_healthy_job_below_its_replicas_grows_back_the_same_in_the_operator_and_locally() -> None:
+    scrapes = feed([[100.0] * 3] * 6)
+    policy = {"allowedActions": ["rescale"]}
+    # Locally the spec keeps replicas 4 and the run has 3 agents.
+    auto = AutoController(SGDJob(spec=spec_for(policy=policy)), PlainDisplay(stream=io.StringIO()))
+    run = GrowingRun()
+    for t, samples in scrapes:
+        auto.clock = lambda t=t: t
+        results = [ScrapeResult(LOCAL_ENDPOINTS[s.rank], t, s, WorkerStatus(rank=s.rank)) for s in samples]
+        asyncio.run(auto(run, results, ProgressFrame(time=t, elapsed_s=t)))
+    assert run.rescales == [(4, ())]
+    local = [(d["time_s"], d["action"], d["reason"]) for d in auto.decisions]
+    # The operator's own shrink lowered spec.replicas to 3 and kept the user's 4 in status.
+    spec3 = spec_for(replicas=3, policy=policy)
+    st = SGDJobStatus.model_validate({"mode": "sync", "controller": {"goalReplicas": 4, "scaledReplicas": 3}})
+    k8s = []
+    for t, samples in scrapes:
+        obs = Observation(t, tuple(samples), {})
+        step, _ = evaluate_job(spec3, st, obs, t, busy="")
+        out = apply_step(st, step, t, spec3)
+        k8s += [(t, step.decision.action, step.decision.reason)] if out.applied else []
+        assert out.scale_to in (None, 4)
+    assert local == k8s and [a for _, a, _ in k8s] == ["rescale"], k8s
+    assert "grow to 4 nodes" in k8s[0][2]

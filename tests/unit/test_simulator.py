@@ -13,7 +13,10 @@ import yaml
 from click.testing import CliRunner
 
 from sgdjob_operator.cli import main
+from sgdjob_operator.policy import Rescale
+from sgdjob_operator.policy.driver import Scale
 from sgdjob_operator.sim import SYSTEMS, Scenario, ScenarioError, load_scenario, run_mode, simulate_scenario
+from sgdjob_operator.sim.simulation import Run, SimActuator
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "scenarios"
 QUIET = {"latencySeconds": 0.0, "gradientMb": 0.0, "psApplySeconds": 0.0}
@@ -202,3 +205,16 @@ def test_simulate_command_writes_one_json_per_scenario(tmp_path: Path) -> None:
     bad.write_text("name: bad\nfleet: []\nsteps: 1\n")
     res = CliRunner().invoke(main, ["simulate", str(bad), "--out", str(out)])
     assert res.exit_code == 1 and "fleet" in res.output
+
+
+def test_a_rescale_removes_the_named_ranks_nodes_and_growing_back_brings_fresh_nodes() -> None:
+    run = Run(scenario(), "auto")
+    left = run.fleet.worker_node_name(2)
+    shrink = Rescale(7, "slow", (2,))
+    SimActuator(run, 10.0, run._workers()).scale(Scale("sync", 7, 8, (2,), (left,), shrink))
+    assert run._workers() == [0, 1, 3, 4, 5, 6, 7]  # the named rank's node left, not the last one
+    grow = Rescale(8, "grow to 8 nodes")
+    SimActuator(run, 100.0, run._workers()).scale(Scale("sync", 8, 7, (), (), grow))
+    assert run._workers() == list(range(8))
+    assert run.fleet.worker_node_name(2) == f"{left}-r"  # a fresh node, not the one that left
+    assert [d["action"] for d in run.result.decisions] == ["rescale", "rescale"]

@@ -119,6 +119,18 @@ class PolicySpec(CamelModel):
             ),
         ),
     ] = 300.0
+    exclude_node_seconds: Annotated[
+        float,
+        Field(
+            ge=0.0,
+            le=2_592_000.0,
+            description=(
+                "Seconds a node stays excluded after the policy took a worker off it because the node was slow "
+                "(a replacement, or a rescale that removed it). Expired exclusions are dropped and the job may use "
+                "the node again. 0 keeps nodes excluded for the job's lifetime."
+            ),
+        ),
+    ] = 3600.0
     allowed_actions: Annotated[
         list[Action],
         Field(max_length=4, description="Actions the policy may take: switchMode, rebalance, replaceWorker, rescale."),
@@ -290,6 +302,24 @@ class Straggler(CamelModel):
 _OPAQUE: dict[str, Any] = {"x-kubernetes-preserve-unknown-fields": True}
 
 
+class ExcludedNode(CamelModel):
+    """A node the job's workers are kept off, since when, until when, and why."""
+
+    node: Annotated[str, Field(max_length=253, description="Node name.")]
+    since: Annotated[str | None, Field(max_length=64, description="When it was excluded (RFC 3339).")] = None
+    until: Annotated[
+        str | None,
+        Field(max_length=64, description="When the exclusion ends (RFC 3339); absent: never (excludeNodeSeconds 0)."),
+    ] = None
+    reason: Annotated[str, Field(max_length=512, description="Why the node was excluded.")] = ""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_name(cls, value: Any) -> Any:
+        # Operators before excludeNodeSeconds stored plain node names.
+        return {"node": value} if isinstance(value, str) else value
+
+
 class ControllerState(CamelModel):
     """The operator's own bookkeeping, kept in status (never only in memory) so a restarted operator
     resumes where it stopped: the control command it wants applied, nodes it keeps the job off,
@@ -303,9 +333,38 @@ class ControllerState(CamelModel):
         ),
     ] = None
     excluded_nodes: Annotated[
-        list[Annotated[str, Field(max_length=253)]],
-        Field(max_length=256, description="Nodes this job's workers are kept off (replaced stragglers)."),
+        list[ExcludedNode],
+        Field(
+            max_length=256,
+            description="Nodes this job's workers are kept off (slow nodes the policy took workers off), until when.",
+        ),
     ] = []
+    worker_indices: Annotated[
+        list[Annotated[int, Field(ge=0, le=65_535)]] | None,
+        Field(
+            max_length=MAX_WORKERS,
+            description=(
+                "Worker pod indices the job runs when they are not 0..replicas-1 (the policy removed a pod from the "
+                "middle); absent: 0..replicas-1."
+            ),
+        ),
+    ] = None
+    goal_replicas: Annotated[
+        int | None,
+        Field(
+            ge=1,
+            le=MAX_WORKERS,
+            description="spec.replicas as the user set it before the policy shrank the job: what it grows back to.",
+        ),
+    ] = None
+    scaled_replicas: Annotated[
+        int | None,
+        Field(
+            ge=1,
+            le=MAX_WORKERS,
+            description="spec.replicas as the policy last set it (another value means a person scaled the job since).",
+        ),
+    ] = None
     counted_failures: Annotated[
         list[Annotated[str, Field(max_length=64)]],
         Field(max_length=256, description="UIDs of failed worker pods already counted in restarts."),

@@ -6,11 +6,20 @@ and in the `Outcome` the reconciliation pass then acts on (Events, scale, pod to
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from sgdjob_operator.api.models import SGDJobSpec, SGDJobStatus
+from sgdjob_operator.k8s.membership import (
+    exclude,
+    goal_replicas,
+    record_scale,
+    rescaled_indices,
+    store_indices,
+    wanted_indices,
+)
 from sgdjob_operator.k8s.observe import Observation
-from sgdjob_operator.k8s.status import Event, controller, record_decision, rfc3339
+from sgdjob_operator.k8s.status import Event, PodView, controller, record_decision, rfc3339
 from sgdjob_operator.policy.decisions import SwitchMode
 from sgdjob_operator.policy.driver import (
     DriverState,
@@ -24,8 +33,6 @@ from sgdjob_operator.policy.driver import (
     first_call_wait,
     load_state,
 )
-
-MAX_EXCLUDED = 256
 
 
 @dataclass(slots=True)
@@ -56,7 +63,9 @@ def evaluate_job(spec: SGDJobSpec, st: SGDJobStatus, obs: Observation, now: floa
     """The driver's step for this scrape (`busy`: why a change is in flight, from the pods), with
     its state already kept in `st`, and any problem loading or evaluating to report."""
     state, problem = driver_state(st)
-    step = drive(state, Observed(obs.samples, applied_epoch=obs.control_epoch, in_flight=busy), spec, now)
+    goal = goal_replicas(spec, controller(st))
+    observed = Observed(obs.samples, applied_epoch=obs.control_epoch, in_flight=busy, goal_replicas=goal)
+    step = drive(state, observed, spec, now)
     store(st, step.state)
     return step, "; ".join(p for p in (problem, step.problem) if p)
 
@@ -67,11 +76,13 @@ def first_pass_wait(spec: SGDJobSpec, st: SGDJobStatus, obs: Observation) -> flo
     return first_call_wait(state, obs.samples, spec.policy.interval_seconds)
 
 
-def apply_step(st: SGDJobStatus, step: Step, now: float) -> Outcome:
-    """Record the step's action in status and say what else the pass must do."""
+def apply_step(st: SGDJobStatus, step: Step, now: float, spec: SGDJobSpec, pods: Sequence[PodView] = ()) -> Outcome:
+    """Record the step's action in status and say what else the pass must do (`pods`: the job's
+    pods, to find the index of a pod a rescale removes)."""
     out = Outcome(held=step.held)
     if step.action is not None:
-        act(step.action, StatusActuator(st, now, out))
+        indices = {p.name: p.index for p in pods if p.index is not None}
+        act(step.action, StatusActuator(st, now, out, spec, indices))
         out.applied = step.action.decision.action
     return out
 
@@ -83,6 +94,8 @@ class StatusActuator:
     st: SGDJobStatus
     now: float
     out: Outcome
+    spec: SGDJobSpec
+    indices: Mapping[str, int] = field(default_factory=dict)  # worker pod name -> index
 
     def push(self, action: Push) -> None:
         # The command is in status already (the driver's state): the pass sends it until rank 0 has it.
@@ -101,7 +114,7 @@ class StatusActuator:
     def replace(self, action: Replace) -> None:
         ctl, node = controller(self.st), action.exclude_node
         if node:
-            ctl.excluded_nodes = [*[n for n in ctl.excluded_nodes if n != node][-(MAX_EXCLUDED - 1) :], node]
+            exclude(ctl, node, self.now, self.spec.policy.exclude_node_seconds, f"rank {action.rank} slow on it")
         elif action.pod:
             self.out.delete_pod = action.pod
         record = record_decision(self.st, self.now, action.decision.action, action.decision.reason, rank=action.rank)
@@ -117,9 +130,23 @@ class StatusActuator:
         ctl.last_change_time = record.time
 
     def scale(self, action: Scale) -> None:
+        """The pods of the ranks the policy names go (their indices leave the wanted set, so the
+        plan deletes exactly them, in this pass or after a restart); new pods take free indices."""
+        ctl, reason = controller(self.st), action.decision.reason
         self.out.scale_to = action.replicas
-        reason = action.decision.reason
+        removed = [self.indices[p] for p in action.remove_pods if p in self.indices]
+        current = wanted_indices(ctl, self.spec.replicas)
+        store_indices(ctl, rescaled_indices(current, action.replicas, removed))
+        record_scale(self.spec, ctl, action.replicas)
+        if action.exclude_node:
+            why = f"ranks {list(action.remove_ranks)} slow on it; removed by a rescale"
+            exclude(ctl, action.exclude_node, self.now, self.spec.policy.exclude_node_seconds, why)
         record = record_decision(self.st, self.now, action.decision.action, reason, replicas=action.replicas)
-        message = f"rescaling {action.current} -> {action.replicas} workers: {reason}"
+        what = f"removing {', '.join(action.remove_pods)}" if action.remove_pods else ""
+        if action.replicas > action.current:
+            what = f"growing back towards {ctl.goal_replicas} replicas"
+        if action.exclude_node:
+            what += f"; node {action.exclude_node} excluded for this job"
+        message = f"rescaling {action.current} -> {action.replicas} workers{f' ({what})' if what else ''}: {reason}"
         self.out.events.append(Event("Normal", "Rescale", message))
-        controller(self.st).last_change_time = record.time
+        ctl.last_change_time = record.time

@@ -37,6 +37,9 @@ from sgdjob_trainer.wire.launch_contract import (
 LABEL_JOB = "sgdjob.dev/job-name"
 LABEL_ROLE = "sgdjob.dev/role"
 LABEL_INDEX = "sgdjob.dev/replica-index"
+# The nodes a worker pod was created to stay off: once one of those exclusions expires, a pod that
+# could not be scheduled is recreated without it.
+ANNOTATION_EXCLUDED = "sgdjob.dev/excluded-nodes"
 ROLE_WORKER = "worker"
 ROLE_RDZV = "rendezvous"
 CONTAINER = "trainer"
@@ -293,6 +296,11 @@ def build_worker_pod(
     affinity = _exclusion_affinity(pod_spec.get("affinity") or {}, excluded_nodes)
     if affinity:
         pod_spec["affinity"] = affinity
+    if excluded_nodes:
+        meta["annotations"] = {
+            **meta.get("annotations", {}),
+            ANNOTATION_EXCLUDED: ",".join(sorted(set(excluded_nodes))),
+        }
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
 
 

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from sgdjob_operator.api.models import CleanPodPolicy, JobMode, Phase, SGDJobSpec, SGDJobStatus
+from sgdjob_operator.k8s.membership import excluded_names, expire, store_indices, wanted_indices
 from sgdjob_operator.k8s.status import (
     FINISHED,
     INFRA_REASONS,
@@ -119,6 +120,7 @@ def plan_reconcile(
 
     if st.phase not in FINISHED:
         _follow_spec_mode(st, spec, now, plan.events)
+        _expire_exclusions(plan, spec, now)
         deadline = spec.run_policy.active_deadline_seconds
         started = parse_time(st.start_time)
         if deadline is not None and started is not None and now - started > deadline:
@@ -250,19 +252,34 @@ def _fill_counts(st: SGDJobStatus, spec: SGDJobSpec, ws: Sequence[PodView]) -> N
 
 
 def _plan_membership(plan: Plan, spec: SGDJobSpec, ws: Sequence[PodView]) -> None:
-    """Indices 0..replicas-1 exist, none beyond (kubectl scale and Rescale both land here), and none
-    on a node the job is kept off. A name still held by a terminating pod is created next time."""
-    excluded = set(controller(plan.status).excluded_nodes)
+    """The wanted worker indices exist (`membership.wanted_indices`: kubectl scale and Rescale both
+    land here), no others, and none on a node the job is kept off. A name still held by a
+    terminating pod is created next time."""
+    ctl = controller(plan.status)
+    wanted = wanted_indices(ctl, spec.replicas)
+    store_indices(ctl, wanted)
+    excluded = set(excluded_names(ctl))
     doomed = {name for name, _ in plan.delete_pods}
     for pod in ws:
         if pod.deleting or pod.name in doomed or pod.index is None:
             continue
-        if pod.index >= spec.replicas:
+        if pod.index not in wanted:
             plan.delete_pods.append((pod.name, f"scaled down to {spec.replicas} replicas"))
         elif pod.node is not None and pod.node in excluded and pod.phase != "Succeeded":
             plan.delete_pods.append((pod.name, f"node {pod.node} excluded for this job; replaced"))
+        elif pod.node is None and pod.phase == "Pending" and (freed := sorted(set(pod.excluded) - excluded)):
+            # Unscheduled, perhaps for want of the nodes it stays off: those may take it again.
+            plan.delete_pods.append((pod.name, f"exclusion of {', '.join(freed)} expired; recreated"))
     held = {p.index for p in ws}
-    plan.create_workers = [i for i in range(spec.replicas) if i not in held]
+    plan.create_workers = [i for i in wanted if i not in held]
+
+
+def _expire_exclusions(plan: Plan, spec: SGDJobSpec, now: float) -> None:
+    """Exclusions past policy.excludeNodeSeconds end, each with an Event."""
+    for gone in expire(controller(plan.status), now, spec.policy.exclude_node_seconds):
+        since = f" since {gone.since}" if gone.since else ""
+        message = f"node {gone.node} no longer excluded (excluded{since}: {gone.reason or 'slow node'})"
+        plan.events.append(Event("Normal", "NodeExclusionExpired", message))
 
 
 def _target_from_termination(st: SGDJobStatus, succeeded: Sequence[PodView]) -> None:

@@ -32,6 +32,7 @@ from sgdjob_operator.k8s.builders import (
     build_worker_pod,
 )
 from sgdjob_operator.k8s.client import ApiError, Kube, core_path
+from sgdjob_operator.k8s.membership import excluded_names
 from sgdjob_operator.k8s.observe import Observation, command_to_push, endpoints, observe, record_observation
 from sgdjob_operator.k8s.plan import plan_reconcile
 from sgdjob_operator.k8s.queueing import QUEUED_POLL_S, Gate, ensure_pod_group, kueue_gate
@@ -154,7 +155,7 @@ async def _monitor(
     step, problem = evaluate_job(spec, st, obs, now, busy)
     events += await _once(rt, ref, "PolicyError", problem)
     events += record_observation(st, obs, step.health)
-    outcome = apply_step(st, step, now)
+    outcome = apply_step(st, step, now, spec, pods)
     if outcome.applied:
         metrics.DECISIONS.labels(action=outcome.applied, reason=metrics.reason_label(step.decision.reason)).inc()
     else:
@@ -163,8 +164,12 @@ async def _monitor(
         metrics.DEFERRED.labels(action=outcome.held).inc()
         why = busy or "control command not applied yet"
         log.info("%s/%s: %s held back (%s)", ref.namespace, ref.name, outcome.held, why)
-    if outcome.scale_to is not None and await rt.kube.scale_job(ref, outcome.scale_to) is not None:
-        spec = spec.model_copy(update={"replicas": outcome.scale_to})
+    if outcome.scale_to is not None:
+        # Status first: it names the pods that go (workerIndices); a restart between the two writes
+        # then finds either no change at all or both, never replicas lowered without the names.
+        await rt.kube.patch_job_status(ref, dump_status(st))
+        if await rt.kube.scale_job(ref, outcome.scale_to) is not None:
+            spec = spec.model_copy(update={"replicas": outcome.scale_to})
     command = command_to_push(st, obs)
     if command is not None and obs.control is not None:
         token = await job_token(rt, ref)
@@ -237,7 +242,7 @@ async def reconcile(rt: Runtime, ref: JobRef) -> float | None:
     plan = plan_reconcile(spec, st, pods, generation=generation, now=now, queued=gate.queued)
     if not gate.ready:
         plan.create_workers = []  # a gang's pods wait for their PodGroup, or a scheduler could split them
-    excluded = controller(plan.status).excluded_nodes
+    excluded = excluded_names(controller(plan.status))
     creates = [
         build_worker_pod(ref, spec, i, default_image=rt.settings.trainer_image, excluded_nodes=excluded)
         for i in plan.create_workers

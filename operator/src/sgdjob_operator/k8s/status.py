@@ -21,7 +21,7 @@ from sgdjob_operator.api.models import (
     SGDJobSpec,
     SGDJobStatus,
 )
-from sgdjob_operator.k8s.builders import LABEL_INDEX, LABEL_ROLE, ROLE_RDZV, ROLE_WORKER
+from sgdjob_operator.k8s.builders import ANNOTATION_EXCLUDED, LABEL_INDEX, LABEL_ROLE, ROLE_RDZV, ROLE_WORKER
 from sgdjob_operator.policy.driver import issue, load_state
 from sgdjob_trainer.config import SyncMode
 from sgdjob_trainer.wire.control import ControlCommand
@@ -76,6 +76,7 @@ class PodView:
     exit_code: int | None = None
     reason: str = ""
     message: str = ""
+    excluded: tuple[str, ...] = ()  # nodes it was created to stay off
 
     @property
     def active(self) -> bool:
@@ -85,6 +86,7 @@ class PodView:
     def from_obj(cls, pod: dict[str, Any]) -> PodView:
         meta, spec, st = pod.get("metadata") or {}, pod.get("spec") or {}, pod.get("status") or {}
         labels = meta.get("labels") or {}
+        excluded = str((meta.get("annotations") or {}).get(ANNOTATION_EXCLUDED) or "")
         try:
             index = int(labels[LABEL_INDEX]) if LABEL_INDEX in labels else None
         except ValueError:
@@ -111,6 +113,7 @@ class PodView:
             exit_code=exit_code,
             reason=reason,
             message=message[:512],
+            excluded=tuple(n for n in excluded.split(",") if n),
         )
 
 

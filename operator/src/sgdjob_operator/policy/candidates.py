@@ -1,7 +1,18 @@
 """The changes worth considering for the fleet's shape, each with its predicted useful throughput.
 
 Only actions in allowedActions are built; a job with a fixed mode gets no mode switch; a
-homogeneous fleet gets only the way back to plain sync, so measurement noise has nothing to act on.
+homogeneous fleet gets only the way back: to plain sync, and to the replicas the job should run
+(`_grow`), so measurement noise has nothing to act on.
+
+Growing back (rescale allowed, the job runs fewer nodes than `JobView.goal`: after a shrink, or
+after nodes were lost) is proposed only for a homogeneous fleet, i.e. with no straggler, and like
+every change only with nothing in flight and after persistenceIntervals windows; unlike the way
+back to plain sync it also waits for the cooldown, because it restarts the world. It cannot flap
+with the shrink: a shrink needs a straggler (a grown fleet is measured anew, and its new ranks
+must be slow for persistenceIntervals windows first), a shrink for a node-bound straggler keeps
+the job off that node (`Rescale.exclude_node`, until policy.excludeNodeSeconds), and each of the
+two waits out the cooldown after the other; so a node that stays slow costs at most one shrink
+and one growth per excludeNodeSeconds.
 """
 
 from __future__ import annotations
@@ -49,6 +60,7 @@ class Candidate:
     cost_seconds: float
     preference: float = 0.0
     restoring: bool = False
+    settle: bool = False  # a restoring change that still waits for the cooldown (it restarts the world)
 
 
 # Replacing a lone slow node wins over re-tuning around it unless it predicts clearly less: the
@@ -122,7 +134,7 @@ def build(ctx: DecisionContext) -> list[Candidate]:
                     restoring=True,
                 )
             )
-        return out
+        return out + _grow(ctx)
     if shape is Shape.SINGLE_STRAGGLER:
         out.extend(_membership(ctx))
     total = view.base_batch * len(ctx.speeds)
@@ -177,6 +189,32 @@ def _candidate(
     return Candidate(key, make, pred, cost, preference, restoring)
 
 
+def _grow(ctx: DecisionContext) -> list[Candidate]:
+    """Back to the goal's nodes, the new ranks assumed at the fleet's median speed (see the module
+    docstring for when it is proposed). Restoring: it needs no gain, only no predicted loss."""
+    view = ctx.view
+    target = view.goal
+    if not view.allows(Action.RESCALE) or target <= view.replicas:
+        return []
+    world = len(ctx.speeds)
+    new = list(range(world, world + (target - view.replicas) * view.nproc_per_node))
+    speeds = {**ctx.speeds, **{r: ctx.health.median_speed for r in new}}
+    batches = {r: view.batch(r) for r in speeds}
+    groups = [*current_groups(ctx), new] if view.mode == "hierarchical" else None
+    label = f"grow to {target} nodes"
+    pred = predict_config(ctx, view.mode, speeds, batches, groups, label, view.lr_ratio(len(speeds)))
+    return [
+        Candidate(
+            f"grow:{target}",
+            lambda why, g: Rescale(target, why, (), g),
+            pred,
+            view.restart_seconds,
+            restoring=True,
+            settle=True,
+        )
+    ]
+
+
 def straggler_node(ctx: DecisionContext) -> tuple[int, list[int], bool] | None:
     """The worst flagged rank, every rank on its node, and whether the node is to blame (all of its
     ranks are slow; with one rank per node the rank is the node)."""
@@ -222,6 +260,10 @@ def _membership(ctx: DecisionContext) -> list[Candidate]:
             pred = predict_config(ctx, view.mode, rest, batches, None, "rescale", view.lr_ratio(len(rest)))
             removed = tuple(on_node)
             target = view.replicas - 1
-            key = f"rescale:{ctx.nodes.get(rank) or rank}"
-            out.append(_candidate(key, lambda why, g: Rescale(target, why, removed, g), pred, view.restart_seconds))
+            node = ctx.nodes.get(rank)
+            off = node if node_bound else None
+            key = f"rescale:{node or rank}"
+            out.append(
+                _candidate(key, lambda why, g: Rescale(target, why, removed, g, off), pred, view.restart_seconds)
+            )
     return out

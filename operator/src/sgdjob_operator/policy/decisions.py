@@ -97,22 +97,27 @@ class ReplaceWorker:
 
 @dataclass(frozen=True, slots=True)
 class Rescale:
-    """Run `replicas` worker pods; `remove_ranks` names the ranks whose pods go first."""
+    """Run `replicas` worker pods; `remove_ranks` names the ranks whose pods go first; keep the job
+    off `exclude_node` when the slowness of the removed ranks is bound to their node."""
 
     replicas: int
     reason: str
     remove_ranks: tuple[int, ...] = ()
     predicted_gain: float = 0.0
+    exclude_node: str | None = None
     action: str = field(default=RESCALE, init=False)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "action": self.action,
             "reason": self.reason,
             "replicas": self.replicas,
             "removeRanks": list(self.remove_ranks),
             "predictedGain": self.predicted_gain,
         }
+        if self.exclude_node is not None:
+            out["excludeNode"] = self.exclude_node
+        return out
 
 
 Decision = Keep | SwitchMode | Rebalance | ReplaceWorker | Rescale

@@ -91,7 +91,10 @@ class Observed:
     """One look at the running job. `replicas`: nodes (pods, agents) in the running world, None to
     derive it from the world size the workers report. `batch_sizes`/`groups`: what runs now per
     rank, for a shell that knows it better than the stored command (the simulator renumbers ranks
-    without commands). `in_flight`: why the shell sees a change still under way ('' when none)."""
+    without commands). `in_flight`: why the shell sees a change still under way ('' when none).
+    `goal_replicas`: the nodes the job should run when healthy, what the policy grows back to after
+    a shrink (None: spec.replicas; the operator, whose rescale changes spec.replicas, keeps the
+    user's number in status)."""
 
     samples: Sequence[WorkerSample]
     replicas: int | None = None
@@ -99,6 +102,7 @@ class Observed:
     in_flight: str = ""
     batch_sizes: Mapping[int, int] | None = None
     groups: Sequence[Sequence[int]] | None = None
+    goal_replicas: int | None = None
 
     @property
     def mode(self) -> str | None:
@@ -145,8 +149,9 @@ class Replace:
 
 @dataclass(frozen=True, slots=True)
 class Scale:
-    """Run `replicas` nodes instead of `current` (clamped to min/max); `remove_nodes` go first.
-    `mode`: what the workers run."""
+    """Run `replicas` nodes instead of `current` (clamped to min/max); the nodes (pods) of
+    `remove_ranks` go first, as the workers report them in `remove_nodes` and `remove_pods`; keep
+    the job off `exclude_node` when the slowness was bound to it. `mode`: what the workers run."""
 
     mode: str
     replicas: int
@@ -154,6 +159,8 @@ class Scale:
     remove_ranks: tuple[int, ...]
     remove_nodes: tuple[str, ...]
     decision: Rescale
+    remove_pods: tuple[str, ...] = ()
+    exclude_node: str | None = None
 
 
 Action = Push | Replace | Scale
@@ -270,6 +277,7 @@ def drive(
             restart_seconds=costs.restart_seconds,
             switch_seconds=costs.switch_seconds,
             in_flight=in_flight,
+            goal_replicas=observed.goal_replicas,
         )
         result = evaluate(state.policy, observed.samples, view, now)
     except Exception as err:  # the policy is pure code; a bug in it is reported, never fatal to a shell
@@ -316,9 +324,11 @@ def action_for(
     if target == replicas:
         bounds = f"min {spec.min_workers}, max {spec.max_workers}"
         raise Refused(f"rescale to {decision.replicas} keeps {replicas} nodes ({bounds})")
-    leaving = (by_rank[r].node for r in decision.remove_ranks if r in by_rank)
-    nodes = tuple(dict.fromkeys(n for n in leaving if n is not None))
-    return state, Scale(view.mode, target, replicas, decision.remove_ranks, nodes, decision)
+    leaving = [by_rank[r] for r in decision.remove_ranks if r in by_rank]
+    nodes = tuple(dict.fromkeys(s.node for s in leaving if s.node is not None))
+    pods = tuple(dict.fromkeys(s.pod for s in leaving if s.pod is not None))
+    removed = decision.remove_ranks
+    return state, Scale(view.mode, target, replicas, removed, nodes, decision, pods, decision.exclude_node)
 
 
 def _change(decision: SwitchMode | Rebalance) -> ControlCommand:

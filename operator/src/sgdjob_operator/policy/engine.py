@@ -3,7 +3,8 @@
 A change is made only when (1) the cost model predicts at least switchMargin more useful
 throughput than the job gets now (or, for the way back to plain sync, no loss), (2) the same change
 has been the best for persistenceIntervals windows in a row, (3) cooldownSeconds have passed since
-the last change (not for the way back to plain sync), and (4) the change pays back its own cost
+the last change (not for the way back to plain sync; growing back to the goal replicas waits, see
+`candidates`), and (4) the change pays back its own cost
 (restart or switch pause) well within the time it will stay in force, and (5) no change is still in
 flight (`JobView.in_flight`). A hang (`policy.hang`) is recovered from at once.
 """
@@ -126,7 +127,8 @@ def evaluate(state: PolicyState, samples: Sequence[WorkerSample], job: JobView, 
     # The way back to plain sync is exempt: it is where an equal fleet rests, it has persisted like any
     # change, and unequal batches or a stale mode kept through a cooldown after the straggler has gone
     # only cost time (a transient or intermittent straggler would otherwise outlive itself).
-    if not chosen.restoring and state.last_change is not None and now - state.last_change < p.cooldown_seconds:
+    cooled = not chosen.restoring or chosen.settle
+    if cooled and state.last_change is not None and now - state.last_change < p.cooldown_seconds:
         left = p.cooldown_seconds - (now - state.last_change)
         return Evaluation(Keep(f"{health.summary}; {what}; cooldown {left:.0f}s left"), health, waiting, predictions)
     decision = chosen.make(f"{health.summary}; {what}", round(gain, 4))

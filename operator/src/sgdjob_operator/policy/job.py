@@ -23,6 +23,8 @@ class JobView:
     them has `base_batch` and `max_batch`. `restart_seconds` is what a membership change costs
     (re-rendezvous plus resuming from a checkpoint), `switch_seconds` a mode switch or rebalance.
     `in_flight` says why a change is still being applied ('' when none): the policy then holds.
+    `goal_replicas` is what the job should run when healthy (0: `replicas`): below it, a healthy
+    fleet grows back.
     """
 
     requested_mode: str
@@ -48,6 +50,12 @@ class JobView:
     restart_seconds: float = 60.0
     switch_seconds: float = 5.0
     in_flight: str = ""
+    goal_replicas: int = 0
+
+    @property
+    def goal(self) -> int:
+        """Nodes to grow back to, within maxReplicas."""
+        return min(self.goal_replicas or self.replicas, self.max_replicas)
 
     @property
     def world_size(self) -> int:
@@ -99,6 +107,7 @@ def job_view(
     restart_seconds: float = 60.0,
     switch_seconds: float = 5.0,
     in_flight: str = "",
+    goal_replicas: int | None = None,
 ) -> JobView:
     """The policy's view of a job: `spec` plus the active mode (default: the mode workers start
     in), the current replicas (default spec.replicas), per-rank batch sizes and hierarchical groups
@@ -131,4 +140,5 @@ def job_view(
         restart_seconds=restart_seconds,
         switch_seconds=switch_seconds,
         in_flight=in_flight,
+        goal_replicas=goal_replicas if goal_replicas is not None else spec.replicas,
     )

@@ -73,7 +73,8 @@ class SimActuator:
 
     def scale(self, action: Scale) -> None:
         self.run.record(action.decision, self.now)
-        self.run._restart(self.now, drop={int(self.run.fleet.node_of[self.workers[r]]) for r in action.remove_ranks})
+        drop = {int(self.run.fleet.node_of[self.workers[r]]) for r in action.remove_ranks}
+        self.run._restart(self.now, drop=drop, grow=max(0, action.replicas - action.current))
 
 
 class Run:
@@ -140,9 +141,9 @@ class Run:
     def _workers(self) -> list[int]:
         return [int(w) for w in np.nonzero(self.alive)[0]]
 
-    def _restart(self, t: float, drop: Iterable[int] = (), replace: Iterable[int] = ()) -> None:
-        """Every worker restarts from the latest checkpoint, without `drop` nodes and with `replace`
-        nodes swapped for fresh ones."""
+    def _restart(self, t: float, drop: Iterable[int] = (), replace: Iterable[int] = (), grow: int = 0) -> None:
+        """Every worker restarts from the latest checkpoint, without `drop` nodes, with `replace`
+        nodes swapped for fresh ones, and with `grow` fresh nodes in place of nodes gone before."""
         c = self.counters
         step_samples = self.base * self.fleet.size
         interval = self.spec.training.checkpoint.interval_steps
@@ -155,6 +156,10 @@ class Run:
             self.fleet.replace_node(node)
         for node in drop:
             self.alive[self.fleet.node_of == node] = False
+        for node in sorted({int(n) for n in self.fleet.node_of[~self.alive]})[:grow]:
+            workers = self.fleet.node_of == node
+            self.fleet.replace_node(node)
+            self.alive[workers] = True
         c.reset()
         self.training_start = t + self.sc.costs.restart_seconds
         if self.groups is not None:

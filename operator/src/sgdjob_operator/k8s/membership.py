@@ -1,0 +1,93 @@
+"""Pure rules for which worker pods a job runs and which nodes it keeps off, from status and `now`.
+
+Worker indices: the job runs the indices in `status.controller.workerIndices` (absent: 0..replicas-1).
+The policy's rescale removes the pods of the ranks it names, so the indices left need not be a range;
+a count that differs from spec.replicas (a `kubectl scale`, an operator restart between two writes)
+is mended by dropping the highest indices or adding the lowest free ones, so every pass computes the
+same set from the same object and a restarted operator neither duplicates nor picks another pod.
+
+Node exclusions: a node the policy took a worker off because the node was slow is excluded until
+`policy.excludeNodeSeconds` after the decision (0: for the job's lifetime). An exclusion without an
+end (stored by an older operator, or while excludeNodeSeconds was 0) gets one from its start and the
+current excludeNodeSeconds; one without a start is dated at the first pass that reads it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from sgdjob_operator.api.models import ControllerState, ExcludedNode, SGDJobSpec
+from sgdjob_operator.k8s.status import parse_time, rfc3339
+
+MAX_EXCLUDED = 256
+
+
+def normalise(indices: Iterable[int], replicas: int) -> list[int]:
+    """`replicas` indices: those given, less the highest, or plus the lowest free ones."""
+    kept = sorted(set(indices))[:replicas]
+    free = (i for i in range(replicas + len(kept)) if i not in kept)
+    return sorted([*kept, *(next(free) for _ in range(replicas - len(kept)))])
+
+
+def wanted_indices(ctl: ControllerState, replicas: int) -> list[int]:
+    """The worker indices the job runs at `replicas` pods."""
+    stored = ctl.worker_indices if ctl.worker_indices is not None else range(replicas)
+    return normalise(stored, replicas)
+
+
+def store_indices(ctl: ControllerState, indices: Sequence[int]) -> None:
+    """Keep the set in status only when it is not the plain range (the common case stays compact)."""
+    ordered = sorted(indices)
+    ctl.worker_indices = None if ordered == list(range(len(ordered))) else ordered
+
+
+def rescaled_indices(current: Sequence[int], replicas: int, remove: Iterable[int]) -> list[int]:
+    """The indices after a rescale to `replicas` that removes `remove` first; new pods take the
+    lowest indices that are neither kept nor just removed (a removed pod's name is still taken)."""
+    gone = set(remove)
+    kept = [i for i in sorted(current) if i not in gone][:replicas]
+    free = (i for i in range(replicas + len(current) + len(gone)) if i not in kept and i not in gone)
+    return sorted([*kept, *(next(free) for _ in range(replicas - len(kept)))])
+
+
+def goal_replicas(spec: SGDJobSpec, ctl: ControllerState) -> int:
+    """The replicas the job should run when healthy: the user's, kept when the policy shrank the
+    job; once spec.replicas differs from what the policy set, a person scaled it and that wins."""
+    if ctl.goal_replicas is None or ctl.scaled_replicas != spec.replicas:
+        return spec.replicas
+    return max(spec.min_workers, min(spec.max_workers, ctl.goal_replicas))
+
+
+def record_scale(spec: SGDJobSpec, ctl: ControllerState, replicas: int) -> None:
+    """Remember the user's replicas across the policy's own scaling."""
+    ctl.goal_replicas = goal_replicas(spec, ctl)
+    ctl.scaled_replicas = replicas
+
+
+def exclude(ctl: ControllerState, node: str, now: float, seconds: float, reason: str) -> ExcludedNode:
+    """Keep the job off `node` from `now` (renewed when already excluded), oldest dropped past the bound."""
+    entry = ExcludedNode(
+        node=node, since=rfc3339(now), until=rfc3339(now + seconds) if seconds > 0 else None, reason=reason[:512]
+    )
+    others = [e for e in ctl.excluded_nodes if e.node != node]
+    ctl.excluded_nodes = [*others[-(MAX_EXCLUDED - 1) :], entry]
+    return entry
+
+
+def expire(ctl: ControllerState, now: float, seconds: float) -> list[ExcludedNode]:
+    """Drop the exclusions whose time is up; date the undated ones. Returns those dropped."""
+    kept: list[ExcludedNode] = []
+    gone: list[ExcludedNode] = []
+    for e in ctl.excluded_nodes:
+        if e.since is None:
+            e = e.model_copy(update={"since": rfc3339(now)})
+        if e.until is None and seconds > 0:
+            e = e.model_copy(update={"until": rfc3339((parse_time(e.since) or now) + seconds)})
+        until = parse_time(e.until)
+        (gone if until is not None and now >= until else kept).append(e)
+    ctl.excluded_nodes = kept
+    return gone
+
+
+def excluded_names(ctl: ControllerState) -> list[str]:
+    return [e.node for e in ctl.excluded_nodes]
