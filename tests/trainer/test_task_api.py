@@ -83,7 +83,7 @@ def test_declarative_optimizer_and_its_errors_name_the_field() -> None:
     with pytest.raises(ValidationError, match="nesterov"):
         TrainingConfig.model_validate({"optimizer": {"nesterov": True}})
     with pytest.raises(ValidationError, match=r"training\.task provides the model; remove training\.model"):
-        TrainingConfig.model_validate({"task": "pkg.mod:build", "model": "mlp"})
+        TrainingConfig.model_validate({"task": "pkg.mod:build", "model": "digits-mlp"})
     with pytest.raises(ValidationError, match="betas"):
         TrainingConfig.model_validate({"optimizer": {"name": "adam", "betas": [0.9]}})
 

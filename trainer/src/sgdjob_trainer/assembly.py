@@ -77,8 +77,9 @@ def same_model(model: nn.Module, world_size: int, group: dist.ProcessGroup | Non
 def _optimizer(training: TrainingConfig, task: Task, model: nn.Module) -> torch.optim.Optimizer:
     if task.optimizer is None:
         return build_optimizer(training, model)
+    # By value (a run-config file carries every field written out): anything off its default.
     for field in ("learning_rate", "momentum", "optimizer"):
-        if field in training.model_fields_set:
+        if getattr(training, field) != TrainingConfig.model_fields[field].default:
             name = {"learning_rate": "learningRate"}.get(field, field)
             raise ValueError(
                 f"training.{name}: the task builds its own optimizer, which sets the learning rates; "
@@ -90,7 +91,7 @@ def _optimizer(training: TrainingConfig, task: Task, model: nn.Module) -> torch.
 def _schedule(training: TrainingConfig, task: Task) -> Callable[[int], float]:
     if task.lr_lambda is None:
         return lambda step: lr_factor(training.lr_policy, step, training.steps)
-    if "lr_policy" in training.model_fields_set:
+    if training.lr_policy != TrainingConfig.model_fields["lr_policy"].default:
         raise ValueError(
             "training.lrPolicy: the task gives lr_lambda, its own schedule; remove training.lrPolicy or lr_lambda"
         )

@@ -554,8 +554,9 @@ class TrainingConfig(CamelModel):
     @model_validator(mode="after")
     def _names(self) -> Self:
         if self.task is not None:
+            # By value, not by what was set: a run-config file carries every field written out.
             for name in ("model", "dataset", "loss"):
-                if name in self.model_fields_set:
+                if getattr(self, name) != type(self).model_fields[name].default:
                     raise cross_field_error(name, f"training.task provides the {name}; remove training.{name}")
         if self.momentum > 0 and self.optimizer.name != OptimizerName.SGD:
             raise cross_field_error(

@@ -1,0 +1,95 @@
+"""`sgdjob run` of a job that brings its own training code: a task module beside the job file (no
+PYTHONPATH set by the user), AdamW built by the task, in every mode and in auto."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.local.example_runs import SGDJOB
+
+TASK = textwrap.dedent(
+    """
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    from sgdjob_trainer.data import digits_dataset
+    from sgdjob_trainer.task import Task
+
+
+    def adamw(model):
+        decay = [p for p in model.parameters() if p.dim() >= 2]
+        plain = [p for p in model.parameters() if p.dim() < 2]
+        groups = [{"params": decay, "weight_decay": 0.05}, {"params": plain, "weight_decay": 0.0}]
+        return torch.optim.AdamW(groups, lr=0.004, betas=(0.9, 0.98))
+
+
+    def build():
+        model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+        return Task(model=model, train_data=digits_dataset(), loss=F.cross_entropy, optimizer=adamw)
+    """
+)
+
+
+def _job(folder: Path, mode: str) -> Path:
+    (folder / "my_digits_task.py").write_text(TASK)
+    emulation = {"computeSeconds": 0.02, "slowdowns": [{"rank": 2, "factor": 3.0}]}
+    spec = {
+        "replicas": 3,
+        "minReplicas": 3,
+        "mode": mode,
+        "policy": {"intervalSeconds": 1, "persistenceIntervals": 2},
+        "training": {
+            "task": "my_digits_task:build",
+            "steps": 3000,
+            "batchSize": 16,
+            "evaluation": {"everySteps": 10, "samples": 200},
+            "target": {"metric": "accuracy", "value": 0.93},
+            "emulation": emulation,
+        },
+    }
+    path = folder / "job.yaml"
+    path.write_text(yaml.safe_dump({"apiVersion": "sgdjob.dev/v1alpha1", "kind": "SGDJob",
+                                    "metadata": {"name": "own-code"}, "spec": spec}))  # fmt: skip
+    return path
+
+
+@pytest.mark.parametrize("mode", ["sync", "hierarchical", "async", "auto"])
+def test_a_task_with_its_own_adamw_trains_to_its_target_in_every_mode(tmp_path: Path, mode: str) -> None:
+    (tmp_path / "code").mkdir()
+    job = _job(tmp_path / "code", mode)
+    out = tmp_path / "out"
+    # cwd elsewhere: the module is found because it sits beside the job file.
+    proc = subprocess.run([SGDJOB, "run", str(job), "--out", str(out), "--timeout", "240"],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)  # fmt: skip
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    report = json.loads((out / "report.json").read_text())
+    assert report["ok"] and report["reason"] == "TargetReached", report
+    assert report["steps"] < 3000 and report["validation"]["accuracy"] >= 0.93
+    logs = "\n".join(p.read_text() for p in (out / "logs").glob("*.log"))
+    assert "task my_digits_task:build, AdamW" in logs, "the task's own optimizer ran"
+    if mode != "auto":
+        assert [m["mode"] for m in report["mode_timeline"]] == [mode]
+    else:
+        # The policy acted on the 3x straggler: a switch or a rebalance, each with its reason.
+        assert report["decisions"], report["mode_timeline"]
+
+
+def test_a_task_that_cannot_be_imported_fails_the_run_naming_the_field(tmp_path: Path) -> None:
+    job = _job(tmp_path, "sync")
+    data = yaml.safe_load(job.read_text())
+    data["spec"]["training"]["task"] = "no_such_module:build"
+    data["spec"]["runPolicy"] = {"backoffLimit": 0}  # the same error on every restart
+    job.write_text(yaml.safe_dump(data))
+    proc = subprocess.run([SGDJOB, "run", str(job), "--out", str(tmp_path / "out"), "--timeout", "120"],
+                          capture_output=True, text=True, timeout=180, cwd=tmp_path)  # fmt: skip
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "training.task: cannot import 'no_such_module:build'" in output, output[-4000:]
