@@ -22,7 +22,7 @@ import yaml
 from bench.scenarios import BenchConfig, Scenario, ddp_run_config, job_doc
 
 if TYPE_CHECKING:
-    from sgdjob_operator.local.runner import PollHook
+    from sgdjob_operator.local.runner import PollHook, RunOutcome
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -99,6 +99,29 @@ def write_job(cfg: BenchConfig, scenario: Scenario, mode: str, path: Path) -> Pa
     return path
 
 
+def run_job_file(
+    job_path: Path,
+    mode: str,
+    out_dir: Path,
+    timeout_s: float,
+    *,
+    on_poll: PollHook | None = None,
+    code_dirs: tuple[Path, ...] = (),
+) -> tuple[RunOutcome, float]:
+    """`sgdjob run JOB --mode MODE --out DIR` minus the CLI's plots, progress to DIR/progress.log;
+    `code_dirs` go first on the workers' PYTHONPATH. Returns the outcome and the seconds it took."""
+    from sgdjob_operator.api.validation import load_jobs
+    from sgdjob_operator.local.progress import PlainDisplay
+    from sgdjob_operator.local.runner import RunOptions, run_local
+
+    job = load_jobs(job_path)[0]
+    options = RunOptions(out_dir=out_dir, mode=mode, timeout_s=timeout_s, code_dirs=code_dirs)
+    start = time.monotonic()
+    with (out_dir / "progress.log").open("w") as log:
+        outcome = asyncio.run(run_local(job, options, PlainDisplay(stream=log, every_s=5.0), on_poll))
+    return outcome, time.monotonic() - start
+
+
 def run_sgdjob(
     cfg: BenchConfig,
     scenario: Scenario,
@@ -112,22 +135,7 @@ def run_sgdjob(
     """Our trainer in `mode` (sync, hierarchical, async, or auto: the policy drives it), exactly as
     `sgdjob run JOB --mode MODE --out DIR` runs it, minus the CLI's plots. `on_poll` is the local
     runner's poll hook (e.g. one that pushes a control command); `system` names the record."""
-    from sgdjob_operator.api.validation import load_jobs
-    from sgdjob_operator.local.progress import PlainDisplay
-    from sgdjob_operator.local.runner import RunOptions, run_local
-
     job_path = write_job(cfg, scenario, mode, out_dir / "job.yaml")
-    job = load_jobs(job_path)[0]
-    start = time.monotonic()
-    with (out_dir / "progress.log").open("w") as log:
-        outcome = asyncio.run(
-            run_local(
-                job,
-                RunOptions(out_dir=out_dir, mode=mode, timeout_s=timeout_s),
-                PlainDisplay(stream=log, every_s=5.0),
-                on_poll,
-            )
-        )
-    harness = time.monotonic() - start
+    outcome, harness = run_job_file(job_path, mode, out_dir, timeout_s, on_poll=on_poll)
     error = None if outcome.exit_code == 0 else outcome.message.splitlines()[0]
     return RunRecord(system or mode, out_dir, harness, report=outcome.report, error=error)

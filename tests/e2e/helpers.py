@@ -9,6 +9,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -185,6 +186,23 @@ class OperatorProcess:
 
     def tail(self, n: int = 80) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:]) if self.log.exists() else ""
+
+
+@dataclass
+class Env:
+    """One scenario module's world: the cluster, a namespace of its own with an operator watching it."""
+
+    cluster: LocalCluster
+    kube: KubeApi
+    ns: str
+    operator: OperatorProcess
+    tmp: Path
+
+
+@contextmanager
+def scenario_env(cluster: LocalCluster, prefix: str, tmp: Path) -> Iterator[Env]:
+    with operator_namespace(cluster, prefix, tmp) as (ns, op):
+        yield Env(cluster, cluster.kube(), ns, op, tmp)
 
 
 @contextmanager

@@ -14,23 +14,20 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 
 from devcluster.cluster import LocalCluster
-from devcluster.kube import KubeApi
 from devcluster.testing import Obj, apply, wait_for
 from tests.e2e.helpers import (
-    OperatorProcess,
+    Env,
     assert_children_gone,
     get_job,
     http_json,
     job_events,
     job_status,
     kubectl_table,
-    operator_namespace,
+    scenario_env,
     sgdjob_manifest,
     worker_pods,
 )
@@ -44,20 +41,10 @@ START_TIMEOUT = 240.0  # pods start torch (slow on a loaded 2-core machine) and 
 RECOVER_TIMEOUT = 240.0  # a membership change: torchrun's re-rendezvous (incl. its 30 s last call) + restart
 
 
-@dataclass
-class Env:
-    cluster: LocalCluster
-    kube: KubeApi
-    ns: str
-    operator: OperatorProcess
-    tmp: Path
-
-
 @pytest.fixture(scope="module")
 def env(cluster_crd: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
-    tmp = tmp_path_factory.mktemp("scenarios")
-    with operator_namespace(cluster_crd, "scenarios", tmp) as (ns, op):
-        yield Env(cluster_crd, cluster_crd.kube(), ns, op, tmp)
+    with scenario_env(cluster_crd, "scenarios", tmp_path_factory.mktemp("scenarios")) as e:
+        yield e
 
 
 def step(e: Env) -> int:

@@ -14,20 +14,18 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import pytest
 
 from devcluster.cluster import LocalCluster
-from devcluster.kube import KubeApi
 from devcluster.testing import Obj, apply, wait_for
 from tests.e2e.helpers import (
-    OperatorProcess,
+    Env,
     assert_children_gone,
     http_json,
     job_events,
     job_status,
-    operator_namespace,
+    scenario_env,
     sgdjob_manifest,
     worker_pods,
 )
@@ -47,20 +45,10 @@ POLICY = {
 }
 
 
-@dataclass
-class Env:
-    cluster: LocalCluster
-    kube: KubeApi
-    ns: str
-    tmp: Path
-    operator: OperatorProcess
-
-
 @pytest.fixture(scope="module")
 def env(cluster_crd: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
-    tmp = tmp_path_factory.mktemp("adapt")
-    with operator_namespace(cluster_crd, "adapt", tmp) as (ns, op):
-        yield Env(cluster_crd, cluster_crd.kube(), ns, tmp, op)
+    with scenario_env(cluster_crd, "adapt", tmp_path_factory.mktemp("adapt")) as e:
+        yield e
 
 
 def live_workers(e: Env, job: str, n: int) -> list[Obj] | None:
