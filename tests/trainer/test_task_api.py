@@ -253,3 +253,31 @@ def test_a_stream_too_short_for_a_batch_names_the_fix() -> None:
     stream = IterableStream(Counting(5), 0, 2)
     with pytest.raises(ValueError, match=r"fewer than 4 items \(batchSize\).*smaller batchSize"):
         stream.next_batch(4)
+
+
+class _Factored(torch.optim.Optimizer):
+    """A user's optimizer with one running scale per row: state SGDJob cannot slice elementwise."""
+
+    def __init__(self, params: Any) -> None:
+        super().__init__(params, {"lr": 0.1})
+
+    def step(self, closure: Any = None) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                row = self.state[p].setdefault("row", torch.zeros(p.shape[0]))
+                row.add_(p.grad.reshape(p.shape[0], -1).pow(2).mean(dim=1))  # type: ignore[union-attr]
+                p.data.add_(p.grad, alpha=-group["lr"])  # type: ignore[arg-type]
+
+
+def test_what_async_cannot_run_is_known_before_it_is_tried() -> None:
+    from sgdjob_trainer.optim import async_obstacle
+
+    model = _model()
+    params = list(model.parameters())
+    assert async_obstacle(torch.optim.AdamW(params), params) is None
+    factored = torch.optim.Adafactor(params)
+    assert "factored" in (async_obstacle(factored, params) or ""), "known before its first step"
+    own = _Factored([p for p in params if p.dim() == 2])
+    assert async_obstacle(own, params) is None, "an unknown optimizer without state: not yet judged"
+    _step(own, model, 0)
+    assert "not elementwise" in (async_obstacle(own, [p for p in params if p.dim() == 2]) or "")

@@ -57,7 +57,7 @@ def test_dropping_a_worker_changes_the_per_sample_learning_rate_by_the_jobs_rule
     assert job_view(spec).lr_ratio(3) == pytest.approx(ratio)
 
 
-def _straggler_job(correlation: float | None) -> Harness:
+def _straggler_job(correlation: float | None, async_capable: bool | None = None) -> Harness:
     gradient = None if correlation is None else GradientSignal(50, 1.0, 100.0, correlation)
     return Harness(
         [FAST, FAST, FAST, SLOW],
@@ -65,6 +65,7 @@ def _straggler_job(correlation: float | None) -> Harness:
         policy={"allowedActions": ["switchMode", "rebalance"]},
         training={"async": {"stalenessLr": "none"}},
         gradient=gradient,
+        async_capable=async_capable,
     )
 
 
@@ -80,6 +81,13 @@ def test_where_staleness_costs_nothing_the_straggler_job_goes_async() -> None:
     d = _first_change(_straggler_job(0.999))
     assert isinstance(d, SwitchMode) and d.mode == "async", d.reason
     assert "measured over 50 synchronous steps" in d.reason and "correlation 0.999" in d.reason
+
+
+def test_an_optimizer_async_cannot_shard_keeps_the_job_out_of_async() -> None:
+    """The ranks say their optimizer keeps non-elementwise state (sgdjob_async_capable 0): the job
+    where async would win otherwise takes the best change without it."""
+    d = _first_change(_straggler_job(0.999, async_capable=False))
+    assert not (isinstance(d, SwitchMode) and d.mode == "async"), d.reason
 
 
 def test_where_the_gradient_turns_fast_the_same_job_rebalances_sync() -> None:

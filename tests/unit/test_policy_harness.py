@@ -45,6 +45,8 @@ class Harness:
     training: dict[str, Any] = field(default_factory=dict)
     # What every rank's trainer reports of its gradients (None: an older trainer, nothing measured).
     gradient: GradientSignal | None = None
+    # What every rank says of its optimizer: False when it cannot be sharded for async mode.
+    async_capable: bool | None = None
 
     def __post_init__(self) -> None:
         nodes = len(self.speeds) // self.nproc
@@ -105,6 +107,7 @@ class Harness:
                 pod=f"pod-{self.node_names[r]}",
                 staleness=1.0 if self.active == "async" else 0.0,
                 gradient=self.gradient,
+                async_capable=self.async_capable,
             )
             for r, k in enumerate(self.counters)
         ]

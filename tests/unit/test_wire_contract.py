@@ -83,12 +83,15 @@ def test_the_trainers_metrics_give_the_policy_every_field_it_reads() -> None:
         gradient=GradientSignal(12, 0.5, 40.0, 0.25),
         stalled_seconds=sample.stalled_seconds,
         computing=False,
+        async_capable=True,
     )
     assert sample.stalled_seconds is not None and 0 <= sample.stalled_seconds <= after
     assert sample == expected
     zero = WorkerSample(0, 0.0, steps=0, samples=0, compute_seconds=0.0, comm_wait_seconds=0.0, mode="", batch_size=0)
     unset = [f.name for f in dataclasses.fields(WorkerSample) if getattr(sample, f.name) == getattr(zero, f.name)]
     assert unset == [], "every field the policy reads comes from the trainer's metrics"
+    telemetry.async_capable = False  # an optimizer async mode cannot shard
+    assert parse_metrics(telemetry.render_metrics().decode(), time=51.0).async_capable is False
     window = measure({}, [sample], world_size=3)
     assert window.gradient_bytes == nbytes and window.world_size == 3
 

@@ -83,6 +83,40 @@ def set_lr(optimizer: torch.optim.Optimizer, factor: float) -> None:
         group["lr"] = group[BASE_LR] * factor
 
 
+# torch optimizers whose state is elementwise (plus step counts): async mode shards them exactly.
+ELEMENTWISE = (
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adamax,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.RMSprop,
+    torch.optim.Adagrad,
+    torch.optim.Rprop,
+)
+
+
+def async_obstacle(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> str | None:
+    """Why async mode cannot run this optimizer, or None. A known elementwise optimizer can; any
+    other is judged by its state once it has some (before its first step it is given the benefit
+    of the doubt, and entering async then checks again)."""
+    if isinstance(optimizer, ELEMENTWISE):
+        return None
+    name = type(optimizer).__name__
+    if getattr(torch.optim, "Adafactor", None) is not None and isinstance(optimizer, torch.optim.Adafactor):
+        return (
+            f"optimizer {name} keeps factored (row/column) moments, not elementwise state, so async mode "
+            "cannot shard it over parameter servers; use an elementwise optimizer (sgd, adam, adamw, rmsprop, "
+            "adagrad) or keep the job in sync/hierarchical (spec.mode)"
+        )
+    try:
+        flat_state(optimizer, params)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
 def flat_state(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> FlatState:
     """The optimizer's state over `params` in flat form (module doc), on the CPU."""
     numel = sum(p.numel() for p in params)

@@ -137,6 +137,11 @@ class Telemetry:
             wm.COMPUTING, "1 while inside a step's own compute (data, forward, backward), 0 otherwise.", registry=r
         )
         self.m_computing.set_function(lambda: 1.0 if self.computing else 0.0)
+        self.async_capable = True  # see wire.metric_names.ASYNC_CAPABLE
+        self.m_async_capable = Gauge(
+            wm.ASYNC_CAPABLE, "0 when the optimizer's state cannot be sharded for async mode, else 1.", registry=r
+        )
+        self.m_async_capable.set_function(lambda: 1.0 if self.async_capable else 0.0)
         self.m_info = Gauge(wm.WORKER_INFO, "Identity of this process.", list(wm.WORKER_INFO_LABELS), registry=r)
         self.m_switches = Counter(wm.SWITCHES, "Mode switches done.", registry=r)
         self.m_pause = Counter(wm.SWITCH_PAUSE_SECONDS, "Seconds spent paused in mode switches.", registry=r)
@@ -329,6 +334,7 @@ class Telemetry:
                 gradient_bytes=self.gradient_bytes,
                 gradient_stat_steps=self.gradient.steps,
                 computing=self.computing,
+                async_capable=self.async_capable,
                 switches=list(self.switches),
                 done=self.done,
                 time=time.time(),

@@ -40,11 +40,11 @@ import torch
 import torch.distributed as dist
 
 from sgdjob_trainer.assembly import assemble
-from sgdjob_trainer.config import Precision, TargetMetric, TrainingConfig
+from sgdjob_trainer.config import Precision, SyncMode, TargetMetric, TrainingConfig
 from sgdjob_trainer.data import DataPosition
 from sgdjob_trainer.emulation import ComputeEmulator
 from sgdjob_trainer.levers import LossScaler
-from sgdjob_trainer.optim import OptimizerTemplate
+from sgdjob_trainer.optim import OptimizerTemplate, async_obstacle
 from sgdjob_trainer.recovery import Recovery
 from sgdjob_trainer.runtime import WorldInfo, choose_device, init_distributed, setup_logging, shutdown_distributed
 from sgdjob_trainer.server import ControlInbox, TrainerServer
@@ -117,6 +117,10 @@ class Trainer:
         )
         if t.target is not None and t.target.metric == TargetMetric.ACCURACY and not self.validator.classification:
             raise ValueError("training.target: an accuracy target needs a classification task (cross-entropy loss)")
+        self.trainable = [p for p in model.parameters() if p.requires_grad]
+        # Whether async mode can shard this optimizer: told to the policy (sgdjob_async_capable).
+        self.telemetry.async_capable = async_obstacle(optimizer, self.trainable) is None
+        self.async_checked = False
         self.target_hit = False  # rank 0: its validation reached training.target
         numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
         self.telemetry.set_gradient_bytes(exchange_bytes(list(model.parameters()), t.compression))
@@ -215,6 +219,10 @@ class Trainer:
                     result.staleness,
                 )
                 telemetry.set_gradient_figures(self.ctx.grad_stats.figures())
+                if not self.async_checked and state.mode != SyncMode.ASYNC:
+                    # An optimizer SGDJob does not know is judged by its state, which exists now.
+                    self.async_checked = True
+                    telemetry.async_capable = async_obstacle(state.optimizer, self.trainable) is None
                 if not math.isfinite(result.loss):
                     # Fail loudly (torchrun then stops every worker) rather than train on NaNs.
                     raise FloatingPointError(f"loss is {result.loss} at step {state.step} in {state.mode.value} mode")

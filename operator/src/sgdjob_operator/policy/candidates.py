@@ -46,6 +46,8 @@ class DecisionContext:
     pods: Mapping[int, str | None]
     ci: CostInputs
     measured_staleness: float | None
+    # False when some rank's optimizer keeps state async mode cannot shard: no async candidate.
+    async_ok: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,7 +174,7 @@ def build(ctx: DecisionContext) -> list[Candidate]:
                     CLUSTER_PREFERENCE if shape is Shape.CLUSTERS else 0.0,
                 )
             )
-        if view.mode != "async":
+        if view.mode != "async" and ctx.async_ok:
             back = plain if unequal else None
             pred = predict_async(ctx.speeds, plain, ctx.ci)
             out.append(

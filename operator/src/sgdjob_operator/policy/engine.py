@@ -102,7 +102,8 @@ def evaluate(state: PolicyState, samples: Sequence[WorkerSample], job: JobView, 
         job.async_staleness,
         job.ps_shards,
     )
-    ctx = DecisionContext(health, job, speeds, nodes, pods, ci, sum(stale) / len(stale) if stale else None)
+    async_ok = all(s.async_capable is not False for s in window.latest.values())
+    ctx = DecisionContext(health, job, speeds, nodes, pods, ci, sum(stale) / len(stale) if stale else None, async_ok)
     current = predict_current(ctx)
     candidates = build(ctx)
     predictions = {"current": current.useful, **{c.prediction.label: c.prediction.useful for c in candidates}}

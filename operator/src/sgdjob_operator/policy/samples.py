@@ -49,3 +49,5 @@ class WorkerSample:
     # now (None: not said). What tells a hung rank from the ranks waiting for it.
     stalled_seconds: float | None = None
     computing: bool | None = None
+    # False when the process's optimizer cannot run in async mode (None: not said).
+    async_capable: bool | None = None

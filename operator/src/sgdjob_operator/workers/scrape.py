@@ -148,6 +148,7 @@ def parse_metrics(text: str, *, time: float, endpoint: Endpoint | None = None) -
         training_seconds=_training_seconds(_first(series, wm.TRAINING_SECONDS)),
         stalled_seconds=_finite(_first(series, wm.STALLED_SECONDS)),
         computing=None if (c := _finite(_first(series, wm.COMPUTING))) is None else c >= 0.5,
+        async_capable=None if (a := _finite(_first(series, wm.ASYNC_CAPABLE))) is None else a >= 0.5,
         gradient=gradient_signal(
             _finite(_first(series, wm.GRADIENT_STAT_STEPS)),
             _finite(_first(series, wm.GRADIENT_SQ_NORM)),
@@ -204,6 +205,7 @@ def sample_from_status(status: WorkerStatus, *, time: float, endpoint: Endpoint 
         gradient_bytes=status.gradient_bytes,
         stalled_seconds=_finite(status.stalled_seconds),
         computing=status.computing,
+        async_capable=status.async_capable,
         gradient=gradient_signal(
             status.gradient_stat_steps,
             _finite(status.gradient_sq_norm),

@@ -15,7 +15,7 @@ import time
 import torch
 
 from sgdjob_trainer.config import SyncMode
-from sgdjob_trainer.optim import flat_state, load_flat_state
+from sgdjob_trainer.optim import async_obstacle, flat_state, load_flat_state
 from sgdjob_trainer.strategies.base import StepResult, Strategy
 from sgdjob_trainer.strategies.ps import ParameterServer
 
@@ -32,6 +32,9 @@ class AsyncStrategy(Strategy):
 
     def enter(self) -> None:
         ctx = self.ctx
+        obstacle = async_obstacle(ctx.state.optimizer, self.params)
+        if obstacle is not None:  # every rank has the same optimizer: all raise here together
+            raise ValueError(f"async mode: {obstacle}")
         self.server.load(
             self.flat_params(), ctx.lr_scale, ctx.total_batch(), flat_state(ctx.state.optimizer, self.params)
         )

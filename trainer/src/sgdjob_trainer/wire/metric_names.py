@@ -38,6 +38,9 @@ GRADIENT_STAT_STEPS = "sgdjob_gradient_stat_steps"
 # compute (a rank stuck there while the others wait in an exchange is the one that hangs).
 STALLED_SECONDS = "sgdjob_stalled_seconds"
 COMPUTING = "sgdjob_computing"
+# 0 when the job's optimizer keeps state async mode cannot shard (optim.async_obstacle): the policy
+# then never proposes async. 1 otherwise (as far as is known yet).
+ASYNC_CAPABLE = "sgdjob_async_capable"
 MODE = "sgdjob_mode"  # one series per mode, labelled LABEL_MODE: 1 for the active one
 VALIDATION_LOSS = "sgdjob_validation_loss"  # rank 0: loss on the held-out split at the last validation
 VALIDATION_ACCURACY = "sgdjob_validation_accuracy"  # rank 0, classification only: fraction right (0..1)

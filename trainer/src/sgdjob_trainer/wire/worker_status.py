@@ -93,6 +93,7 @@ class WorkerStatus(WireDocument):
     # Hang signals (see metric_names.STALLED_SECONDS): absent before training began.
     stalled_seconds: float | None = None
     computing: bool = False
+    async_capable: bool = True  # see metric_names.ASYNC_CAPABLE
     # Moving averages over the synchronous steps (sgdjob_trainer.gradient_stats); absent until known.
     gradient_stat_steps: int = 0
     gradient_sq_norm: float | None = None
