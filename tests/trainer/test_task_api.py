@@ -281,3 +281,61 @@ def test_what_async_cannot_run_is_known_before_it_is_tried() -> None:
     assert async_obstacle(own, params) is None, "an unknown optimizer without state: not yet judged"
     _step(own, model, 0)
     assert "not elementwise" in (async_obstacle(own, [p for p in params if p.dim() == 2]) or "")
+
+
+# -- mistakes only a real world shows (two processes, gloo) -------------------------------------------
+def rank_dependent_task() -> Task:
+    """A task that builds a wider model on rank 1: the mistake same_model catches."""
+    import os
+
+    width = 8 if os.environ.get("RANK") == "0" else 16
+    data = TensorDataset(torch.randn(40, 4), torch.randint(0, 3, (40,)))
+    return Task(model=nn.Sequential(nn.Linear(4, width), nn.Linear(width, 3)), train_data=data, loss=F.cross_entropy)
+
+
+def tiny_data_task() -> Task:
+    data = TensorDataset(torch.randn(12, 4), torch.randint(0, 3, (12,)))
+    return Task(model=_model(), train_data=data, loss=F.cross_entropy)
+
+
+def _assemble_child(rank: int, port: int, out: str) -> None:
+    import json
+    import os
+
+    import torch.distributed as dist
+
+    from bench.trainer_modes import spawned_rank_env
+    from sgdjob_trainer.assembly import assemble
+    from sgdjob_trainer.runtime import WorldInfo
+
+    spawned_rank_env(rank, 2, port)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    errors = {}
+    for name, training in (
+        ("differs", {"task": "tests.trainer.test_task_api:rank_dependent_task"}),
+        ("tiny", {"task": "tests.trainer.test_task_api:tiny_data_task", "batchSize": 8}),
+    ):
+        try:
+            assemble(TrainingConfig.model_validate(training), WorldInfo.from_env(), torch.device("cpu"),
+                     DataPosition(), None)  # fmt: skip
+            errors[name] = ""
+        except ValueError as err:
+            errors[name] = str(err)
+    with open(os.path.join(out, f"{rank}.json"), "w") as f:
+        json.dump(errors, f)
+    dist.destroy_process_group()
+
+
+@pytest.mark.multiproc
+def test_a_model_that_differs_between_ranks_or_data_too_small_is_refused(tmp_path: Any) -> None:
+    import json
+
+    import torch.multiprocessing as mp
+
+    from bench.trainer_modes import free_port_base
+
+    mp.spawn(_assemble_child, args=(free_port_base(1), str(tmp_path)), nprocs=2, join=True)
+    for rank in (0, 1):
+        errors = json.loads((tmp_path / f"{rank}.json").read_text())
+        assert "the model differs between ranks" in errors["differs"] and "training.task" in errors["differs"]
+        assert errors["tiny"].startswith("training.batchSize:") and "fewer than batchSize 8" in errors["tiny"]
