@@ -7,6 +7,7 @@ import math
 import random
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -25,7 +26,7 @@ from sgdjob_trainer.checkpoint import (
 from sgdjob_trainer.config import Checkpoint, LrPolicy, LrSchedule, TrainingConfig
 from sgdjob_trainer.data import DataPosition, ShardedStream, rebase, synthetic_dataset
 from sgdjob_trainer.levers import LossScaler, lr_factor
-from sgdjob_trainer.resume import average_models, read_checkpoint
+from sgdjob_trainer.resume import average_models, average_optimizers, read_checkpoint
 
 
 def _snapshot(step: int, world: int, rank: int, value: float) -> Snapshot:
@@ -133,6 +134,29 @@ def test_average_models_weights_groups() -> None:
     ]
     avg = average_models(parts)
     assert torch.allclose(avg["w"], torch.tensor([1.0, 4.0])) and int(avg["n"]) == 1
+
+
+def test_group_owners_adam_states_merge_as_a_switch_would() -> None:
+    """A hierarchical checkpoint holds one optimizer per group: a resume takes their mean by group
+    size (moments) and the largest step count, not a reset."""
+
+    def adam_after(steps: int, grad: float) -> dict[str, Any]:
+        p = torch.nn.Parameter(torch.zeros(2))
+        opt = torch.optim.Adam([p], lr=0.1)
+        for _ in range(steps):
+            p.grad = torch.full((2,), grad)
+            opt.step()
+        return opt.state_dict()
+
+    parts = [{"optimizer": adam_after(3, 1.0), "weight": 3}, {"optimizer": adam_after(5, 2.0), "weight": 1}]
+    merged = average_optimizers(parts)
+    state = merged["state"][0]
+    expected = 0.75 * parts[0]["optimizer"]["state"][0]["exp_avg"] + 0.25 * parts[1]["optimizer"]["state"][0]["exp_avg"]
+    assert torch.allclose(state["exp_avg"], expected) and float(state["step"]) == 5.0
+    p = torch.nn.Parameter(torch.zeros(2))
+    fresh = torch.optim.Adam([p], lr=0.1)
+    fresh.load_state_dict(merged)  # a real optimizer takes it
+    assert float(fresh.state[p]["step"]) == 5.0
 
 
 def test_rebase_sees_every_sample_once_across_world_sizes() -> None:

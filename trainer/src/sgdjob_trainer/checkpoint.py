@@ -16,7 +16,7 @@ Layout of `training.checkpoint.dir` (a shared volume in a cluster):
 Who writes what (the model owners depend on the mode, because the model lives in different places):
 - sync: every rank holds the same model; rank 0 writes it (weight = world size) with the optimizer.
 - hierarchical: each group's lowest rank writes its group's model (weight = group size); a resume
-  averages the group models by weight, which is what a switch out of hierarchical does.
+  averages the group models (and their optimizer states) by weight, as a switch out of hierarchical does.
 - async: rank 0's model is the parameter server's (it pulls the fresh model every step) and rank 0
   writes it; each shard host adds its shards (parameters, momentum, version) to its rank file.
   Rank 0 asks for the checkpoint through shard 0's reply, so every worker writes its part at its

@@ -60,6 +60,27 @@ def average_models(parts: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
     return out
 
 
+def average_optimizers(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """The owners' optimizer states merged as a switch out of hierarchical merges them
+    (optim.average_state): tensors shaped like their parameter by weight, step counts the largest;
+    the groups' settings from the first owner."""
+    total = float(sum(p["weight"] for p in parts))
+    first = parts[0]["optimizer"]
+    merged: dict[Any, dict[str, Any]] = {}
+    for index in first["state"]:
+        entries = [p["optimizer"]["state"].get(index, {}) for p in parts]
+        merged[index] = {}
+        for key, value in entries[0].items():
+            if not isinstance(value, torch.Tensor) or any(key not in e for e in entries):
+                merged[index][key] = value
+            elif value.dim() == 0:
+                merged[index][key] = max((e[key] for e in entries), key=float).clone()
+            else:
+                weighted = (e[key].double() * (p["weight"] / total) for e, p in zip(entries, parts, strict=True))
+                merged[index][key] = sum(weighted, torch.zeros_like(value, dtype=torch.float64)).to(value.dtype)
+    return {"state": merged, "param_groups": first["param_groups"]}
+
+
 def read_checkpoint(path: Path, rank: int, world_size: int) -> Loaded:
     """Everything this rank needs from one checkpoint; raises on any problem, changes nothing."""
     meta = verify(path)
@@ -68,7 +89,7 @@ def read_checkpoint(path: Path, rank: int, world_size: int) -> Loaded:
         raise CheckpointError("no model file")
     parts = [_read(path, name, meta) for name in owners]
     model = average_models(parts)
-    optimizer = parts[0]["optimizer"] if len(parts) == 1 else None  # group models' momenta do not average
+    optimizer = parts[0]["optimizer"] if len(parts) == 1 else average_optimizers(parts)
     same_world = int(meta["world_size"]) == world_size
     part = _read(path, f"rank-{rank:05d}.pt", meta) if same_world else None
     positions = [
