@@ -46,6 +46,11 @@ def _health(op: Operator) -> dict[str, Any]:
         return {}
 
 
+def _text(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        return str(resp.read().decode())
+
+
 @pytest.fixture
 def pair(cluster: Cluster, tmp_path: Path) -> Iterator[tuple[Operator, Operator]]:
     """op-a leads (started first and waited for), op-b stands by."""
@@ -76,6 +81,9 @@ def test_only_the_leader_acts_and_a_clean_stop_hands_over(cluster: Cluster, pair
     time.sleep(3)  # several resync periods of both processes
     assert _uids(cluster, "ha") == created
     assert "sgdjob operator started" in a.log.read_text() and "sgdjob operator started" not in b.log.read_text()
+    assert "sgdjob_operator_leader 1.0" in _text(a.metrics_port) and "sgdjob_operator_leader 0.0" in _text(
+        b.metrics_port
+    )
 
     start = time.monotonic()
     a.stop()  # SIGTERM, as a rolling update sends: the lease is handed back, not waited out

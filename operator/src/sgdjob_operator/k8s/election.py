@@ -23,6 +23,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from sgdjob_operator.k8s import lease as core
+from sgdjob_operator.k8s import metrics
 from sgdjob_operator.k8s.client import ApiError, Credentials, Kube
 from sgdjob_operator.k8s.settings import OperatorSettings
 
@@ -148,6 +149,9 @@ def run_elected(cfg: OperatorSettings, operator: Callable[[], Coroutine[Any, Any
         timings = core.Timings(cfg.lease_duration_s, cfg.renew_deadline_s, cfg.retry_period_s)
         kube = Kube(Credentials.load(cfg.kubeconfig, cfg.context), timeout_s=timings.retry_period_s * 2)
         elector = Elector(kube, name=cfg.lease_name, namespace=lease_namespace(cfg), me=identity(), timings=timings)
+        if cfg.metrics_port:  # so a standby is a healthy scrape target too
+            metrics.serve(cfg.metrics_port, cfg.metrics_host)
+        metrics.LEADER.set(0)
         standby = Standby(cfg, lambda: elector.leader)
         await standby.start()
         try:
