@@ -35,7 +35,7 @@ def _holder(cluster: Cluster) -> str:
         lease = client.CoordinationV1Api(cluster.core.api_client).read_namespaced_lease(LEASE, cluster.ns)
     except client.ApiException:
         return ""
-    return str(lease.spec.holder_identity or "")
+    return str(lease.spec.holder_identity or "") if lease.spec else ""
 
 
 def _health(op: Operator) -> dict[str, Any]:
@@ -104,11 +104,13 @@ def test_killing_the_leader_mid_switch_loses_and_repeats_nothing(
     try:
         status = wait_for(
             "a switch decision",
-            lambda: (s := cluster.status("hasw")).get("targetMode") not in (None, "sync") and s,
+            lambda: s if (s := cluster.status("hasw")).get("targetMode") not in (None, "sync") else None,
             timeout=90,
         )
         target = status["targetMode"]
-        posts = wait_for("pushes", lambda: len(shared["posts"]) >= 2 and list(shared["posts"]), timeout=30)
+        posts: list[Any] = wait_for(
+            "pushes", lambda: list(shared["posts"]) if len(shared["posts"]) >= 2 else None, timeout=30
+        )
         epoch = posts[-1][1]["epoch"]
         pods = _uids(cluster, "hasw")
         decisions = cluster.status("hasw")["decisions"]
@@ -126,7 +128,7 @@ def test_killing_the_leader_mid_switch_loses_and_repeats_nothing(
         shared["mode"], shared["epoch"] = target, epoch  # the workers switch and report it
         status = wait_for(
             "mode follows",
-            lambda: (s := cluster.status("hasw")).get("mode") == target and s.get("phase") == "Running" and s,
+            lambda: s if (s := cluster.status("hasw")).get("mode") == target and s.get("phase") == "Running" else None,
             timeout=60,
         )
         switches = [d for d in status["decisions"] if d["action"] == "switchMode"]
@@ -145,6 +147,7 @@ def test_a_leader_whose_lease_is_taken_stops(cluster: Cluster, tmp_path: Path) -
         wait_for("op-a holds the lease", lambda: _holder(cluster).startswith("op-a_"), timeout=60)
         api = client.CoordinationV1Api(cluster.core.api_client)
         lease = api.read_namespaced_lease(LEASE, cluster.ns)
+        assert lease.spec is not None
         lease.spec.holder_identity, lease.spec.lease_duration_seconds = "intruder", 60
         api.replace_namespaced_lease(LEASE, cluster.ns, lease)
         assert op.proc is not None
