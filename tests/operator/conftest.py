@@ -51,9 +51,11 @@ class Operator:
     proc: subprocess.Popen[bytes] | None = None
     metrics_port: int = field(default_factory=free_port)
     liveness_port: int = field(default_factory=free_port)
+    args: list[str] = field(default_factory=list)  # more `sgdjob operator` options
+    env: dict[str, str] = field(default_factory=dict)
 
     def start(self) -> Operator:
-        env = {**os.environ, "SGDJOB_TRAINER_IMAGE": TRAINER_IMAGE, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "SGDJOB_TRAINER_IMAGE": TRAINER_IMAGE, "PYTHONUNBUFFERED": "1", **self.env}
         argv = [
             str(Path(sys.executable).parent / "sgdjob"),
             "operator",
@@ -70,6 +72,7 @@ class Operator:
             "127.0.0.1",
             "--liveness",
             f"http://127.0.0.1:{self.liveness_port}/healthz",
+            *self.args,
         ]
         out = open(self.log, "ab")  # noqa: SIM115 - lives as long as the process
         self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)

@@ -147,16 +147,19 @@ def _start(
     return shared, workers
 
 
+# A quick mode-switch policy (also used by test_leader_election's failover-mid-switch case).
+SWITCH_POLICY = {
+    "intervalSeconds": 1,
+    "persistenceIntervals": 2,
+    "cooldownSeconds": 0,
+    "switchMargin": 0.1,
+    "allowedActions": ["switchMode"],
+}
+
+
 def test_simulated_straggler_drives_a_mode_switch(cluster: Cluster, operator: Operator) -> None:
-    policy = {
-        "intervalSeconds": 1,
-        "persistenceIntervals": 2,
-        "cooldownSeconds": 0,
-        "switchMargin": 0.1,
-        "allowedActions": ["switchMode"],
-    }
     shared, workers = _start(
-        cluster, "adapt", {"mode": "auto", "policy": policy}, [0.02, 0.02, 0.02, 0.06], subnet=20
+        cluster, "adapt", {"mode": "auto", "policy": SWITCH_POLICY}, [0.02, 0.02, 0.02, 0.06], subnet=20
     )  # rank 3 three times slower
     token = shared["token"]
     try:

@@ -16,6 +16,7 @@ from devcluster.controlplane import ControlPlane
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "sgdjob-operator"
 ALL_ON = [
+    "--set", "replicaCount=2",
     "--set", "metrics.serviceMonitor.enabled=true",
     "--set", "webhook.enabled=true",
     "--set", "webhook.certSecret=sgdjob-webhook-tls",
@@ -179,6 +180,50 @@ def test_operator_args_are_what_sgdjob_operator_accepts_and_the_webhook_path_is_
     } <= set(container["args"])
     hook = docs["ValidatingWebhookConfiguration"]["webhooks"][0]["clientConfig"]
     assert hook["service"]["path"] == PATH and hook["caBundle"] == "Zm9v"
+
+
+LEASES = {("coordination.k8s.io", "leases", verb) for verb in ("create", "get", "update")}
+
+
+def test_two_replicas_run_leader_election_with_rbac_for_exactly_their_lease() -> None:
+    docs = _render("--set", "replicaCount=2")
+    deploy = next(d for d in docs if d["kind"] == "Deployment")
+    assert deploy["spec"]["replicas"] == 2
+    assert deploy["spec"]["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+    }
+    container = deploy["spec"]["template"]["spec"]["containers"][0]
+    assert {
+        "--leader-elect",
+        "--lease-name=sgdjob-sgdjob-operator",
+        "--lease-namespace=sgdjob-system",
+        "--lease-duration=15",
+        "--renew-deadline=10",
+        "--retry-period=2",
+    } <= set(container["args"])
+    assert any(e["name"] == "POD_NAME" for e in container["env"])
+    assert deploy["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"]  # spread over nodes
+    (role,) = [d for d in docs if d["kind"] == "Role"]
+    assert role["metadata"]["namespace"] == "sgdjob-system" and _grants(role) == LEASES
+    named = [r for r in role["rules"] if "get" in r["verbs"]]
+    assert named == [{**named[0], "resourceNames": ["sgdjob-sgdjob-operator"]}]  # only its own Lease
+    (binding,) = [d for d in docs if d["kind"] == "RoleBinding"]
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    # Defaults: one replica, no election, no Lease permissions.
+    assert not LEASES & set().union(*(_grants(d) for d in _render()))
+
+
+def test_leader_election_settings_that_cannot_work_are_refused_naming_the_value() -> None:
+    for args, message in (
+        (["replicaCount=2", "leaderElection.enabled=false"], "replicaCount > 1 needs leaderElection.enabled"),
+        (["replicaCount=2", "leaderElection.renewDeadlineSeconds=15"], "renewDeadlineSeconds must be shorter"),
+        (["replicaCount=2", "leaderElection.retryPeriodSeconds=6"], "retryPeriodSeconds must be at most half"),
+    ):
+        result = _helm_run("template", "x", str(CHART), *(a for arg in args for a in ("--set", arg)))
+        assert result.returncode != 0 and message in result.stderr, result.stderr
+    one = next(d for d in _render("--set", "leaderElection.enabled=true") if d["kind"] == "Deployment")
+    assert one["spec"]["replicas"] == 1 and "--leader-elect" in one["spec"]["template"]["spec"]["containers"][0]["args"]
 
 
 def test_webhook_ca_from_cert_manager_needs_no_ca_bundle() -> None:

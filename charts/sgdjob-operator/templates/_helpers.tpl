@@ -77,3 +77,28 @@ rbac.integrations adds what gang scheduling (PodGroups: get, create, patch minMe
 {{- end }}
 {{- end }}
 {{- end }}
+
+{{- /*
+"true" when the operator runs with leader election (README "High availability"): `auto` turns it on
+for more than one replica; two replicas without it would both act on every job, so that fails.
+*/}}
+{{- define "sgdjob-operator.leaderElection" -}}
+{{- $le := .Values.leaderElection -}}
+{{- $on := false -}}
+{{- if eq (toString $le.enabled) "auto" -}}
+{{- $on = gt (int .Values.replicaCount) 1 -}}
+{{- else if $le.enabled -}}
+{{- $on = true -}}
+{{- else if gt (int .Values.replicaCount) 1 -}}
+{{- fail "replicaCount > 1 needs leaderElection.enabled (auto or true): two operators without it would both act on every job" -}}
+{{- end -}}
+{{- if $on -}}
+{{- if ge (float64 $le.renewDeadlineSeconds) (float64 $le.leaseDurationSeconds) -}}
+{{- fail "leaderElection.renewDeadlineSeconds must be shorter than leaderElection.leaseDurationSeconds" -}}
+{{- end -}}
+{{- if gt (mulf 2 $le.retryPeriodSeconds) (float64 $le.renewDeadlineSeconds) -}}
+{{- fail "leaderElection.retryPeriodSeconds must be at most half of leaderElection.renewDeadlineSeconds" -}}
+{{- end -}}
+true
+{{- end -}}
+{{- end -}}

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import os
+from collections.abc import Coroutine
+from typing import Any
 
 import click
 
@@ -56,6 +60,19 @@ import click
         "instead of /var/run/secrets/kubernetes.io/serviceaccount."
     ),
 )
+@click.option(
+    "--leader-elect/--no-leader-elect",
+    default=None,
+    help="Run as one of several replicas: act only while holding a coordination.k8s.io Lease "
+    "(env SGDJOB_LEADER_ELECTION). Default: off.",
+)
+@click.option("--lease-name", default=None, help="Name of the Lease (default sgdjob-operator).")
+@click.option("--lease-namespace", default=None, help="Namespace of the Lease (default $POD_NAMESPACE, else default).")
+@click.option("--lease-duration", type=float, default=None, help="Seconds a standby waits out an unrenewed lease (15).")
+@click.option(
+    "--renew-deadline", type=float, default=None, help="Seconds without renewal after which a leader exits (10)."
+)
+@click.option("--retry-period", type=float, default=None, help="Seconds between lease renewals and tries (2).")
 @click.option("--verbose", "-v", is_flag=True, help="Debug logging.")
 def operator(
     namespaces: tuple[str, ...],
@@ -73,6 +90,12 @@ def operator(
     webhook_cert: str | None,
     webhook_key: str | None,
     service_account_dir: str | None,
+    leader_elect: bool | None,
+    lease_name: str | None,
+    lease_namespace: str | None,
+    lease_duration: float | None,
+    renew_deadline: float | None,
+    retry_period: float | None,
     verbose: bool,
 ) -> None:
     """Run the SGDJob operator (kopf) until interrupted."""
@@ -96,13 +119,21 @@ def operator(
         ("webhook_cert", webhook_cert),
         ("webhook_key", webhook_key),
         ("service_account_dir", service_account_dir),
+        ("leader_election", leader_elect),
+        ("lease_name", lease_name),
+        ("lease_namespace", lease_namespace),
+        ("lease_duration_s", lease_duration),
+        ("renew_deadline_s", renew_deadline),
+        ("retry_period_s", retry_period),
     ):
         if value is not None:
             changes[name] = value
     settings = base.with_(**changes)
+    from sgdjob_operator.k8s.lease import Timings
     from sgdjob_operator.k8s.webhook import check
 
-    problem = check(settings)
+    timings = Timings(settings.lease_duration_s, settings.renew_deadline_s, settings.retry_period_s)
+    problem = check(settings) or (timings.problem() if settings.leader_election else None)
     if problem:
         raise click.UsageError(problem)
     set_current(settings)
@@ -121,12 +152,22 @@ def operator(
     if not verbose:
         # kopf logs every handled pod event at INFO; with hundreds of workers that is noise and CPU.
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
-    kopf.run(
-        standalone=True,
-        clusterwide=not settings.namespaces,
-        namespaces=settings.namespaces,
-        liveness_endpoint=settings.liveness,
-    )
+
+    def run_kopf() -> Coroutine[Any, Any, None]:
+        return kopf.operator(
+            standalone=True,
+            clusterwide=not settings.namespaces,
+            namespaces=settings.namespaces,
+            liveness_endpoint=settings.liveness,
+        )
+
+    if settings.leader_election:
+        from sgdjob_operator.k8s.election import run_elected
+
+        run_elected(settings, run_kopf)  # a standby until it holds the Lease
+    else:
+        with contextlib.suppress(asyncio.CancelledError):
+            asyncio.run(run_kopf())  # what kopf.run does
 
 
 def use_service_account_dir(folder: str) -> None:

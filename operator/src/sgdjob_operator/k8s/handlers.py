@@ -87,6 +87,7 @@ async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
     _State.runtime = Runtime(settings=cfg, kube=kube, http=http)
     if cfg.metrics_port:
         metrics.serve(cfg.metrics_port, cfg.metrics_host)
+    metrics.LEADER.set(1)  # startup runs only in the replica that acts
     log.info(
         "sgdjob operator started: namespaces %s, trainer image %s", ",".join(cfg.namespaces) or "all", cfg.trainer_image
     )

@@ -39,6 +39,11 @@ CONTROL_PUSHES = Counter(
     "sgdjob_operator_control_pushes", "POST /control attempts, by result.", ["result"], registry=REGISTRY
 )
 PODS_CREATED = Counter("sgdjob_operator_pods_created", "Pods the operator created.", ["role"], registry=REGISTRY)
+LEADER = Gauge(
+    "sgdjob_operator_leader",
+    "1 while this replica acts on SGDJobs (the leader, or the only replica); 0 while it stands by.",
+    registry=REGISTRY,
+)
 PODS_DELETED = Counter("sgdjob_operator_pods_deleted", "Pods the operator deleted, by why.", ["why"], registry=REGISTRY)
 
 
@@ -56,5 +61,13 @@ def set_phases(phases: Iterable[str]) -> None:
         JOBS.labels(phase=phase).set(count)
 
 
+class _Served:
+    port: int | None = None
+
+
 def serve(port: int, host: str = "0.0.0.0") -> None:
+    """Once per process: a standby starts it, and the same server goes on when it becomes leader."""
+    if _Served.port == port:
+        return
     start_http_server(port, addr=host, registry=REGISTRY)
+    _Served.port = port

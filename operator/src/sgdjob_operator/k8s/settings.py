@@ -41,6 +41,13 @@ class OperatorSettings:
     webhook_key: str | None = None
     # Folder of the mounted service account (token, ca.crt) for in-cluster credentials.
     service_account_dir: str | None = None
+    # Leader election over a Lease (k8s/election.py): only the holder runs kopf; off for one replica.
+    leader_election: bool = False
+    lease_name: str = "sgdjob-operator"
+    lease_namespace: str | None = None  # default: $POD_NAMESPACE, else "default"
+    lease_duration_s: float = 15.0
+    renew_deadline_s: float = 10.0
+    retry_period_s: float = 2.0
     extra: dict[str, str] = field(default_factory=dict)
 
     @classmethod
@@ -63,6 +70,12 @@ class OperatorSettings:
             webhook_cert=env.get("SGDJOB_WEBHOOK_CERT") or None,
             webhook_key=env.get("SGDJOB_WEBHOOK_KEY") or None,
             service_account_dir=env.get("SGDJOB_SERVICE_ACCOUNT_DIR") or None,
+            leader_election=env.get("SGDJOB_LEADER_ELECTION", "").lower() in ("1", "true", "yes"),
+            lease_name=env.get("SGDJOB_LEASE_NAME") or "sgdjob-operator",
+            lease_namespace=env.get("SGDJOB_LEASE_NAMESPACE") or None,
+            lease_duration_s=_float(env, "SGDJOB_LEASE_DURATION_SECONDS", 15.0),
+            renew_deadline_s=_float(env, "SGDJOB_RENEW_DEADLINE_SECONDS", 10.0),
+            retry_period_s=_float(env, "SGDJOB_RETRY_PERIOD_SECONDS", 2.0),
         )
 
     def with_(self, **changes: object) -> OperatorSettings:
