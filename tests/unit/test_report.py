@@ -219,8 +219,8 @@ def test_plan_launch_builds_one_torchrun_agent_per_node(tmp_path: Path) -> None:
         "--rdzv-id=tiny",
     ):
         assert flag in a0.argv and flag in a1.argv
-    # torchrun retries backoffLimit (3) failures, plus one per member that may leave (maxReplicas 4).
-    assert "--max-restarts=7" in a0.argv
+    # A fixed mode: torchrun retries backoffLimit (3) failures.
+    assert "--max-restarts=3" in a0.argv
     # No agent hosts the rendezvous: the store is a process of its own, so any agent can leave.
     conf = "--rdzv-conf=is_host=0,last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=3"
     assert conf in a0.argv and conf in a1.argv
@@ -240,13 +240,19 @@ def test_plan_launch_builds_one_torchrun_agent_per_node(tmp_path: Path) -> None:
         plan_launch(job(), SyncMode.SYNC, tmp_path, rdzv_port=1, metrics_bases=[1], token="t", python="p", base_env={})
 
 
-def test_every_local_agent_budgets_a_restart_per_leaving_member(tmp_path: Path) -> None:
-    """Any agent may die (a lost node) and come back, so every run budgets for departures, as a cluster does."""
-    for actions in (["switchMode", "replaceWorker"], ["switchMode"]):
-        plan = plan_launch(job(policy={"allowedActions": actions}), SyncMode.SYNC, tmp_path, rdzv_port=1,
-                           metrics_bases=[1, 3, 5], token="t", python="p", base_env={})  # fmt: skip
-        # backoffLimit (3) plus maxReplicas (4): each departure ends the survivors' round once.
-        assert "--max-restarts=7" in plan.agents[0].argv
+def test_an_auto_run_that_may_replace_workers_budgets_a_restart_per_leaving_member(tmp_path: Path) -> None:
+    def restarts(mode: SyncMode, actions: list[str], auto: bool) -> str:
+        j = job(policy={"allowedActions": actions})
+        plan = plan_launch(
+            j, mode, tmp_path, rdzv_port=1, metrics_bases=[1, 3, 5], token="t", python="p", base_env={}, auto=auto
+        )
+        return next(a for a in plan.agents[0].argv if a.startswith("--max-restarts="))
+
+    # backoffLimit (3) plus maxReplicas (4): each departure ends the survivors' round once.
+    assert restarts(SyncMode.SYNC, ["switchMode", "replaceWorker"], auto=True) == "--max-restarts=7"
+    assert restarts(SyncMode.SYNC, ["switchMode", "rescale"], auto=True) == "--max-restarts=7"
+    assert restarts(SyncMode.SYNC, ["switchMode", "rebalance"], auto=True) == "--max-restarts=3"
+    assert restarts(SyncMode.SYNC, ["replaceWorker"], auto=False) == "--max-restarts=3"
 
 
 def test_free_port_blocks_are_distinct_bindable_and_never_ephemeral() -> None:

@@ -139,7 +139,7 @@ def _job(mode: str, actions: list[str]) -> SGDJob:
     return validate_job(doc)
 
 
-def _agent(job: SGDJob, tmp_path: Path) -> AgentPlan:
+def _agent(job: SGDJob, tmp_path: Path, *, auto: bool) -> AgentPlan:
     plan = plan_launch(
         job,
         SyncMode.SYNC,
@@ -149,6 +149,7 @@ def _agent(job: SGDJob, tmp_path: Path) -> AgentPlan:
         token="t",
         python="/py",
         base_env={},
+        auto=auto,
     )
     return plan.agents[0]
 
@@ -164,7 +165,7 @@ def test_a_pod_and_a_local_agent_of_one_job_start_the_same_trainers(tmp_path: Pa
     pod = build_worker_pod(JobRef("tiny", "ns", "u-1"), job.spec, 0, default_image="img")
     container = pod["spec"]["containers"][0]
     pod_options = {e["name"]: e["value"] for e in container["env"] if e["name"].startswith("PET_")}
-    agent = _agent(job, tmp_path)
+    agent = _agent(job, tmp_path, auto=True)
     local_options = _agent_options(agent.argv)
     assert set(pod_options) == set(local_options), "the same torchrun options, as env in a pod and argv locally"
     differ = {name for name in pod_options if pod_options[name] != local_options[name]}
@@ -174,16 +175,16 @@ def test_a_pod_and_a_local_agent_of_one_job_start_the_same_trainers(tmp_path: Pa
     conf = option_env("rdzv-conf")
     assert pod_options[conf] == "is_host=0" and local_options[conf].startswith("is_host=0,"), "the store runs apart"
     assert container["args"][:3] == list(agent.argv[-4:-1]) == ["-m", "sgdjob_trainer", "--config"]
-    # A fixed-mode run budgets for members leaving too: any agent may die and be restarted.
-    fixed = _agent_options(_agent(_job("sync", ["switchMode"]), tmp_path).argv)
-    assert fixed[option_env("max-restarts")] == "5"
+    # A local run whose policy never removes a worker budgets no restarts for members leaving.
+    fixed = _agent_options(_agent(_job("sync", ["switchMode", "replaceWorker"]), tmp_path, auto=False).argv)
+    assert fixed[option_env("max-restarts")] == "2"
 
 
 def test_a_pod_and_a_local_agent_read_the_same_run_config(tmp_path: Path) -> None:
     job = _job("sync", ["switchMode"])
     config_map = build_config_map(JobRef("tiny", "ns", "u-1"), job.spec, SyncMode.SYNC)
     in_pod = RunConfig.model_validate_json(config_map["data"][CONFIG_FILE])
-    local = _agent(job, tmp_path).run_config
+    local = _agent(job, tmp_path, auto=False).run_config
     facts = (local.job_name, local.mode, local.reference_world_size)
     assert facts == (in_pod.job_name, in_pod.mode, in_pod.reference_world_size) == ("tiny", SyncMode.SYNC, 2)
     # Locally, only the run's own port and checkpoint directory differ from the spec's training.

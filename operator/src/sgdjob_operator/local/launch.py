@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from sgdjob_operator.api.models import JobMode, SGDJob
+from sgdjob_operator.api.models import Action, JobMode, SGDJob
 from sgdjob_trainer.config import SyncMode, TrainingConfig
 from sgdjob_trainer.wire.launch_contract import (
     AGENT_MODULE,
@@ -125,10 +125,13 @@ def local_training(job: SGDJob, *, metrics_port: int, checkpoint_dir: Path | Non
     return training
 
 
-def torchrun_options(job: SGDJob, *, rdzv_port: int) -> TorchrunOptions:
-    """Every agent's torchrun options: the operator's, with the store and agents on loopback. As
-    on a cluster, restarts are budgeted for members that leave: any agent may die (a lost node) and
-    the runner restarts it, while each departure costs the survivors one torchrun restart."""
+def torchrun_options(job: SGDJob, *, rdzv_port: int, leaving: bool) -> TorchrunOptions:
+    """Every agent's torchrun options: the operator's, with the store and agents on loopback. Only
+    a run whose policy may replace or remove workers budgets restarts for members that leave. An
+    agent that dies meanwhile (a lost node) also costs each survivor one restart; one that runs out
+    exits, and the runner counts that as a death and restarts it (`local.revive`, budget backoffLimit).
+    The budget is not raised for deaths: an agent whose workers keep failing must exit for the runner
+    to judge, not wait in a rendezvous for members that have finished."""
     spec = job.spec
     return TorchrunOptions(
         min_nodes=spec.min_workers,
@@ -136,7 +139,7 @@ def torchrun_options(job: SGDJob, *, rdzv_port: int) -> TorchrunOptions:
         nproc_per_node=spec.nproc_per_node,
         rdzv_endpoint=f"{LOOPBACK}:{rdzv_port}",
         rdzv_id=job_name(job),
-        max_restarts=restart_budget(spec.run_policy.backoff_limit, spec.max_workers, peers_may_leave=True),
+        max_restarts=restart_budget(spec.run_policy.backoff_limit, spec.max_workers, peers_may_leave=leaving),
         local_addr=LOOPBACK,
         rdzv_conf=LOCAL_RDZV_CONF,
     )
@@ -181,6 +184,7 @@ class LaunchContext:
     python: str
     base_env: Mapping[str, str]
     trainer_module: str = TRAINER_MODULE
+    membership_changes: bool = False  # whether the run's policy may replace or remove workers
 
     @property
     def report_dir(self) -> Path:
@@ -192,7 +196,12 @@ class LaunchContext:
 
     @property
     def torchrun(self) -> TorchrunOptions:
-        return torchrun_options(self.job, rdzv_port=self.rdzv_port)
+        return torchrun_options(self.job, rdzv_port=self.rdzv_port, leaving=self.membership_changes)
+
+
+def may_change_membership(job: SGDJob, auto: bool) -> bool:
+    allowed = job.spec.policy.allowed_actions
+    return auto and (Action.REPLACE_WORKER in allowed or Action.RESCALE in allowed)
 
 
 def plan_agent(ctx: LaunchContext, index: int, mode: SyncMode, metrics_base: int) -> AgentPlan:
@@ -244,13 +253,16 @@ def plan_launch(
     base_env: Mapping[str, str],
     notes: Sequence[str] = (),
     trainer_module: str = TRAINER_MODULE,
+    auto: bool = False,
 ) -> LaunchPlan:
     """Everything needed to start the rendezvous store and the job's `replicas` agents.
     `metrics_bases[i]` is the first of agent i's `nprocPerNode` consecutive free ports."""
     spec = job.spec
     if len(metrics_bases) != spec.replicas:
         raise ValueError(f"need {spec.replicas} metrics port bases, got {len(metrics_bases)}")
-    ctx = LaunchContext(job, out_dir, rdzv_port, token, python, base_env, trainer_module)
+    ctx = LaunchContext(
+        job, out_dir, rdzv_port, token, python, base_env, trainer_module, may_change_membership(job, auto)
+    )
     agents = tuple(plan_agent(ctx, i, mode, base) for i, base in enumerate(metrics_bases))
     extra_notes = list(notes)
     if ctx.checkpoint_dir is not None:

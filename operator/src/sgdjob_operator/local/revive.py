@@ -95,8 +95,14 @@ class Reviver:
         if self.finishing(run.fleet):
             self._finish(run.fleet, elapsed)
             return
-        for agent in self._dead(run.fleet):
-            if now - self.seen_dead.setdefault(agent.id, now) < DEATH_SETTLE_S:
+        dead = self._dead(run.fleet)
+        for agent in dead:
+            self.seen_dead.setdefault(agent.id, now)
+        # Oldest first; of deaths seen together, one by a signal (a lost node) before exits with a code
+        # (the survivors whose torchrun restarts it exhausted): the cause before its consequences.
+        dead.sort(key=lambda a: (self.seen_dead[a.id], (a.returncode or 0) >= 0))
+        for agent in dead:
+            if now - self.seen_dead[agent.id] < DEATH_SETTLE_S:
                 continue
             await self._died(run, agent, mode, elapsed)
             if self.failure:

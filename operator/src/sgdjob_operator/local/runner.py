@@ -172,7 +172,7 @@ def restart_policy(job: SGDJob, options: RunOptions) -> RestartPolicy:
 
 def prepare(job: SGDJob, options: RunOptions) -> tuple[LaunchPlan, str]:
     """Choose ports and token, create the output directory and write each agent's run-config."""
-    mode = resolve_mode(job.spec.mode, options.mode)[0]
+    mode, auto = resolve_mode(job.spec.mode, options.mode)
     notes: tuple[str, ...] = ()
     ports = free_port_blocks(job.spec.replicas + 1, job.spec.nproc_per_node)
     token = secrets.token_urlsafe(32)
@@ -188,6 +188,7 @@ def prepare(job: SGDJob, options: RunOptions) -> tuple[LaunchPlan, str]:
         base_env=with_code_dirs(os.environ, options.code_dirs),
         notes=notes,
         trainer_module=options.trainer_module,
+        auto=auto,
     )
     plan.report_dir.mkdir(parents=True, exist_ok=True)
     for stale in [*plan.report_dir.glob(RANK_FILE_GLOB), plan.out_dir / "report.json"]:
