@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from sgdjob_operator.local.deaths import Death, RestartPolicy, backoff, decide, describe_exit
+from sgdjob_operator.local.report import summary_lines
 from sgdjob_operator.local.revive import last_checkpoint
 
 POLICY = RestartPolicy(backoff_limit=5, min_nodes=2, crash_loop_deaths=3, crash_loop_window_s=60.0)
@@ -60,3 +61,15 @@ def test_the_last_checkpoint_is_the_newest_complete_step(tmp_path: Path) -> None
         if complete:
             (tmp_path / f"step-{step:010d}" / "COMPLETE").write_text("x")
     assert last_checkpoint(tmp_path) == 40
+
+
+def test_the_run_summary_tells_each_death_and_its_recovery() -> None:
+    deaths = [
+        {"node": "local-3", "time_s": 12.34, "exit": "killed by SIGKILL", "action": "restart", "lost_steps": 7,
+         "recovery_s": 6.2},
+        {"node": "local-1", "time_s": 40.0, "exit": "exit code 1", "action": "fail", "lost_steps": 3,
+         "recovery_s": None},
+    ]  # fmt: skip
+    lines = summary_lines({"agent_deaths": deaths})
+    assert "agent local-3 died at 12.3s (killed by SIGKILL): restart, 7 steps lost, recovered in 6.2s" in lines
+    assert "agent local-1 died at 40.0s (exit code 1): fail, 3 steps lost" in lines
