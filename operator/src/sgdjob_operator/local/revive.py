@@ -9,7 +9,7 @@ and how long the job took to regain the step it had reached (`recovery_s`).
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -69,7 +69,7 @@ class Reviver:
     policy: RestartPolicy
     display: Display
     checkpoint_dir: Path | None
-    clock: Any = time.monotonic
+    clock: Callable[[], float] = time.monotonic
     deaths: list[Death] = field(default_factory=list)
     records: list[dict[str, Any]] = field(default_factory=list)  # report.json's agent_deaths
     pending: list[Pending] = field(default_factory=list)
