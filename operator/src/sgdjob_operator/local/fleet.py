@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from sgdjob_operator.local.launch import LOOPBACK, AgentPlan, LaunchPlan, plan_agent, write_run_config
@@ -84,6 +84,21 @@ class Fleet:
             for port in a.plan.metrics_ports
         )
 
+    def start(self, indices: Sequence[int], mode: SyncMode, *, attempt: int = 0) -> list[str]:
+        """Start agents `indices` (node local-<index>); `attempt` > 0 restarts a node that died,
+        writing to a log of its own so the dead agent's log is kept."""
+        if not indices:
+            return []
+        bases = free_port_blocks(len(indices), self.plan.context.job.spec.nproc_per_node)
+        plans = [plan_agent(self.plan.context, index, mode, base) for index, base in zip(indices, bases, strict=True)]
+        if attempt:
+            plans = [replace(p, log_path=p.log_path.with_name(f"{p.node}.restart-{attempt}.log")) for p in plans]
+        for p in plans:
+            write_run_config(p)
+        self.procs.start(plans)
+        self.next_index = max(self.next_index, max(indices) + 1)
+        return [p.node for p in plans]
+
     async def apply(
         self, change: MembershipChange, mode: SyncMode, *, action: str, reason: str, elapsed_s: float
     ) -> None:
@@ -91,20 +106,10 @@ class Fleet:
         loop = asyncio.get_running_loop()
         began = time.monotonic()
         for node in change.retire:
-            agent = next(a for a in self.active() if a.plan.node == node)
-            await loop.run_in_executor(None, self.procs.retire, agent, self.retire_grace_s)
-        added: list[str] = []
-        if change.add:
-            nproc = self.plan.context.job.spec.nproc_per_node
-            bases = free_port_blocks(len(change.add), nproc)
-            plans = [
-                plan_agent(self.plan.context, index, mode, base) for index, base in zip(change.add, bases, strict=True)
-            ]
-            for p in plans:
-                write_run_config(p)
-            self.procs.start(plans)
-            added = [p.node for p in plans]
-            self.next_index = max(self.next_index, max(change.add) + 1)
+            agent = next((a for a in self.active() if a.plan.node == node), None)
+            if agent is not None:  # None: its agent has died already (a crash loop's node)
+                await loop.run_in_executor(None, self.procs.retire, agent, self.retire_grace_s)
+        added = self.start(change.add, mode)
         self.history.append(
             {
                 "time_s": round(elapsed_s, 3),

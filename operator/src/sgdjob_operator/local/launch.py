@@ -127,7 +127,11 @@ def local_training(job: SGDJob, *, metrics_port: int, checkpoint_dir: Path | Non
 
 def torchrun_options(job: SGDJob, *, rdzv_port: int, leaving: bool) -> TorchrunOptions:
     """Every agent's torchrun options: the operator's, with the store and agents on loopback. Only
-    a run whose policy may replace or remove workers budgets restarts for members that leave."""
+    a run whose policy may replace or remove workers budgets restarts for members that leave. An
+    agent that dies meanwhile (a lost node) also costs each survivor one restart; one that runs out
+    exits, and the runner counts that as a death and restarts it (`local.revive`, budget backoffLimit).
+    The budget is not raised for deaths: an agent whose workers keep failing must exit for the runner
+    to judge, not wait in a rendezvous for members that have finished."""
     spec = job.spec
     return TorchrunOptions(
         min_nodes=spec.min_workers,

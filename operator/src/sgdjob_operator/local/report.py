@@ -300,6 +300,13 @@ def summary_lines(report: Mapping[str, Any]) -> list[str]:
         lines.append(
             f"restarts {report['restarts']} (resumed from checkpoints), steps redone {report.get('lost_steps')}"
         )
+    for death in report.get("agent_deaths") or []:
+        recovered = death.get("recovery_s")
+        lines.append(
+            f"agent {death.get('node')} died at {fmt(death.get('time_s'), '.1f')}s ({death.get('exit')}): "
+            f"{death.get('action')}, {death.get('lost_steps')} steps lost"
+            + (f", recovered in {recovered:.1f}s" if isinstance(recovered, float | int) else "")
+        )
     if report.get("missing_ranks"):
         lines.append(f"missing rank reports: {report['missing_ranks']}")
     return lines

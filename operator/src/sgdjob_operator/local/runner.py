@@ -26,11 +26,13 @@ import aiohttp
 
 from sgdjob_operator.api.models import SGDJob
 from sgdjob_operator.local.auto import AutoController
+from sgdjob_operator.local.deaths import RestartPolicy
 from sgdjob_operator.local.fleet import Fleet, MembershipChange, plan_replace, plan_rescale
 from sgdjob_operator.local.launch import AgentPlan, LaunchPlan, job_name, plan_launch, resolve_mode, write_run_config
 from sgdjob_operator.local.procs import ProcessSet, free_port_blocks
 from sgdjob_operator.local.progress import Display, ProgressFrame, RunInfo, summarize
 from sgdjob_operator.local.report import RANK_FILE_GLOB, build_report, load_rank_docs, with_status_fallback
+from sgdjob_operator.local.revive import Reviver
 from sgdjob_operator.local.timeline import Timeline
 from sgdjob_operator.workers.scrape import ControlResult, Endpoint, ScrapeResult, post_control, scrape
 from sgdjob_trainer.config import SyncMode
@@ -40,6 +42,9 @@ from sgdjob_trainer.wire.worker_status import TARGET_REACHED, WorkerStatus
 
 EXIT_FAILED = 1
 EXIT_TIMEOUT = 124
+# An agent still running this long after another finished the job waits for a world that will not
+# form again (it came back, from a restart, after the others' last round): it is stopped, not failed.
+FINISH_GRACE_S = 30.0
 SIGNAL_EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143}
 
 
@@ -51,6 +56,12 @@ class RunOptions:
     scrape_timeout_s: float = 2.0
     timeout_s: float | None = None
     failure_grace_s: float = 10.0
+    # Agents that die are restarted after 1 s, 2 s, 4 s ... (capped); a node whose agent dies
+    # crash_loop_deaths times within crash_loop_window_s is replaced under a new name (local.deaths).
+    restart_backoff_s: float = 1.0
+    max_restart_backoff_s: float = 30.0
+    crash_loop_deaths: int = 3
+    crash_loop_window_s: float = 120.0
     stop_grace_s: float = 10.0
     python: str = sys.executable
     trainer_module: str = TRAINER_MODULE  # what torchrun runs with `-m`; the real trainer unless a test swaps it
@@ -75,6 +86,7 @@ class LocalRun:
     token: str
     session: aiohttp.ClientSession
     fleet: Fleet
+    reviver: Reviver
     started: float = field(default_factory=time.monotonic)
     last_results: list[ScrapeResult] = field(default_factory=list)
     timeline: Timeline = field(default_factory=Timeline)
@@ -103,6 +115,16 @@ class LocalRun:
         self.last_results = []
         self.last_status = {r: s for r, s in self.last_status.items() if r < world}
         self.membership_changes += 1
+
+    def world_changed(self) -> None:
+        """An agent died or came back: ranks are handed out anew by the next rendezvous round."""
+        self.last_results = []
+        self.membership_changes += 1
+
+    def mode(self) -> SyncMode:
+        """The mode the workers last reported (the one a restarted agent starts in)."""
+        status = self.last_status.get(0)
+        return status.mode if status is not None and status.mode is not None else self.plan.mode
 
     def control_endpoint(self) -> Endpoint | None:
         """The endpoint of rank 0 (which owns /control), once a scrape has seen it."""
@@ -135,6 +157,17 @@ def with_code_dirs(env: Mapping[str, str], dirs: Sequence[Path]) -> dict[str, st
 def default_out_dir(job: SGDJob, now: float | None = None) -> Path:
     stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
     return Path("runs") / f"{job_name(job)}-{stamp}"
+
+
+def restart_policy(job: SGDJob, options: RunOptions) -> RestartPolicy:
+    return RestartPolicy(
+        backoff_limit=job.spec.run_policy.backoff_limit,
+        min_nodes=job.spec.min_workers,
+        backoff_s=options.restart_backoff_s,
+        max_backoff_s=options.max_restart_backoff_s,
+        crash_loop_deaths=options.crash_loop_deaths,
+        crash_loop_window_s=options.crash_loop_window_s,
+    )
 
 
 def prepare(job: SGDJob, options: RunOptions) -> tuple[LaunchPlan, str]:
@@ -196,21 +229,33 @@ async def _supervise(
     stopped early (None when the agents all exited by themselves)."""
     snapshot: ProgressFrame | None = None
     failed_at: float | None = None
+    finished_at: float | None = None
     changes = run.membership_changes
     while True:
         procs.track()
+        await run.reviver.check(run, run.mode())
         now = time.monotonic()
-        if not procs.running():
+        if not procs.running() and not run.reviver.pending:
             return None
         if stop.is_set():
             return "stop"
-        if failed_at is None and any(a.returncode not in (0, None) for a in procs.agents if not a.retired):
+        # A death the reviver does not recover from: the budget is spent, or the job was finishing.
+        failed = run.reviver.failure or (
+            run.reviver.finishing(run.fleet) and any(a.returncode not in (0, None) for a in run.fleet.active())
+        )
+        if failed_at is None and failed:
             failed_at = now
             display.note(
                 f"an agent failed; stopping the others if they do not exit within {options.failure_grace_s:.0f}s"
             )
         if failed_at is not None and now - failed_at > options.failure_grace_s:
             return "failure"
+        if finished_at is None and run.reviver.finishing(run.fleet):
+            finished_at = now
+        if failed_at is None and finished_at is not None and now - finished_at > FINISH_GRACE_S:
+            for agent in procs.running():
+                agent.retired = True  # stopped with the rest in run_local's cleanup
+                display.note(f"agent {agent.plan.node} has no world to join after the job finished; stopping it")
         if options.timeout_s is not None and now - start > options.timeout_s:
             return "timeout"
         results = await scrape(run.endpoints, status=True, timeout=options.scrape_timeout_s, session=run.session)
@@ -285,6 +330,7 @@ async def run_local(job: SGDJob, options: RunOptions, display: Display, on_poll:
 
     procs: ProcessSet[AgentPlan] = ProcessSet()
     fleet = Fleet(plan, procs, retire_grace_s=options.stop_grace_s)
+    reviver = Reviver(restart_policy(job, options), display, plan.checkpoint_dir)
     for sig in SIGNAL_EXIT:
         loop.add_signal_handler(sig, on_signal, sig)
     start, start_wall = time.monotonic(), time.time()
@@ -295,7 +341,7 @@ async def run_local(job: SGDJob, options: RunOptions, display: Display, on_poll:
         procs.start_service(plan.store)
         procs.start(plan.agents)
         async with aiohttp.ClientSession() as session:
-            run = LocalRun(plan, token, session, fleet, started=start)
+            run = LocalRun(plan, token, session, fleet, reviver, started=start)
             why = await _supervise(run, procs, options, display, on_poll, stop, start, start_wall)
             extra, statuses = {**run.report_extra, "timeline": run.timeline.to_dict()}, run.last_status
     finally:
@@ -308,6 +354,8 @@ async def run_local(job: SGDJob, options: RunOptions, display: Display, on_poll:
     codes = {a.plan.node: a.returncode for a in procs.agents if not a.retired}
     run_wall = time.monotonic() - start
     extra.update({"exit_codes": codes, "run_wall_s": run_wall, "out_dir": str(plan.out_dir)})
+    if reviver.records:
+        extra.update(reviver.report())
     if fleet.history:
         extra["membership"] = fleet.history
         extra["retired_exit_codes"] = {a.plan.node: a.returncode for a in procs.agents if a.retired}
@@ -321,7 +369,8 @@ async def run_local(job: SGDJob, options: RunOptions, display: Display, on_poll:
     elif all(rc == 0 for rc in codes.values()):
         code, message = 0, "all workers finished"
     else:
-        code, message = EXIT_FAILED, "the job failed:\n" + _failure_message(procs, plan, stopped)
+        cause = f"{reviver.failure}\n" if reviver.failure else ""
+        code, message = EXIT_FAILED, "the job failed:\n" + cause + _failure_message(procs, plan, stopped)
     extra["ok"] = code == 0
     if code != 0:
         extra["error"] = message
