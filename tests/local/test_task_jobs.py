@@ -4,6 +4,7 @@ PYTHONPATH set by the user), AdamW built by the task, in every mode and in auto.
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import textwrap
 from pathlib import Path
@@ -11,7 +12,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.local.example_runs import SGDJOB
+from tests.local.example_runs import REPO, SGDJOB
+
+# The charlm example after 150 steps on 2 workers (a uniform guess is 7 bits per character).
+BITS_AFTER_150 = 4.5
 
 TASK = textwrap.dedent(
     """
@@ -93,3 +97,32 @@ def test_a_task_that_cannot_be_imported_fails_the_run_naming_the_field(tmp_path:
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert "training.task: cannot import 'no_such_module:build'" in output, output[-4000:]
+
+
+@pytest.mark.parametrize("mode", ["sync", "hierarchical", "async"])
+def test_the_transformer_example_learns_in_every_fixed_mode(tmp_path: Path, mode: str) -> None:
+    """examples/custom-task as it ships (its module found beside its job file), shortened: 2 workers,
+    150 steps, in each mode; auto and the full 1000 steps are tests/trainer/test_charlm_task.py's."""
+    example = REPO / "examples" / "custom-task"
+    job = yaml.safe_load((example / "job.yaml").read_text())
+    spec = job["spec"]
+    spec.update(replicas=2, minReplicas=2, maxReplicas=2)
+    training = spec["training"]
+    training.update(steps=150, checkpoint={"dir": str(tmp_path / "ckpt"), "intervalSteps": 100})
+    training["lrPolicy"]["warmupSteps"] = 20
+    training["evaluation"]["everySteps"] = 50
+    training["emulation"] = {"computeSeconds": 0.01, "slowdowns": [{"rank": 1, "factor": 2.0}]}
+    # The user's folder: their package and their job file side by side.
+    shutil.copytree(example / "charlm", tmp_path / "code" / "charlm")
+    path = tmp_path / "code" / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    out = tmp_path / "out"
+    proc = subprocess.run([SGDJOB, "run", str(path), "--mode", mode, "--out", str(out), "--timeout", "240"],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    report = json.loads((out / "report.json").read_text())
+    curve = report["validation_curve"]
+    assert [m["mode"] for m in report["mode_timeline"]] == [mode] and report["steps"] == 150
+    print(f"{mode}: bits/char {curve[0]['metric']:.2f} -> {curve[-1]['metric']:.2f}, tokens/s "
+          f"{report['throughput_samples_per_s'] * 64:.0f}")  # fmt: skip
+    assert curve[0]["metric"] > 6.5 and curve[-1]["metric"] < BITS_AFTER_150, curve
