@@ -76,7 +76,9 @@ def test_a_task_with_its_own_adamw_trains_to_its_target_in_every_mode(tmp_path: 
     assert proc.returncode == 0, output[-4000:]
     report = json.loads((out / "report.json").read_text())
     assert report["ok"] and report["reason"] == "TargetReached", report
-    assert report["steps"] < 3000 and report["validation"]["accuracy"] >= 0.93
+    # The target was reached by a validation at target_step; the final one comes a few steps later.
+    reached = next(p for p in report["validation_curve"] if p["step"] == report["target_step"])
+    assert report["steps"] < 3000 and reached["accuracy"] >= 0.93 and report["validation"]["accuracy"] >= 0.88
     logs = "\n".join(p.read_text() for p in (out / "logs").glob("*.log"))
     assert "task my_digits_task:build, AdamW" in logs, "the task's own optimizer ran"
     if mode != "auto":
