@@ -302,7 +302,8 @@ class ParameterServer:
 
     def gather_state(self, numel: int) -> FlatState:
         """Collective: the shards' optimizer state, whole, on every rank (scalars: shard 0's)."""
-        hosted = {j: {k: v.dim() for k, v in shard.state().items()} for j, shard in self.shards.items()}
+        states = {j: shard.state() for j, shard in self.shards.items()}  # flattened once per shard
+        hosted = {j: {k: v.dim() for k, v in state.items()} for j, state in states.items()}
         everyone: list[dict[int, dict[str, int]] | None] = [hosted]
         if self.ctl is not None:
             everyone = [None] * self.world_size
@@ -312,7 +313,7 @@ class ParameterServer:
             keys.update(entry or {})
         out: FlatState = {}
         for j, (lo, hi) in enumerate(self.bounds):
-            mine = self.shards[j].state() if j in self.shards else {}
+            mine = states.get(j, {})
             for key, dim in sorted(keys.get(j, {}).items()):
                 if dim == 0 and j > 0:
                     continue
