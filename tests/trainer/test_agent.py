@@ -1,6 +1,7 @@
 """`python -m sgdjob_trainer.agent`: torchrun with workers forked from a warm agent keeps torchrun's
 contract: a crashed worker fails the round and the restarted (forked again) workers resume from the
-checkpoint; a worker stopped by SIGTERM is a failure, not a success; a wrong command is refused."""
+checkpoint; a worker stopped by SIGTERM is a failure, not a success; a wrong command is refused;
+a node that joins after the job ended exits with its own status, not torchrun's crash."""
 
 from __future__ import annotations
 
@@ -17,12 +18,16 @@ from typing import Any
 import pytest
 
 from bench.trainer_modes import read_reports
+from sgdjob_operator.local.procs import free_port_blocks
+from sgdjob_trainer.wire.launch_contract import EXIT_RENDEZVOUS_CLOSED
 
 pytestmark = pytest.mark.multiproc
 WORLD = 2
 
 
-def _launch(workdir: Path, training: dict[str, Any], max_restarts: int) -> subprocess.Popen[bytes]:
+def _launch(
+    workdir: Path, training: dict[str, Any], max_restarts: int, rendezvous: list[str] | None = None
+) -> subprocess.Popen[bytes]:
     workdir.mkdir(parents=True, exist_ok=True)
     config = {
         "jobName": "agent",
@@ -33,7 +38,8 @@ def _launch(workdir: Path, training: dict[str, Any], max_restarts: int) -> subpr
     (workdir / "run.json").write_text(json.dumps(config))
     env = {**os.environ, "SGDJOB_REPORT_DIR": str(workdir / "report"), "SGDJOB_METRICS_HOST": "127.0.0.1",
            "SGDJOB_METRICS_PORT": "0", "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # fmt: skip
-    cmd = [sys.executable, "-m", "sgdjob_trainer.agent", "--standalone", f"--nproc-per-node={WORLD}",
+    where = rendezvous if rendezvous is not None else ["--standalone"]
+    cmd = [sys.executable, "-m", "sgdjob_trainer.agent", *where, f"--nproc-per-node={WORLD}",
            f"--max-restarts={max_restarts}", "-m", "sgdjob_trainer", "--config", str(workdir / "run.json")]  # fmt: skip
     return subprocess.Popen(cmd, stdout=(workdir / "log.txt").open("wb"), stderr=subprocess.STDOUT, env=env)
 
@@ -94,3 +100,25 @@ def test_only_modules_are_run() -> None:
     )
     assert proc.returncode != 0
     assert "end the command with `-m MODULE [args]`" in proc.stderr
+
+
+def test_a_node_joining_after_the_job_ended_exits_with_the_closed_rendezvous_status(tmp_path: Path) -> None:
+    [port] = free_port_blocks(1)
+    store = subprocess.Popen(
+        [sys.executable, "-m", "sgdjob_trainer.rendezvous_store", "--host", "127.0.0.1", "--port", str(port)],
+        stdout=(tmp_path / "store.txt").open("wb"),
+        stderr=subprocess.STDOUT,
+    )
+    rdzv = [f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-backend=c10d", "--rdzv-id=late", "--nnodes=1:2",
+            "--rdzv-conf=join_timeout=60,last_call_timeout=1", "--local-addr=127.0.0.1"]  # fmt: skip
+    try:
+        first = _launch(tmp_path / "first", {"steps": 5}, max_restarts=0, rendezvous=rdzv)
+        assert first.wait(timeout=300) == 0, (tmp_path / "first" / "log.txt").read_text()[-3000:]
+        late = _launch(tmp_path / "late", {"steps": 5}, max_restarts=0, rendezvous=rdzv)
+        code = late.wait(timeout=120)
+    finally:
+        store.terminate()
+        store.wait(timeout=30)
+    log = (tmp_path / "late" / "log.txt").read_text()
+    assert code == EXIT_RENDEZVOUS_CLOSED, log[-3000:]
+    assert "the job ended before this node joined a world" in log

@@ -222,3 +222,25 @@ def test_a_membership_change_starts_the_policy_over_and_resets_batch_sizes() -> 
     assert after.policy.last_change == 500.0 and after.policy.ranks == {}
     assert command is not None and command.epoch == 2 and command.batch_sizes == {0: 32, 1: 32}
     assert restarted(DriverState(epoch=4), 1.0, 2, 32, None)[1] is None
+
+
+def test_no_change_is_made_that_the_job_ends_before_repaying() -> None:
+    """A grow-back decided near the last step would restart the world for a job about to finish
+    (CI saw a node added at step 193 of 200 find the rendezvous closed)."""
+    spec = spec_for(replicas=3, policy={"allowedActions": ["rescale"]}, training={"batchSize": 32, "steps": 400})
+    healthy = feed([[100.0] * 3] * 8)
+
+    def decisions(step_at: Any) -> list[Any]:
+        state, out = DriverState(), []
+        for i, (t, samples) in enumerate(healthy):
+            step = drive(state, Observed(samples, applied_epoch=0, goal_replicas=4, step=step_at(i)), spec, t)
+            state, out = step.state, [*out, step.decision]
+        return out
+
+    early = decisions(lambda i: 30 * i)  # steps 90 of 400 at the decision: hundreds of seconds left
+    assert [d.action for d in early[:4]] == ["keep"] * 3 + ["rescale"]
+    late = decisions(lambda i: 370 + i)  # about 10 s left at 3 steps/s: a pod restart never repays
+    assert all(d.action == "keep" for d in late)
+    assert "the job ends in about" in late[-1].reason and "steps)" in late[-1].reason, late[-1].reason
+    unknown = decisions(lambda i: None)  # a shell that does not know the step decides as before
+    assert [d.action for d in unknown[:4]] == ["keep"] * 3 + ["rescale"]

@@ -20,10 +20,12 @@ import uuid
 
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 from torch.distributed.launcher.api import elastic_launch
 from torch.distributed.run import config_from_args, parse_args
 
 import sgdjob_trainer.trainer  # noqa: F401  (imported once here, inherited by every worker)
+from sgdjob_trainer.wire.launch_contract import EXIT_RENDEZVOUS_CLOSED
 
 # Signals torchrun's agent handles; a forked worker inherits the handlers and must not keep them.
 _AGENT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
@@ -49,8 +51,23 @@ def run_module(module: str, *argv: str) -> None:
             raise
 
 
-@record  # as torchrun's main: a failed worker's error is printed, and the exit status is 1
 def main(argv: list[str] | None = None) -> None:
+    try:
+        launch(argv)
+    except RendezvousClosedError:
+        # A node added as the job ended (a grow decided near the last step) finds the rendezvous
+        # closed by the agents that finished; torchrun would call that a crash.
+        print(
+            "sgdjob agent: the rendezvous is closed: the job ended before this node joined a world; "
+            f"exiting with status {EXIT_RENDEZVOUS_CLOSED}",
+            file=sys.stderr,
+            flush=True,
+        )
+        sys.exit(EXIT_RENDEZVOUS_CLOSED)
+
+
+@record  # as torchrun's main: a failed worker's error is printed, and the exit status is 1
+def launch(argv: list[str] | None = None) -> None:
     args = parse_args(argv)  # type: ignore[no-untyped-call]
     if not args.module or args.no_python or args.run_path:
         sys.exit(

@@ -64,7 +64,9 @@ def evaluate_job(spec: SGDJobSpec, st: SGDJobStatus, obs: Observation, now: floa
     its state already kept in `st`, and any problem loading or evaluating to report."""
     state, problem = driver_state(st)
     goal = goal_replicas(spec, controller(st))
-    observed = Observed(obs.samples, applied_epoch=obs.control_epoch, in_flight=busy, goal_replicas=goal)
+    observed = Observed(
+        obs.samples, applied_epoch=obs.control_epoch, in_flight=busy, goal_replicas=goal, step=st.step or None
+    )
     step = drive(state, observed, spec, now)
     store(st, step.state)
     return step, "; ".join(p for p in (problem, step.problem) if p)

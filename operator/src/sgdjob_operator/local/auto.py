@@ -144,7 +144,13 @@ class AutoController:
             return  # the first call waits until the window from the training start gives a rate
         self.last_eval = now
         finishing = "a worker has finished" if any(w.done for w in snap.workers) else ""
-        observed = Observed(samples, replicas=len(run.fleet.nodes()), applied_epoch=epoch, in_flight=finishing)
+        observed = Observed(
+            samples,
+            replicas=len(run.fleet.nodes()),
+            applied_epoch=epoch,
+            in_flight=finishing,
+            step=snap.step or None,
+        )
         step = drive(self.state, observed, self.job.spec, now, LOCAL_COSTS)
         self.state = step.state
         if step.problem and step.problem != self.problem:

@@ -20,6 +20,7 @@ from sgdjob_operator.local.launch import AgentPlan
 from sgdjob_operator.local.procs import Agent, ProcId
 from sgdjob_operator.local.progress import Display
 from sgdjob_trainer.config import SyncMode
+from sgdjob_trainer.wire.launch_contract import EXIT_RENDEZVOUS_CLOSED
 from sgdjob_trainer.wire.worker_status import WorkerStatus
 
 # A dead agent is judged this long after its exit is seen: when the job ends, an agent that came
@@ -119,13 +120,14 @@ class Reviver:
 
     def _finish(self, fleet: Fleet, elapsed: float) -> None:
         """The others finished the job: no restart is due any more, and an agent that came back too
-        late for their last round (it fails to join a closed rendezvous) is left out, not failed.
-        A death among the agents that trained to the end still fails the job (see the runner)."""
+        late for their last round, or joined (grown by the policy) after it, is left out, not failed:
+        it finds the rendezvous closed. A death among the agents that trained to the end still fails
+        the job (see the runner)."""
         for p in self.pending:
             p.record["note"] = "not restarted: the other agents finished the job"
         self.pending = []
         for agent in self._dead(fleet):
-            if agent.id in self.revived:
+            if agent.id in self.revived or agent.returncode == EXIT_RENDEZVOUS_CLOSED:
                 agent.retired = True
                 self.display.note(
                     f"[{elapsed:6.1f}s] agent {agent.plan.node} came back after the job's last round "

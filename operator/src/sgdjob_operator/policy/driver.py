@@ -94,7 +94,8 @@ class Observed:
     without commands). `in_flight`: why the shell sees a change still under way ('' when none).
     `goal_replicas`: the nodes the job should run when healthy, what the policy grows back to after
     a shrink (None: spec.replicas; the operator, whose rescale changes spec.replicas, keeps the
-    user's number in status)."""
+    user's number in status). `step`: the job's step now (None: not known), so that no change is
+    made that the job ends before repaying."""
 
     samples: Sequence[WorkerSample]
     replicas: int | None = None
@@ -103,6 +104,7 @@ class Observed:
     batch_sizes: Mapping[int, int] | None = None
     groups: Sequence[Sequence[int]] | None = None
     goal_replicas: int | None = None
+    step: int | None = None
 
     @property
     def mode(self) -> str | None:
@@ -278,6 +280,7 @@ def drive(
             switch_seconds=costs.switch_seconds,
             in_flight=in_flight,
             goal_replicas=observed.goal_replicas,
+            step=observed.step,
         )
         result = evaluate(state.policy, observed.samples, view, now)
     except Exception as err:  # the policy is pure code; a bug in it is reported, never fatal to a shell

@@ -4,9 +4,10 @@ A change is made only when (1) the cost model predicts at least switchMargin mor
 throughput than the job gets now (or, for the way back to plain sync, no loss), (2) the same change
 has been the best for persistenceIntervals windows in a row, (3) cooldownSeconds have passed since
 the last change (not for the way back to plain sync; growing back to the goal replicas waits, see
-`candidates`), and (4) the change pays back its own cost
-(restart or switch pause) well within the time it will stay in force, and (5) no change is still in
-flight (`JobView.in_flight`). A hang (`policy.hang`) is recovered from at once.
+`candidates`), and (4) the change pays back its own cost (restart or switch pause) well within
+the time it will stay in force, and before the job's last step when the step is known (the way
+back to plain sync: its pause ends before the job does), and (5) no change is still in flight
+(`JobView.in_flight`). A hang (`policy.hang`) is recovered from at once.
 """
 
 from __future__ import annotations
@@ -21,10 +22,11 @@ from sgdjob_operator.policy.efficiency import estimate
 from sgdjob_operator.policy.hang import find_hang
 from sgdjob_operator.policy.health import JobHealth, Shape, assess, jitter_coefficient
 from sgdjob_operator.policy.job import JobView
-from sgdjob_operator.policy.measure import FirstWindow, measure
+from sgdjob_operator.policy.measure import FirstWindow, Window, measure
 from sgdjob_operator.policy.samples import WorkerSample
 from sgdjob_operator.policy.state import PolicyState, RankState
 from sgdjob_operator.policy.stats import median
+from sgdjob_trainer.config import SyncMode
 
 # A candidate within this fraction of the best is as good as the best: the one already persisting
 # wins, so two near-equal options cannot take turns and reset each other's persistence. (The
@@ -107,9 +109,10 @@ def evaluate(state: PolicyState, samples: Sequence[WorkerSample], job: JobView, 
     current = predict_current(ctx)
     candidates = build(ctx)
     predictions = {"current": current.useful, **{c.prediction.label: c.prediction.useful for c in candidates}}
-    chosen = _choose(candidates, current, job, state.candidate)
+    left = seconds_left(window, job)
+    chosen = _choose(candidates, current, job, state.candidate, left)
     if chosen is None:
-        return Evaluation(Keep(_keep_reason(health, current, candidates, job)), health, base, predictions)
+        return Evaluation(Keep(_keep_reason(health, current, candidates, job, left)), health, base, predictions)
 
     streak = state.candidate_streak + 1 if chosen.key == state.candidate else 1
     waiting = replace(base, candidate=chosen.key, candidate_streak=streak)
@@ -151,19 +154,37 @@ def _gain(pred: Prediction, current: Prediction) -> float:
     return pred.useful / current.useful - 1.0
 
 
-def _viable(c: Candidate, current: Prediction, job: JobView) -> bool:
+def seconds_left(window: Window, job: JobView) -> float | None:
+    """Seconds until the job's last step at this window's pace (None: the step or the pace is not
+    known). The job's step is rank 0's in sync and hierarchical (every rank steps once per job step)
+    and the parameter server's in async (every rank's push is a step)."""
+    rates = [r.steps / r.seconds for r in window.ranks.values() if r.seconds > 0]
+    if job.steps_left is None or not rates:
+        return None
+    pace = sum(rates) if job.mode == SyncMode.ASYNC.value else max(rates)
+    return job.steps_left / pace
+
+
+def _horizon(job: JobView, left: float | None) -> float:
+    horizon = max(job.policy.cooldown_seconds, PAYBACK_INTERVALS * job.policy.interval_seconds)
+    return horizon if left is None else min(horizon, left)
+
+
+def _viable(c: Candidate, current: Prediction, job: JobView, left: float | None) -> bool:
     if c.restoring:
-        return c.prediction.useful >= current.useful
+        return c.prediction.useful >= current.useful and (left is None or c.cost_seconds < left)
     gain = _gain(c.prediction, current)
     if gain < job.policy.switch_margin:
         return False
-    horizon = max(job.policy.cooldown_seconds, PAYBACK_INTERVALS * job.policy.interval_seconds)
+    horizon = _horizon(job, left)
     payback = c.cost_seconds * current.useful / (c.prediction.useful - current.useful)
     return payback <= horizon
 
 
-def _choose(candidates: list[Candidate], current: Prediction, job: JobView, previous: str | None) -> Candidate | None:
-    viable = [c for c in candidates if _viable(c, current, job)]
+def _choose(
+    candidates: list[Candidate], current: Prediction, job: JobView, previous: str | None, left: float | None
+) -> Candidate | None:
+    viable = [c for c in candidates if _viable(c, current, job, left)]
     if not viable:
         return None
     best = max(viable, key=lambda c: c.prediction.useful)
@@ -183,8 +204,14 @@ def _choose(candidates: list[Candidate], current: Prediction, job: JobView, prev
     return best
 
 
-def _keep_reason(health: JobHealth, current: Prediction, candidates: list[Candidate], job: JobView) -> str:
-    if health.shape is Shape.HOMOGENEOUS:
+def _keep_reason(
+    health: JobHealth, current: Prediction, candidates: list[Candidate], job: JobView, left: float | None
+) -> str:
+    ending = ""
+    if left is not None and left < _horizon(job, None):
+        ending = f"; the job ends in about {left:.0f}s ({job.steps_left} steps)"
+    gainful = [c for c in candidates if _gain(c.prediction, current) >= job.policy.switch_margin]
+    if health.shape is Shape.HOMOGENEOUS and not (ending and gainful):
         return f"{health.summary}; nothing to change"
     if not candidates:
         return (
@@ -194,7 +221,7 @@ def _keep_reason(health: JobHealth, current: Prediction, candidates: list[Candid
     best = max(candidates, key=lambda c: c.prediction.useful)
     return (
         f"{health.summary}; best alternative {best.prediction.label} predicts {_gain(best.prediction, current):+.0%} "
-        f"(a change needs {job.policy.switch_margin:+.0%} and must repay its pause)"
+        f"(a change needs {job.policy.switch_margin:+.0%} and must repay its pause{ending})"
     )
 
 

@@ -24,7 +24,8 @@ class JobView:
     (re-rendezvous plus resuming from a checkpoint), `switch_seconds` a mode switch or rebalance.
     `in_flight` says why a change is still being applied ('' when none): the policy then holds.
     `goal_replicas` is what the job should run when healthy (0: `replicas`): below it, a healthy
-    fleet grows back.
+    fleet grows back. `steps_left` is how many of training.steps remain (None: not known): a change
+    that cannot repay its pause before the job ends is not made.
     """
 
     requested_mode: str
@@ -51,6 +52,7 @@ class JobView:
     switch_seconds: float = 5.0
     in_flight: str = ""
     goal_replicas: int = 0
+    steps_left: int | None = None
 
     @property
     def goal(self) -> int:
@@ -108,10 +110,12 @@ def job_view(
     switch_seconds: float = 5.0,
     in_flight: str = "",
     goal_replicas: int | None = None,
+    step: int | None = None,
 ) -> JobView:
     """The policy's view of a job: `spec` plus the active mode (default: the mode workers start
     in), the current replicas (default spec.replicas), per-rank batch sizes and hierarchical groups
-    in force, and optionally what is known about the network and per-rank memory limits."""
+    in force, the job's step now, and optionally what is known about the network and per-rank
+    memory limits."""
     active = mode if mode is not None else spec.initial_mode.value
     if active not in SYNC_MODES:
         raise ValueError(f"mode must be one of {', '.join(SYNC_MODES)}, not {active!r}")
@@ -141,4 +145,5 @@ def job_view(
         switch_seconds=switch_seconds,
         in_flight=in_flight,
         goal_replicas=goal_replicas if goal_replicas is not None else spec.replicas,
+        steps_left=max(spec.training.steps - step, 0) if step is not None else None,
     )

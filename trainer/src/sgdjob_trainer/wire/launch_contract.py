@@ -20,6 +20,10 @@ TRAINER_MODULE = "sgdjob_trainer"  # python -m TRAINER_MODULE --config FILE: one
 AGENT_MODULE = "sgdjob_trainer.agent"  # torchrun with forked workers (see sgdjob_trainer.agent)
 STORE_MODULE = "sgdjob_trainer.rendezvous_store"  # the c10d store the agents rendezvous through
 RDZV_BACKEND = "c10d"
+# The agent's exit status when the rendezvous it joins is already closed: the job ended (its other
+# agents finished or gave up) before this node got a world. Not a failure of this node; its peers'
+# exit statuses say how the job ended.
+EXIT_RENDEZVOUS_CLOSED = 3
 
 # The environment a trainer process reads, besides torchrun's own (RANK, WORLD_SIZE, ...).
 ENV_NODE_NAME = "NODE_NAME"  # the node it runs on (a pod's spec.nodeName); else the host name
