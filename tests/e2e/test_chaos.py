@@ -292,9 +292,9 @@ def test_e_crash_loop_fails_at_the_backoff_limit(env: Env) -> None:
     failed = next(c for c in st["conditions"] if c["type"] == "Failed")
     assert failed["reason"] == "BackoffLimitExceeded" and "backoffLimit 1" in failed["message"], failed
     assert int(st.get("step") or 0) < 500
-    logs = "".join(
-        env.cluster.agent.logs(env.ns, str(p["metadata"]["name"])) for p in worker_pods(env.kube, env.ns, job)
-    )
+    # Every life of every pod, replaced ones included (a failed pod is recreated until the limit).
+    lives = sorted((env.cluster.agent.workdir / "pods").glob(f"{env.ns}_{job}-worker-*/logs/*.log"))
+    logs = "".join(path.read_text(errors="replace") for path in lives)
     assert logs.count("EMULATED FAULT: rank 1 exits abruptly") >= 2, "the fault fires in every life: a crash loop"
     assert watch.per_index == 1 and watch.total <= 2
     env.cluster.plane.kubectl("delete", "sgdjob", job, "-n", env.ns, "--wait=false")
