@@ -57,6 +57,7 @@ class ControlPlane:
     token: str = field(default_factory=lambda: secrets.token_hex(16))
     api_port: int = 0
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    argvs: dict[str, list[str]] = field(default_factory=dict)  # how each process was started: restart()
 
     @property
     def bin(self) -> Path:
@@ -87,8 +88,18 @@ class ControlPlane:
         return result
 
     def _spawn(self, name: str, argv: list[str]) -> None:
-        log = open(self.workdir / f"{name}.log", "wb")  # noqa: SIM115 - closed with the process
+        log = open(self.workdir / f"{name}.log", "ab")  # noqa: SIM115 - closed with the process
+        self.argvs[name] = argv
         self.procs[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def restart_apiserver(self, down_s: float = 0.0, timeout: float = 60.0) -> None:
+        """Stop kube-apiserver (SIGTERM, as a rolling control-plane upgrade does), keep it down for
+        `down_s`, start it again on the same port, certificates and etcd, and wait until it serves.
+        Clients see refused connections and broken watches meanwhile; nothing is lost (etcd stays)."""
+        _terminate(self.procs["kube-apiserver"], 20)
+        time.sleep(down_s)
+        self._spawn("kube-apiserver", self.argvs["kube-apiserver"])
+        self._wait_ready(timeout)
 
     def start(self, timeout: float = 60.0) -> ControlPlane:
         b = self.bin
@@ -209,13 +220,18 @@ class ControlPlane:
         # One at a time, in reverse start order: an API server whose etcd is already gone hangs in
         # shutdown until the 10 s SIGKILL; with etcd still up it exits in a few seconds.
         for proc in reversed(list(self.procs.values())):
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=10)
+            _terminate(proc, 10)
         self.procs.clear()
         shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def _terminate(proc: subprocess.Popen[bytes], grace: float) -> None:
+    """SIGTERM to the process's session, SIGKILL after `grace` seconds."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)

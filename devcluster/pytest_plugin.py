@@ -71,7 +71,11 @@ def cluster() -> Iterator[LocalCluster]:
     restore = None
     if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
         restore = signal.signal(signal.SIGTERM, _interrupt)
-    local = LocalCluster(default_nodes(gpu_nodes=4, cpu_nodes=1), backoff_base=0.5, backoff_cap=4.0, grace_cap=5.0)
+    # Pods run this checkout's packages (the test run's PYTHONPATH), not the ones the venv was installed from.
+    pythonpath = {"PYTHONPATH": os.environ["PYTHONPATH"]} if os.environ.get("PYTHONPATH") else {}
+    local = LocalCluster(
+        default_nodes(gpu_nodes=4, cpu_nodes=1), backoff_base=0.5, backoff_cap=4.0, grace_cap=5.0, extra_env=pythonpath
+    )
     try:
         yield local.start()
     finally:

@@ -27,11 +27,11 @@ pytestmark = pytest.mark.multiproc
 Killer = Callable[[LocalRun, ProgressFrame], bool]
 
 
-def kill_agent(run: LocalRun, node: str) -> bool:
-    """SIGKILL the running agent of `node`, as `kill -9` from outside would."""
+def kill_agent(run: LocalRun, node: str, sig: signal.Signals = signal.SIGKILL) -> bool:
+    """Signal the running agent of `node` (SIGKILL: as `kill -9` from outside would)."""
     for agent in run.fleet.active():
         if agent.plan.node == node and agent.returncode is None:
-            os.kill(agent.popen.pid, signal.SIGKILL)
+            os.kill(agent.popen.pid, sig)
             return True
     return False
 
@@ -59,13 +59,13 @@ def run_job(tmp_path: Path, killer: Killer, *, steps: int, backoff_limit: int = 
     return outcome
 
 
-def once_at(step: int, node: str = "local-3") -> Killer:
+def once_at(step: int, node: str = "local-3", sig: signal.Signals = signal.SIGKILL) -> Killer:
     done: list[bool] = []
 
     def killer(run: LocalRun, snap: ProgressFrame) -> bool:
         if done or snap.step < step:
             return False
-        done.append(kill_agent(run, node))
+        done.append(kill_agent(run, node, sig))
         return done[-1]
 
     return killer

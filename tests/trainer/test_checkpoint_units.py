@@ -219,6 +219,13 @@ def test_config_levers_and_faults_validate() -> None:
         TrainingConfig.model_validate({"faults": [{"rank": 1}]})
     with pytest.raises(ValueError, match="rank 5 does not exist"):
         TrainingConfig.model_validate({"faults": [{"rank": 5, "afterSeconds": 1}]}).check_world(4)
+    once, loop = TrainingConfig.model_validate(
+        {"faults": [{"rank": 1, "atStep": 5, "restart": 1}, {"rank": 1, "atStep": 5, "everyLife": True}]}
+    ).faults
+    assert [once.fires_in(1, n) for n in range(3)] == [False, True, False]
+    assert [loop.fires_in(1, n) for n in range(3)] == [True, True, True] and not loop.fires_in(0, 0)
+    with pytest.raises(ValueError, match="everyLife"):
+        TrainingConfig.model_validate({"faults": [{"atStep": 5, "restart": 2, "everyLife": True}]})
 
 
 def test_a_checkpoint_dir_belongs_to_one_job(tmp_path: Path) -> None:

@@ -182,8 +182,10 @@ class Fault(CamelModel):
     checkpoint) or a hang (the rank blocks for good inside its compute, as behind a wedged GPU or a
     dead file system, until it is killed).
 
-    It fires only in the life named by `restart` (TORCHELASTIC_RESTART_COUNT, 0 = first start), so
-    the restarted workers can get past it.
+    It fires only in the life named by `restart`: the world's restart count (the highest
+    TORCHELASTIC_RESTART_COUNT among its agents, 0 = first start; a replacement pod's fresh agent joins
+    peers that count on), so the restarted and replacement workers can get past it. With `everyLife`
+    it fires in every life (a crash loop, to exercise runPolicy.backoffLimit).
     """
 
     kind: Annotated[FaultKind, Field(description="crash (exit abruptly) or hang (block until killed).")] = (
@@ -206,12 +208,27 @@ class Fault(CamelModel):
     restart: Annotated[
         int, Field(ge=0, le=1000, description="The life it fires in: 0 on the first start, n after the n-th restart.")
     ] = 0
+    every_life: Annotated[
+        bool,
+        Field(
+            description=(
+                "Fire in every life (every start and restart of the rank), not only in the one `restart` names: "
+                "a worker that crash-loops."
+            )
+        ),
+    ] = False
 
     @model_validator(mode="after")
     def _when(self) -> Self:
         if (self.at_step is None) == (self.after_seconds is None):
             raise cross_field_error("atStep", "give exactly one of atStep or afterSeconds for a fault")
+        if self.every_life and self.restart != 0:
+            raise cross_field_error("everyLife", "give either restart (one life) or everyLife: true, not both")
         return self
+
+    def fires_in(self, rank: int, restart_count: int) -> bool:
+        """Whether this fault applies to `rank` in the life `restart_count` (the world's restart count)."""
+        return self.rank == rank and (self.every_life or self.restart == restart_count)
 
 
 class Checkpoint(CamelModel):

@@ -31,6 +31,7 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
 import torch.distributed as dist
 
 from sgdjob_trainer.checkpoint import Checkpointer, Snapshot, claim_dir, read_progress
@@ -63,6 +64,11 @@ class Recovery:
         holder: list[Any] = [uuid.uuid4().hex[:12] if info.rank == 0 else None]
         dist.broadcast_object_list(holder, src=0, group=ctl)
         self.life = str(holder[0])
+        # The world's restart count, for faults: on Kubernetes a replacement pod's fresh torchrun agent
+        # counts from 0 while its peers count on, so a fault meant for the first life would fire again.
+        counts = torch.tensor([info.restart_count], dtype=torch.int64)
+        dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=ctl)
+        self.world_restarts = int(counts.item())
         cfg = ctx.training.checkpoint
         if cfg.dir is not None:
             claim_dir(Path(cfg.dir), job_name, info.rank)
@@ -209,7 +215,7 @@ class Recovery:
         ctx = self.ctx
         info = ctx.info
         for fault in ctx.training.faults:
-            if fault.rank != info.rank or fault.restart != info.restart_count:
+            if not fault.fires_in(info.rank, self.world_restarts):
                 continue
             by_step = fault.at_step is not None and ctx.state.step >= fault.at_step
             by_time = fault.after_seconds is not None and time.time() - ctx.telemetry.start_time >= fault.after_seconds
