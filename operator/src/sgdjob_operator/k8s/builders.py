@@ -49,6 +49,7 @@ CONFIG_FILE = "run-config.json"
 TOKEN_DIR = "/etc/sgdjob/control"
 TERMINATION_LOG = "/dev/termination-log"  # Kubernetes' default terminationMessagePath
 TOKEN_KEY = "token"
+POLICY_STATE_KEY = "policy-state.json"
 DEFAULT_IMAGE = "ghcr.io/sgdjob/trainer:0.1.0"
 
 
@@ -78,6 +79,10 @@ class JobRef:
     @property
     def config_map(self) -> str:
         return f"{self.name}-config"
+
+    @property
+    def policy_state(self) -> str:
+        return f"{self.name}-policy-state"
 
     @property
     def rdzv_pod(self) -> str:
@@ -163,6 +168,16 @@ def build_config_map(job: JobRef, spec: SGDJobSpec, mode: SyncMode) -> dict[str,
         "kind": "ConfigMap",
         "metadata": _meta(job, job.config_map),
         "data": {CONFIG_FILE: text},
+    }
+
+
+def build_policy_state(job: JobRef, text: str) -> dict[str, Any]:
+    """The policy core's state between evaluations (`k8s.policy_store`); no pod mounts it."""
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(job, job.policy_state),
+        "data": {POLICY_STATE_KEY: text},
     }
 
 

@@ -1,0 +1,128 @@
+"""What a person reads about a job: `kubectl describe sgdjob` on a real API server, with the
+operator scraping fake trainers (real HTTP servers on loopback pod IPs, as in test_adaptation).
+
+A healthy run has moments when its workers do not answer (Running before the trainer serves
+/metrics, exiting after training): none of them is a Warning. The policy's state is kept out of
+status, and an older operator's copy in status is moved out and resumed from."""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+from typing import Any
+
+import pytest
+
+from sgdjob_operator.policy.state import PolicyState
+from tests.operator.conftest import GROUP, PLURAL, VERSION, Cluster, Operator, wait_for
+from tests.operator.test_adaptation import BATCH, FakeWorker, _free_port
+
+pytestmark = pytest.mark.k8s
+POLICY = {"intervalSeconds": 1, "persistenceIntervals": 2, "allowedActions": ["switchMode"]}
+
+
+def _apply(cluster: Cluster, name: str, subnet: int, count: int = 2) -> tuple[list[str], int, dict[str, Any]]:
+    hosts = [f"127.0.{subnet}.{i + 2}" for i in range(count)]
+    port = _free_port(hosts)
+    spec = {"replicas": count, "mode": "auto", "policy": POLICY, "training": {"metricsPort": port, "batchSize": BATCH}}
+    cluster.apply(name, spec)
+    token = base64.b64decode(
+        wait_for("token", lambda: cluster.core.read_namespaced_secret(f"{name}-control", cluster.ns).data)["token"]
+    ).decode()
+    shared: dict[str, Any] = {"mode": "sync", "epoch": 0, "posts": [], "token": token, "speeds": [0.02] * count}
+    wait_for(f"{count} pods", lambda: len(cluster.pods(name)) == count)
+    return hosts, port, shared
+
+
+def _scrape_errors(operator: Operator) -> float:
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{operator.metrics_port}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    return sum(
+        float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith("sgdjob_operator_scrape_errors_total")
+    )
+
+
+def _policy_state(cluster: Cluster, name: str) -> dict[str, Any] | None:
+    items = cluster.core.list_namespaced_config_map(cluster.ns, field_selector=f"metadata.name={name}-policy-state")
+    if not items.items:
+        return None
+    data: dict[str, Any] = json.loads(items.items[0].data["policy-state.json"])
+    return data
+
+
+def test_a_healthy_run_has_no_warning_from_start_to_succeeded_and_describe_reads_as_a_story(
+    cluster: Cluster, operator: Operator
+) -> None:
+    hosts, port, shared = _apply(cluster, "calm", subnet=30)
+    workers: list[FakeWorker] = []
+    try:
+        # The kubelet reports the pods Running before torchrun's workers serve /metrics (imports, rendezvous).
+        errors_before = _scrape_errors(operator)
+        for i, host in enumerate(hosts):
+            cluster.run_pod(f"calm-worker-{i}", host, node=f"node-{i}")
+        wait_for("failed scrapes of starting workers", lambda: _scrape_errors(operator) >= errors_before + 4)
+        workers = [FakeWorker(r, 2, hosts[r], port, 0.02, shared) for r in range(2)]
+        wait_for("Running with steps", lambda: (s := cluster.status("calm")).get("step", 0) > 0 and s["mode"] == "sync")
+        state = wait_for(
+            "policy state kept", lambda: (p := _policy_state(cluster, "calm")) and p["evaluations"] > 1 and p
+        )
+        assert set(state["ranks"]["rank"]) == {0, 1}
+        assert "policyState" not in cluster.status("calm").get("controller", {})
+
+        described = cluster.plane.kubectl("describe", "sgdjob", "calm", "-n", cluster.ns).stdout
+        assert "Phase:" in described and "Running" in described and "Events:" in described, described
+        assert "Policy State" not in described and "shapeStreak" not in described, described
+
+        # Training ends: the trainers stop serving, then their containers exit 0.
+        for w in workers:
+            w.stop()
+        workers = []
+        errors_before = _scrape_errors(operator)
+        wait_for("failed scrapes of exiting workers", lambda: _scrape_errors(operator) >= errors_before + 4)
+        for i in range(2):
+            cluster.end_pod(f"calm-worker-{i}", 0)
+        wait_for("Succeeded", lambda: cluster.status("calm").get("phase") == "Succeeded")
+        time.sleep(2)  # a pass after the end could still post one
+        events = cluster.events("calm")
+        assert [(e.reason, e.message) for e in events if e.type == "Warning"] == []
+        assert "Succeeded" in {e.reason for e in events} or "WorkersSucceeded" in {e.reason for e in events}, [
+            e.reason for e in events
+        ]
+        described = cluster.plane.kubectl("describe", "sgdjob", "calm", "-n", cluster.ns).stdout
+        assert "Warning" not in described and "ScrapeFailed" not in described, described
+    finally:
+        for w in workers:
+            w.stop()
+
+
+def test_an_older_operators_policy_state_in_status_is_moved_out_and_resumed_from(
+    cluster: Cluster, operator: Operator
+) -> None:
+    hosts, port, shared = _apply(cluster, "old", subnet=31)
+    workers = [FakeWorker(r, 2, hosts[r], port, 0.02, shared) for r in range(2)]
+    try:
+        for i, host in enumerate(hosts):
+            cluster.run_pod(f"old-worker-{i}", host, node=f"node-{i}")
+        wait_for("Running with steps", lambda: cluster.status("old").get("step", 0) > 0)
+        # What an older operator left: the state in status, no ConfigMap.
+        operator.stop()
+        cluster.core.delete_namespaced_config_map("old-policy-state", cluster.ns)
+        legacy = json.dumps(PolicyState(evaluations=1000, jitter=0.125).to_dict())
+        cluster.custom.patch_namespaced_custom_object_status(
+            GROUP, VERSION, cluster.ns, PLURAL, "old", {"status": {"controller": {"policyState": legacy}}}
+        )
+        assert cluster.status("old")["controller"]["policyState"] == legacy
+        operator.start()
+        state = wait_for(
+            "state moved and resumed", lambda: (p := _policy_state(cluster, "old")) and p["evaluations"] > 1000 and p
+        )
+        assert state["version"] == json.loads(legacy)["version"]
+        wait_for("status without it", lambda: "policyState" not in cluster.status("old")["controller"])
+        described = cluster.plane.kubectl("describe", "sgdjob", "old", "-n", cluster.ns).stdout
+        assert "Policy State" not in described, described
+    finally:
+        for w in workers:
+            w.stop()
