@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import json
 import time
+import urllib.request
 from typing import Any
 
 import pytest
@@ -35,19 +36,19 @@ def _apply(cluster: Cluster, name: str, subnet: int, count: int = 2) -> tuple[li
     return hosts, port, shared
 
 
-def _scrape_errors(operator: Operator) -> float:
-    import urllib.request
-
+def _operator_metrics(operator: Operator) -> str:
     with urllib.request.urlopen(f"http://127.0.0.1:{operator.metrics_port}/metrics", timeout=5) as resp:
-        text = resp.read().decode()
-    return sum(
-        float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith("sgdjob_operator_scrape_errors_total")
-    )
+        return str(resp.read().decode())
+
+
+def _scrape_errors(operator: Operator) -> float:
+    lines = _operator_metrics(operator).splitlines()
+    return sum(float(ln.split()[-1]) for ln in lines if ln.startswith("sgdjob_operator_scrape_errors_total"))
 
 
 def _policy_state(cluster: Cluster, name: str) -> dict[str, Any] | None:
     items = cluster.core.list_namespaced_config_map(cluster.ns, field_selector=f"metadata.name={name}-policy-state")
-    if not items.items:
+    if not items.items or not items.items[0].data:
         return None
     data: dict[str, Any] = json.loads(items.items[0].data["policy-state.json"])
     return data
@@ -71,6 +72,15 @@ def test_a_healthy_run_has_no_warning_from_start_to_succeeded_and_describe_reads
         )
         assert set(state["ranks"]["rank"]) == {0, 1}
         assert "policyState" not in cluster.status("calm").get("controller", {})
+
+        # What dashboards and alerts read: the job's mode, stragglers and step on the operator's /metrics.
+        job = f'sgdjob_job="calm",sgdjob_namespace="{cluster.ns}"'
+        text = _operator_metrics(operator)
+        assert f'sgdjob_operator_job_mode{{mode="sync",{job}}} 1.0' in text, text
+        assert f"sgdjob_operator_job_stragglers{{{job}}} 0.0" in text
+        assert f'sgdjob_operator_job_phase{{phase="Running",{job}}} 1.0' in text
+        step = next(ln for ln in text.splitlines() if ln.startswith(f"sgdjob_operator_job_step{{{job}}}"))
+        assert float(step.split()[-1]) > 0
 
         described = cluster.plane.kubectl("describe", "sgdjob", "calm", "-n", cluster.ns).stdout
         assert "Phase:" in described and "Running" in described and "Events:" in described, described

@@ -265,8 +265,11 @@ def build_worker_pod(
     meta = _meta(job, name, ROLE_WORKER, {LABEL_INDEX: str(index)})
     group_labels, group_annotations, group_fields = gang.pod_scheduling(spec, job.pod_group)
     meta["labels"] = {**(tmeta.get("labels") or {}), **meta["labels"], **group_labels}
-    if tmeta.get("annotations") or group_annotations:
-        meta["annotations"] = {**(tmeta.get("annotations") or {}), **group_annotations}
+    # For a Prometheus that discovers pods by annotation: local rank 0's /metrics (the chart's
+    # PodMonitor scrapes every rank's port). The template's own annotations win.
+    scrape = {"prometheus.io/scrape": "true", "prometheus.io/port": str(spec.training.metrics_port)}
+    scrape["prometheus.io/path"] = "/metrics"
+    meta["annotations"] = {**scrape, **(tmeta.get("annotations") or {}), **group_annotations}
 
     containers: list[dict[str, Any]] = pod_spec.get("containers") or [{"name": CONTAINER}]
     main = containers[_trainer_container(containers)]

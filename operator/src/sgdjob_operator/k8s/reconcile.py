@@ -88,6 +88,7 @@ class Runtime:
             event.set()
 
     def forget(self, key: Key, uid: str) -> None:
+        metrics.forget_job(*key)
         for table in (self.wakeups, self.generations, self.phases):
             table.pop(key, None)
         for uid_table in (self.tokens, self.next_monitor, self.last_ensure, self.failing_since):
@@ -312,6 +313,7 @@ async def reconcile(rt: Runtime, ref: JobRef) -> float | None:
         else:
             await rt.kube.create(build_policy_state(ref, policy_after))
     rt.phases[key] = plan.status.phase.value
+    metrics.set_job(ref.namespace, ref.name, plan.status)
     metrics.set_phases(rt.phases.values())
     metrics.RECONCILE_SECONDS.observe(time.perf_counter() - started)
     if plan.delete_job:
