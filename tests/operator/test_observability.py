@@ -3,21 +3,29 @@ operator scraping fake trainers (real HTTP servers on loopback pod IPs, as in te
 
 A healthy run has moments when its workers do not answer (Running before the trainer serves
 /metrics, exiting after training): none of them is a Warning. The policy's state is kept out of
-status, and an older operator's copy in status is moved out and resumed from."""
+status, and an older operator's copy in status is moved out and resumed from. A real Prometheus
+(Debian's package) scrapes the operator and the workers and evaluates the chart's rules."""
 
 from __future__ import annotations
 
 import base64
 import json
+import shutil
+import subprocess
 import time
+import urllib.parse
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
+from devcluster.controlplane import free_port
 from sgdjob_operator.policy.state import PolicyState
 from tests.operator.conftest import GROUP, PLURAL, VERSION, Cluster, Operator, wait_for
 from tests.operator.test_adaptation import BATCH, FakeWorker, _free_port
+from tests.packaging.test_chart import _render
 
 pytestmark = pytest.mark.k8s
 POLICY = {"intervalSeconds": 1, "persistenceIntervals": 2, "allowedActions": ["switchMode"]}
@@ -134,5 +142,85 @@ def test_an_older_operators_policy_state_in_status_is_moved_out_and_resumed_from
         described = cluster.plane.kubectl("describe", "sgdjob", "old", "-n", cluster.ns).stdout
         assert "Policy State" not in described, described
     finally:
+        for w in workers:
+            w.stop()
+
+
+def _query(base: str, promql: str) -> list[dict[str, Any]]:
+    url = f"{base}/api/v1/query?" + urllib.parse.urlencode({"query": promql})
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        body = json.loads(resp.read())
+    assert body["status"] == "success", body
+    result: list[dict[str, Any]] = body["data"]["result"]
+    return result
+
+
+def test_prometheus_scrapes_the_operator_and_the_workers_and_the_charts_rules_evaluate(
+    cluster: Cluster, operator: Operator, tmp_path: Path
+) -> None:
+    """Debian's `prometheus` against the operator's and the trainers' /metrics, with the chart's
+    rules loaded: the straggler and mode series are there, and every rule evaluates."""
+    binary = shutil.which("prometheus")
+    if binary is None:
+        pytest.skip("prometheus not installed (Debian: apt-get install prometheus)")
+    groups = _render("--set", "prometheusRule.enabled=true")
+    rules = next(d for d in groups if d["kind"] == "PrometheusRule")["spec"]["groups"]
+    (tmp_path / "rules.yaml").write_text(yaml.safe_dump({"groups": rules}))
+    hosts, port, shared = _apply(cluster, "prom", subnet=32)
+    workers = [FakeWorker(r, 2, hosts[r], port, 0.02, shared) for r in range(2)]
+    web = free_port()
+    config = {
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "rule_files": ["rules.yaml"],
+        "scrape_configs": [
+            {"job_name": "sgdjob-operator", "static_configs": [{"targets": [f"127.0.0.1:{operator.metrics_port}"]}]},
+            {  # what the chart's PodMonitor makes of the worker pods
+                "job_name": "sgdjob-workers",
+                "static_configs": [
+                    {
+                        "targets": [f"{h}:{port}" for h in hosts],
+                        "labels": {"sgdjob_namespace": cluster.ns, "sgdjob_job": "prom"},
+                    }
+                ],
+            },
+        ],
+    }
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
+    argv = [binary, "--config.file=prometheus.yml", f"--storage.tsdb.path={tmp_path / 'data'}"]
+    argv += [f"--web.listen-address=127.0.0.1:{web}"]
+    log = open(tmp_path / "prometheus.log", "wb")  # noqa: SIM115 - closed with the process
+    proc = subprocess.Popen(argv, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{web}"
+    job = f'sgdjob_namespace="{cluster.ns}", sgdjob_job="prom"'
+    try:
+        for i, host in enumerate(hosts):
+            cluster.run_pod(f"prom-worker-{i}", host, node=f"node-{i}")
+        wait_for("Running with steps", lambda: cluster.status("prom").get("step", 0) > 0, timeout=60)
+        modes = wait_for("the mode series", lambda: _query(base, f"sgdjob_operator_job_mode{{{job}}} == 1"), timeout=60)
+        assert [m["metric"]["mode"] for m in modes] == ["sync"]
+        stragglers = _query(base, f"sgdjob_operator_job_stragglers{{{job}}}")
+        assert [float(s["value"][1]) for s in stragglers] == [0.0]
+        assert [m["metric"]["mode"] for m in _query(base, f"sgdjob_mode{{{job}}} == 1")] == ["sync", "sync"]
+        rate = wait_for(
+            "the recording rule", lambda: _query(base, f"sgdjob:samples_per_second:rate2m{{{job}}} > 0"), timeout=60
+        )
+        assert float(rate[0]["value"][1]) > 0
+
+        def evaluated() -> list[dict[str, Any]] | None:
+            with urllib.request.urlopen(f"{base}/api/v1/rules", timeout=5) as resp:
+                found = [r for g in json.loads(resp.read())["data"]["groups"] for r in g["rules"]]
+            return found if all(r.get("lastEvaluation", "").startswith("2") for r in found) else None
+
+        evaluated_rules = wait_for("every rule evaluated", evaluated, timeout=30)
+        assert {r["name"] for r in evaluated_rules} >= {
+            "SGDJobStragglerPersists",
+            "SGDJobNoProgress",
+            "SGDJobWorkerHung",
+        }
+        assert [(r["name"], r.get("lastError")) for r in evaluated_rules if r["health"] != "ok"] == []
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+        log.close()
         for w in workers:
             w.stop()

@@ -155,6 +155,7 @@ async def _monitor(
     Events, and the spec as it now stands (a rescale changes replicas)."""
     eps = endpoints(spec, pods, host=rt.settings.scrape_host, scheme=rt.settings.scrape_scheme)
     if not eps:
+        rt.failing_since.pop(ref.uid, None)
         return None, [], spec
     obs: Observation = await observe(eps, now=now, timeout=rt.settings.scrape_timeout_s, session=rt.http)
     events: list[Event] = []
@@ -273,6 +274,8 @@ async def reconcile(rt: Runtime, ref: JobRef) -> float | None:
         controller(st).policy_state = policy_before
         outcome, events, spec = await _monitor(rt, ref, spec, st, pods, now)
         policy_after = take_policy_state(st)
+    elif held or st.phase not in (Phase.RUNNING, Phase.ADAPTING):
+        rt.failing_since.pop(ref.uid, None)  # not scraped now: a silent worker's grace starts over
     if st.phase not in FINISHED and not held:
         await ensure_pod_group(rt.kube, ref, spec, gate)  # after _monitor: minMember follows its rescale
     events += gate.events + await _once(rt, ref, "SchedulingFailed", gate.problem)
