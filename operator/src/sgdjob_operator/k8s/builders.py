@@ -172,7 +172,7 @@ def build_config_map(job: JobRef, spec: SGDJobSpec, mode: SyncMode) -> dict[str,
 
 
 def build_policy_state(job: JobRef, text: str) -> dict[str, Any]:
-    """The policy core's state between evaluations (`k8s.policy_store`); no pod mounts it."""
+    """The policy core's state between evaluations (see `k8s.actuator`); no pod mounts it."""
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
