@@ -31,7 +31,7 @@ ALL_ON = [
 ]  # fmt: skip
 # Stand in for prometheus-operator's CRDs so the optional ServiceMonitor, PodMonitor and
 # PrometheusRule can be dry-run too.
-MONITORING_CRDS = [
+MONITORING_CRDS: list[dict[str, Any]] = [
     {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",
