@@ -121,19 +121,24 @@ def http_json(url: str, timeout: float = 3.0) -> Obj | None:
 
 
 def assert_children_gone(kube: KubeApi, ns: str, job: str, timeout: float = 90) -> None:
-    """Pods (by label), Service, Secret and ConfigMap of `job` all deleted (the operator and the GC)."""
+    """Pods (by label), Service, Secret and ConfigMaps of `job` all deleted (the operator and the GC)."""
 
     def left() -> list[str]:
         out = [
             f"pod/{p['metadata']['name']}"
             for p in kube.get(f"/api/v1/namespaces/{ns}/pods", labelSelector=f"sgdjob.dev/job-name={job}")["items"]
         ]
-        for plural, name in (("services", job), ("secrets", f"{job}-control"), ("configmaps", f"{job}-config")):
+        for plural, name in (
+            ("services", job),
+            ("secrets", f"{job}-control"),
+            ("configmaps", f"{job}-config"),
+            ("configmaps", f"{job}-policy-state"),
+        ):
             if kube.get_or_none(f"/api/v1/namespaces/{ns}/{plural}/{name}") is not None:
                 out.append(f"{plural}/{name}")
         return out
 
-    wait_for(lambda: not left(), timeout, f"pods, Service, Secret and ConfigMap of {job} deleted")
+    wait_for(lambda: not left(), timeout, f"pods, Service, Secret and ConfigMaps of {job} deleted")
     assert get_job(kube, ns, job) is None
 
 

@@ -134,7 +134,9 @@ def _start(
     the pods Running at those addresses (the kubelet's part)."""
     hosts = [f"127.0.{subnet}.{i + 2}" for i in range(len(speeds))]
     port = _free_port(hosts)
-    training = {**spec.get("training", {}), "metricsPort": port, "batchSize": BATCH}
+    # The fake trainers step until stopped: a job far from its last step, so no change is held
+    # back for want of time to repay it.
+    training = {"steps": 1_000_000, **spec.get("training", {}), "metricsPort": port, "batchSize": BATCH}
     cluster.apply(name, {**spec, "replicas": len(speeds), "training": training})
     token = base64.b64decode(
         wait_for("token", lambda: cluster.core.read_namespaced_secret(f"{name}-control", cluster.ns).data)["token"]

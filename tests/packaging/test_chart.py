@@ -18,6 +18,9 @@ CHART = ROOT / "charts" / "sgdjob-operator"
 ALL_ON = [
     "--set", "replicaCount=2",
     "--set", "metrics.serviceMonitor.enabled=true",
+    "--set", "metrics.podMonitor.enabled=true",
+    "--set", "prometheusRule.enabled=true",
+    "--set", "dashboards.enabled=true",
     "--set", "webhook.enabled=true",
     "--set", "webhook.certSecret=sgdjob-webhook-tls",
     "--set", "webhook.caBundle=Zm9v",
@@ -27,30 +30,33 @@ ALL_ON = [
     "--set", "rbac.integrations.coscheduling=true",
     "--set", "rbac.integrations.kueue=true",
 ]  # fmt: skip
-# Stands in for prometheus-operator's CRD so the optional ServiceMonitor can be dry-run too.
-SERVICE_MONITOR_CRD = {
-    "apiVersion": "apiextensions.k8s.io/v1",
-    "kind": "CustomResourceDefinition",
-    "metadata": {"name": "servicemonitors.monitoring.coreos.com"},
-    "spec": {
-        "group": "monitoring.coreos.com",
-        "scope": "Namespaced",
-        "names": {
-            "kind": "ServiceMonitor",
-            "plural": "servicemonitors",
-            "singular": "servicemonitor",
-            "listKind": "ServiceMonitorList",
+# Stand in for prometheus-operator's CRDs so the optional ServiceMonitor, PodMonitor and
+# PrometheusRule can be dry-run too.
+MONITORING_CRDS: list[dict[str, Any]] = [
+    {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"{plural}.monitoring.coreos.com"},
+        "spec": {
+            "group": "monitoring.coreos.com",
+            "scope": "Namespaced",
+            "names": {"kind": kind, "plural": plural, "singular": kind.lower(), "listKind": f"{kind}List"},
+            "versions": [
+                {
+                    "name": "v1",
+                    "served": True,
+                    "storage": True,
+                    "schema": {"openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}},
+                }
+            ],
         },
-        "versions": [
-            {
-                "name": "v1",
-                "served": True,
-                "storage": True,
-                "schema": {"openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}},
-            }
-        ],
-    },
-}
+    }
+    for kind, plural in (
+        ("ServiceMonitor", "servicemonitors"),
+        ("PodMonitor", "podmonitors"),
+        ("PrometheusRule", "prometheusrules"),
+    )
+]
 
 
 def _helm() -> str:
@@ -152,8 +158,9 @@ def test_gang_and_kueue_permissions_only_when_asked_for() -> None:
 
 @pytest.mark.parametrize("options", [[], ALL_ON], ids=["defaults", "all-options"])
 def test_rendered_chart_passes_server_side_dry_run(k8s_crd: ControlPlane, options: list[str]) -> None:
-    k8s_crd.kubectl("apply", "-f", "-", input_text=yaml.safe_dump(SERVICE_MONITOR_CRD))
-    k8s_crd.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/servicemonitors.monitoring.coreos.com")
+    k8s_crd.kubectl("apply", "-f", "-", input_text=yaml.safe_dump_all(MONITORING_CRDS))
+    for crd in MONITORING_CRDS:
+        k8s_crd.kubectl("wait", "--for=condition=Established", "--timeout=60s", f"crd/{crd['metadata']['name']}")
     for ns in ("sgdjob-system", "team-a", "team-b"):
         k8s_crd.kubectl("create", "namespace", ns, check=False)
     manifest = yaml.safe_dump_all(_render(*options))

@@ -106,7 +106,8 @@ def test_template_is_merged_not_overwritten() -> None:
     pod = build_worker_pod(JOB, spec, 0, default_image=IMAGE, excluded_nodes=["slow-b", "slow-a"])
     assert spec.template == before  # the spec is never mutated
     assert pod["metadata"]["labels"]["team"] == "a" and pod["metadata"]["labels"]["sgdjob.dev/job-name"] == "j"
-    assert pod["metadata"]["annotations"] == {"x": "y", "sgdjob.dev/excluded-nodes": "slow-a,slow-b"}
+    own = {k: v for k, v in pod["metadata"]["annotations"].items() if not k.startswith("prometheus.io/")}
+    assert own == {"x": "y", "sgdjob.dev/excluded-nodes": "slow-a,slow-b"}
     ps = pod["spec"]
     assert ps["nodeSelector"] == {"gpu": "h100"} and ps["tolerations"][0]["key"] == "nvidia.com/gpu"
     sidecar, trainer = ps["containers"]

@@ -15,6 +15,7 @@ from sgdjob_operator.k8s.plan import plan_reconcile
 from sgdjob_operator.k8s.status import PodView, rfc3339
 
 JOB = JobRef(name="j", namespace="ns", uid="u-1")
+SCRAPE = {"prometheus.io/scrape", "prometheus.io/port", "prometheus.io/path"}  # every worker pod has these
 IMAGE = "registry/trainer:1"
 T0 = 1_800_000_000.0
 GPU_TEMPLATE = {"spec": {"containers": [{"name": "trainer", "resources": {"limits": {"nvidia.com/gpu": 8}}}]}}
@@ -64,7 +65,7 @@ def test_bad_scheduling_policies_name_the_field_and_the_fix(
 def test_no_gang_leaves_pods_alone_and_builds_no_group() -> None:
     for spec in (_spec(), _spec({"gang": "none"})):
         pod = build_worker_pod(JOB, spec, 0, default_image=IMAGE)
-        assert "schedulerName" not in pod["spec"] and "annotations" not in pod["metadata"]
+        assert "schedulerName" not in pod["spec"] and set(pod["metadata"]["annotations"]) == SCRAPE
         assert build_pod_group(JOB, spec) is None
 
 
@@ -79,7 +80,8 @@ def test_volcano_group_and_pods() -> None:
     assert group["spec"] == {"minMember": 2, "queue": "research", "priorityClassName": "high"}
     assert group["metadata"]["name"] == "j" and group["metadata"]["ownerReferences"][0]["uid"] == "u-1"
     pod = build_worker_pod(JOB, spec, 3, default_image=IMAGE)
-    assert pod["metadata"]["annotations"] == {"team": "vision", "scheduling.k8s.io/group-name": "j"}
+    assert pod["metadata"]["annotations"].keys() - SCRAPE == {"team", "scheduling.k8s.io/group-name"}
+    assert pod["metadata"]["annotations"]["scheduling.k8s.io/group-name"] == "j"
     assert pod["spec"]["schedulerName"] == "volcano" and pod["spec"]["priorityClassName"] == "high"
     assert gang.COSCHEDULING_GROUP_LABEL not in pod["metadata"]["labels"]
     # The rendezvous store is not one of the gang's members: minMember counts worker pods only.

@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 
 from sgdjob_operator.api.models import JobMode, SGDJob, SGDJobSpec, SGDJobStatus
-from sgdjob_operator.k8s.actuator import apply_step, evaluate_job
+from sgdjob_operator.k8s.actuator import apply_step, evaluate_job, take_policy_state
 from sgdjob_operator.k8s.observe import Observation, command_to_push, record_observation
-from sgdjob_operator.k8s.status import dump_status, load_status, parse_time
+from sgdjob_operator.k8s.status import controller, dump_status, load_status, parse_time
 from sgdjob_operator.local.auto import AutoController
 from sgdjob_operator.local.progress import PlainDisplay, ProgressFrame
 from sgdjob_operator.policy import WorkerSample
@@ -67,10 +67,13 @@ class FakeRun:
 
 
 def kubernetes_shell(spec: SGDJobSpec, scrapes: Scrapes) -> tuple[Decisions, list[ControlCommand]]:
-    """The operator's monitor pass, with status written out and read back between passes."""
+    """The operator's monitor pass, with status and the policy-state ConfigMap written out and read
+    back between passes."""
     st, applied, pushed = SGDJobStatus(mode="sync", target_mode="sync"), 0, []
+    policy: str | None = None
     for t, samples in scrapes:
         st = load_status(json.loads(json.dumps(dump_status(st))))  # a restarted operator sees only this
+        controller(st).policy_state = policy  # and the job's ConfigMap
         obs = Observation(t, tuple(samples), {}, Endpoint("http://10.0.0.1:9400"), control_epoch=applied)
         step, problem = evaluate_job(spec, st, obs, t, busy="")
         assert problem == ""
@@ -80,6 +83,7 @@ def kubernetes_shell(spec: SGDJobSpec, scrapes: Scrapes) -> tuple[Decisions, lis
         if command is not None:
             pushed.append(command)
             applied = command.epoch
+        policy = take_policy_state(st)
     return [(parse_time(d.time) or 0.0, d.action, d.reason) for d in st.decisions], pushed
 
 

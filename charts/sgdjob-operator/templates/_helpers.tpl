@@ -36,7 +36,8 @@ Exactly what the operator calls, kopf's own requests included; nothing more. The
 tests/packaging/test_helm_install.py records every request of the installed operator pod and
 compares the set with these rules (kopf: list/watch of sgdjobs and pods, patch of sgdjobs for its
 annotations; the operator: get sgdjobs, patch status, create/delete pods and the job's Service,
-Secret and ConfigMap, get them for the clean-up, patch the ConfigMap, delete finished jobs, Events).
+Secret and ConfigMaps (run config, policy state), get them for the clean-up, get and patch the
+ConfigMaps, delete finished jobs, Events).
 rbac.integrations adds what gang scheduling (PodGroups: get, create, patch minMember) and Kueue
 (Workloads: get, create, delete; PriorityClasses: get, in the ClusterRole) need; off by default.
 */}}

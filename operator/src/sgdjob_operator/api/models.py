@@ -374,8 +374,8 @@ class ControllerState(CamelModel):
         Field(
             max_length=1_000_000,
             description=(
-                "The policy core's state between evaluations, as JSON text "
-                "(the API server would drop nulls inside arrays)."
+                "Deprecated: where older operators kept the policy core's state; read once and moved to the "
+                "job's <name>-policy-state ConfigMap."
             ),
         ),
     ] = None

@@ -1,15 +1,26 @@
-"""The operator's side of the decision driver: the driver's state lives in status (the policy's
-state and the merged control command in `status.controller`, the workers' mode in `status.mode`),
-so a restarted operator resumes from the object, never from memory; and `StatusActuator` carries
-an action out by recording it in status (decision history, target mode, excluded nodes, command)
-and in the `Outcome` the reconciliation pass then acts on (Events, scale, pod to delete)."""
+"""The operator's side of the decision driver: the driver's state lives in the object, so a
+restarted operator resumes from it, never from memory (the merged control command in
+`status.controller`, the workers' mode in `status.mode`, the policy core's state in the job's
+`<job>-policy-state` ConfigMap); and `StatusActuator` carries an action out by recording it in
+status (decision history, target mode, excluded nodes, command) and in the `Outcome` the
+reconciliation pass then acts on (Events, scale, pod to delete).
+
+The policy's state (per-rank counters, streaks, the learned noise) is the operator's bookkeeping,
+not a story for a person, and `kubectl describe sgdjob` prints all of status: so it lives in the
+ConfigMap. During a pass it is held in `status.controller.policyState` in memory, where the driver
+reads and leaves it, and `take_policy_state` removes it before status is written. An older
+operator kept it in status: a pass that finds it there copies it into the ConfigMap (unless one
+exists, which is newer) and then writes status without it.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from sgdjob_operator.api.models import SGDJobSpec, SGDJobStatus
+from sgdjob_operator.k8s.builders import POLICY_STATE_KEY
 from sgdjob_operator.k8s.membership import (
     exclude,
     goal_replicas,
@@ -51,6 +62,22 @@ class Outcome:
 def driver_state(st: SGDJobStatus) -> tuple[DriverState, str]:
     ctl = controller(st)
     return load_state(ctl.policy_state, ctl.command, st.mode)
+
+
+def stored_policy_state(config_map: dict[str, Any] | None) -> str | None:
+    """The policy's state in its ConfigMap; None when there is none yet."""
+    text = ((config_map or {}).get("data") or {}).get(POLICY_STATE_KEY)
+    return str(text) if text else None
+
+
+def take_policy_state(st: SGDJobStatus) -> str | None:
+    """The policy's state held in `st.controller` (an older operator's, as read from the object,
+    or what this pass's evaluation left there), removed: status is written without it."""
+    ctl = st.controller
+    if ctl is None:
+        return None
+    text, ctl.policy_state = ctl.policy_state, None
+    return text or None
 
 
 def store(st: SGDJobStatus, state: DriverState) -> None:

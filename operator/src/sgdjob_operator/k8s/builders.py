@@ -49,6 +49,7 @@ CONFIG_FILE = "run-config.json"
 TOKEN_DIR = "/etc/sgdjob/control"
 TERMINATION_LOG = "/dev/termination-log"  # Kubernetes' default terminationMessagePath
 TOKEN_KEY = "token"
+POLICY_STATE_KEY = "policy-state.json"
 DEFAULT_IMAGE = "ghcr.io/sgdjob/trainer:0.1.0"
 
 
@@ -78,6 +79,10 @@ class JobRef:
     @property
     def config_map(self) -> str:
         return f"{self.name}-config"
+
+    @property
+    def policy_state(self) -> str:
+        return f"{self.name}-policy-state"
 
     @property
     def rdzv_pod(self) -> str:
@@ -166,6 +171,16 @@ def build_config_map(job: JobRef, spec: SGDJobSpec, mode: SyncMode) -> dict[str,
     }
 
 
+def build_policy_state(job: JobRef, text: str) -> dict[str, Any]:
+    """The policy core's state between evaluations (see `k8s.actuator`); no pod mounts it."""
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(job, job.policy_state),
+        "data": {POLICY_STATE_KEY: text},
+    }
+
+
 def config_map_mode(config_map: dict[str, Any]) -> str | None:
     try:
         return str(json.loads(config_map["data"][CONFIG_FILE])["mode"])
@@ -250,8 +265,11 @@ def build_worker_pod(
     meta = _meta(job, name, ROLE_WORKER, {LABEL_INDEX: str(index)})
     group_labels, group_annotations, group_fields = gang.pod_scheduling(spec, job.pod_group)
     meta["labels"] = {**(tmeta.get("labels") or {}), **meta["labels"], **group_labels}
-    if tmeta.get("annotations") or group_annotations:
-        meta["annotations"] = {**(tmeta.get("annotations") or {}), **group_annotations}
+    # For a Prometheus that discovers pods by annotation: local rank 0's /metrics (the chart's
+    # PodMonitor scrapes every rank's port). The template's own annotations win.
+    scrape = {"prometheus.io/scrape": "true", "prometheus.io/port": str(spec.training.metrics_port)}
+    scrape["prometheus.io/path"] = "/metrics"
+    meta["annotations"] = {**scrape, **(tmeta.get("annotations") or {}), **group_annotations}
 
     containers: list[dict[str, Any]] = pod_spec.get("containers") or [{"name": CONTAINER}]
     main = containers[_trainer_container(containers)]

@@ -222,6 +222,7 @@ async def _delete_children(rt: Runtime, ref: JobRef) -> None:
             ("Service", "services", ref.service),
             ("Secret", "secrets", ref.secret),
             ("ConfigMap", "configmaps", ref.config_map),
+            ("ConfigMap", "configmaps", ref.policy_state),
         ):
             obj = await rt.kube.get(f"{core_path(ref.namespace, plural)}/{obj_name}")
             if obj and any(o.get("uid") == ref.uid for o in obj["metadata"].get("ownerReferences") or []):

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from sgdjob_operator.api.models import Phase
+from sgdjob_operator.api.models import Phase, SGDJobStatus
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 
@@ -45,6 +46,42 @@ LEADER = Gauge(
     registry=REGISTRY,
 )
 PODS_DELETED = Counter("sgdjob_operator_pods_deleted", "Pods the operator deleted, by why.", ["why"], registry=REGISTRY)
+
+# Per job, from its status after each pass: what dashboards and alerts read. The labels are not
+# `namespace`/`job`, which Prometheus sets on every target itself.
+JOB_LABELS = ("sgdjob_namespace", "sgdjob_job")
+JOB_STRAGGLERS = Gauge(
+    "sgdjob_operator_job_stragglers", "Ranks of the job the policy finds slow now.", JOB_LABELS, registry=REGISTRY
+)
+JOB_STEP = Gauge("sgdjob_operator_job_step", "The job's latest optimizer step.", JOB_LABELS, registry=REGISTRY)
+JOB_MODE = Gauge(
+    "sgdjob_operator_job_mode",
+    "1 for the mode the job's workers run (status.mode), 0 for the others.",
+    [*JOB_LABELS, "mode"],
+    registry=REGISTRY,
+)
+JOB_PHASE = Gauge(
+    "sgdjob_operator_job_phase", "1 for the job's phase, 0 for the others.", [*JOB_LABELS, "phase"], registry=REGISTRY
+)
+MODES = ("sync", "hierarchical", "async")
+
+
+def set_job(namespace: str, name: str, st: SGDJobStatus) -> None:
+    JOB_STRAGGLERS.labels(namespace, name).set(st.straggler_count)
+    JOB_STEP.labels(namespace, name).set(st.step)
+    for mode in MODES:
+        JOB_MODE.labels(namespace, name, mode).set(1 if st.mode == mode else 0)
+    for phase in Phase:
+        JOB_PHASE.labels(namespace, name, phase.value).set(1 if st.phase is phase else 0)
+
+
+def forget_job(namespace: str, name: str) -> None:
+    """A deleted job's series go (a job that never had a pass has none: nothing to remove)."""
+    series: list[tuple[Gauge, tuple[str, ...]]] = [(JOB_STRAGGLERS, ()), (JOB_STEP, ())]
+    series += [(JOB_MODE, (m,)) for m in MODES] + [(JOB_PHASE, (p.value,)) for p in Phase]
+    for gauge, extra in series:
+        with contextlib.suppress(KeyError):
+            gauge.remove(namespace, name, *extra)
 
 
 def reason_label(reason: str) -> str:

@@ -1,5 +1,6 @@
-"""Per running job: scrape the workers, record what they report in status, and decide
-(level-triggered) whether rank 0 must be sent the desired control command.
+"""Per running job: scrape the workers, record what they report in status, decide
+(level-triggered) whether rank 0 must be sent the desired control command, and tell a worker that
+does not answer because of an expected moment from one that is at fault.
 
 Everything but `observe` is pure. What the policy decides is the driver's (`policy.driver`, kept
 in status by `k8s.actuator`).
@@ -14,7 +15,7 @@ from typing import Any
 import aiohttp
 
 from sgdjob_operator.api.models import LOSS_BOUND, SGDJobSpec, SGDJobStatus, Straggler
-from sgdjob_operator.k8s.status import Event, PodView, controller, workers
+from sgdjob_operator.k8s.status import FINISHED, Event, PodView, controller, in_flight, workers
 from sgdjob_operator.policy.driver import load_state, pending, unanimous_mode
 from sgdjob_operator.policy.samples import WorkerSample
 from sgdjob_operator.workers.scrape import Endpoint, scrape
@@ -116,3 +117,54 @@ def command_to_push(st: SGDJobStatus, obs: Observation) -> ControlCommand | None
         return None
     state, _ = load_state(None, controller(st).command, st.mode)
     return pending(state, obs.control_epoch, obs.mode)
+
+
+def quiet_reason(st: SGDJobStatus, spec: SGDJobSpec, pods: Sequence[PodView]) -> str:
+    """Why workers not answering a scrape is expected now ('' when it is not): the job is
+    finishing (a worker already exited, the target is reached) or a change is under way (pods not
+    ready or terminating, a mode switch's pause)."""
+    if st.phase in FINISHED:
+        return f"job {st.phase.value}"
+    if any(p.phase in ("Succeeded", "Failed") for p in workers(pods)):
+        return "workers exiting"
+    if st.target_step is not None:
+        return "target reached, workers stopping"
+    return in_flight(st, spec, pods)
+
+
+def unanswered(
+    errors: Mapping[str, str],
+    eps: Sequence[Endpoint],
+    pods: Sequence[PodView],
+    failing_since: Mapping[str, float],
+    *,
+    now: float,
+    grace_s: float,
+    quiet: str,
+) -> tuple[dict[str, float], str]:
+    """Which failed scrapes are a fault a person should hear of: a Running, ready pod's endpoint
+    that has failed every scrape for `grace_s` or more while nothing made that expected (`quiet`,
+    see `quiet_reason`). A trainer that is still importing or in rendezvous, or one that is
+    exiting, does not answer either, and is no fault.
+
+    Returns the table to keep for the next pass (endpoint URL -> when its failures in a row
+    began; an expected moment starts it over) and the Warning's text ('' when none is due)."""
+    if quiet:
+        return {}, ""
+    by_name = {p.name: p for p in pods}
+    kept: dict[str, float] = {}
+    late: list[str] = []
+    for ep in eps:
+        if ep.url not in errors:
+            continue
+        pod = by_name.get(ep.pod or "")
+        if pod is None or pod.deleting or pod.phase != "Running" or not pod.ready:
+            continue
+        since = kept[ep.url] = failing_since.get(ep.url, now)
+        if now - since >= grace_s:
+            late.append(f"{ep.url} ({ep.pod}): {errors[ep.url]}")
+    if not late:
+        return kept, ""
+    # No durations in the text: the Event is posted again only when the text changes.
+    head = f"{len(late)} of {len(eps)} running workers have not answered /metrics for {grace_s:.0f}s or more: "
+    return kept, head + "; ".join(late)

@@ -21,11 +21,20 @@ import aiohttp
 from sgdjob_operator.api.models import Phase, SGDJobSpec, SGDJobStatus
 from sgdjob_operator.api.validation import SpecError, validate_spec
 from sgdjob_operator.k8s import metrics
-from sgdjob_operator.k8s.actuator import Outcome, apply_step, evaluate_job, first_pass_wait
+from sgdjob_operator.k8s.actuator import (
+    Outcome,
+    apply_step,
+    evaluate_job,
+    first_pass_wait,
+    stored_policy_state,
+    take_policy_state,
+)
 from sgdjob_operator.k8s.builders import (
+    POLICY_STATE_KEY,
     TOKEN_KEY,
     JobRef,
     build_config_map,
+    build_policy_state,
     build_rdzv_pod,
     build_secret,
     build_service,
@@ -33,7 +42,15 @@ from sgdjob_operator.k8s.builders import (
 )
 from sgdjob_operator.k8s.client import ApiError, Kube, core_path
 from sgdjob_operator.k8s.membership import excluded_names
-from sgdjob_operator.k8s.observe import Observation, command_to_push, endpoints, observe, record_observation
+from sgdjob_operator.k8s.observe import (
+    Observation,
+    command_to_push,
+    endpoints,
+    observe,
+    quiet_reason,
+    record_observation,
+    unanswered,
+)
 from sgdjob_operator.k8s.plan import plan_reconcile
 from sgdjob_operator.k8s.queueing import QUEUED_POLL_S, Gate, ensure_pod_group, kueue_gate
 from sgdjob_operator.k8s.settings import OperatorSettings
@@ -61,6 +78,9 @@ class Runtime:
     next_monitor: dict[str, float] = field(default_factory=dict)
     last_ensure: dict[str, float] = field(default_factory=dict)
     noisy: dict[tuple[str, str], str] = field(default_factory=dict)
+    # Per job UID: endpoint URL -> when its failed scrapes in a row began (lost on restart: the
+    # grace then starts over, which only delays a Warning).
+    failing_since: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def wake(self, key: Key) -> None:
         event = self.wakeups.get(key)
@@ -68,9 +88,10 @@ class Runtime:
             event.set()
 
     def forget(self, key: Key, uid: str) -> None:
+        metrics.forget_job(*key)
         for table in (self.wakeups, self.generations, self.phases):
             table.pop(key, None)
-        for uid_table in (self.tokens, self.next_monitor, self.last_ensure):
+        for uid_table in (self.tokens, self.next_monitor, self.last_ensure, self.failing_since):
             uid_table.pop(uid, None)
         metrics.set_phases(self.phases.values())
 
@@ -134,15 +155,24 @@ async def _monitor(
     Events, and the spec as it now stands (a rescale changes replicas)."""
     eps = endpoints(spec, pods, host=rt.settings.scrape_host, scheme=rt.settings.scrape_scheme)
     if not eps:
+        rt.failing_since.pop(ref.uid, None)
         return None, [], spec
     obs: Observation = await observe(eps, now=now, timeout=rt.settings.scrape_timeout_s, session=rt.http)
     events: list[Event] = []
     if obs.errors:
         metrics.SCRAPE_ERRORS.inc(len(obs.errors))
-    failing = "; ".join(f"{url}: {err}" for url, err in sorted(obs.errors.items()))
-    events += await _once(
-        rt, ref, "ScrapeFailed", f"cannot scrape {len(obs.errors)} of {len(eps)} workers: {failing}" if failing else ""
+    rt.failing_since[ref.uid], late = unanswered(
+        obs.errors,
+        eps,
+        pods,
+        rt.failing_since.get(ref.uid, {}),
+        now=now,
+        grace_s=rt.settings.scrape_grace_s,
+        quiet=quiet_reason(st, spec, pods),
     )
+    if obs.errors and not late:
+        log.info("%s/%s: %d of %d workers not answering yet", ref.namespace, ref.name, len(obs.errors), len(eps))
+    events += await _once(rt, ref, "ScrapeFailed", late)
     if not obs.samples:
         return None, events, spec
     wait = first_pass_wait(spec, st, obs)
@@ -204,6 +234,9 @@ async def reconcile(rt: Runtime, ref: JobRef) -> float | None:
     rt.generations[key] = generation
     raw_status = body.get("status") or {}
     st = load_status(raw_status)
+    legacy = take_policy_state(st)
+    if legacy is not None:  # an older operator's, in status: moved before a status write drops it
+        await rt.kube.create(build_policy_state(ref, legacy))
     now = time.time()
     events: list[Event] = []
     try:
@@ -231,11 +264,18 @@ async def reconcile(rt: Runtime, ref: JobRef) -> float | None:
         gate=gate,
     )
     outcome: Outcome | None = None
+    policy_path = f"{core_path(ref.namespace, 'configmaps')}/{ref.policy_state}"
+    policy_before = policy_after = None
     due = rt.next_monitor.get(ref.uid, 0.0)
     held = spec.run_policy.suspend or bool(gate.queued)
     if st.phase in (Phase.RUNNING, Phase.ADAPTING) and time.monotonic() >= due and not held:
         rt.next_monitor[ref.uid] = time.monotonic() + spec.policy.interval_seconds
+        policy_before = stored_policy_state(await rt.kube.get(policy_path))
+        controller(st).policy_state = policy_before
         outcome, events, spec = await _monitor(rt, ref, spec, st, pods, now)
+        policy_after = take_policy_state(st)
+    elif held or st.phase not in (Phase.RUNNING, Phase.ADAPTING):
+        rt.failing_since.pop(ref.uid, None)  # not scraped now: a silent worker's grace starts over
     if st.phase not in FINISHED and not held:
         await ensure_pod_group(rt.kube, ref, spec, gate)  # after _monitor: minMember follows its rescale
     events += gate.events + await _once(rt, ref, "SchedulingFailed", gate.problem)
@@ -269,7 +309,14 @@ async def reconcile(rt: Runtime, ref: JobRef) -> float | None:
         if await rt.kube.delete("Pod", ref.namespace, name):
             metrics.PODS_DELETED.labels(why=metrics.reason_label(why)).inc()
     await _write(rt, ref, raw_status, plan.status, events + plan.events)
+    # After status: a restart in between loses one interval of the policy's memory, never a decision.
+    if policy_after is not None and policy_after != policy_before:
+        if policy_before is not None:
+            await rt.kube.patch(policy_path, {"data": {POLICY_STATE_KEY: policy_after}})
+        else:
+            await rt.kube.create(build_policy_state(ref, policy_after))
     rt.phases[key] = plan.status.phase.value
+    metrics.set_job(ref.namespace, ref.name, plan.status)
     metrics.set_phases(rt.phases.values())
     metrics.RECONCILE_SECONDS.observe(time.perf_counter() - started)
     if plan.delete_job:

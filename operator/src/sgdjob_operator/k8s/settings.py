@@ -26,6 +26,9 @@ class OperatorSettings:
     # Least seconds between two reconciliations of one job, so a burst of pod events is one pass.
     min_tick_s: float = 0.2
     scrape_timeout_s: float = 2.0
+    # A Running, ready worker that has not answered a scrape for this long is a Warning Event; before
+    # that it is taken for a trainer still starting (imports, rendezvous) or one that is finishing.
+    scrape_grace_s: float = 120.0
     # Scrape a pod at this host instead of its podIP (tests, port-forwarding); empty: podIP.
     scrape_host: str = ""
     scrape_scheme: str = "http"
@@ -60,6 +63,7 @@ class OperatorSettings:
             kubeconfig=env.get("SGDJOB_KUBECONFIG") or None,
             resync_s=_float(env, "SGDJOB_RESYNC_SECONDS", 30.0),
             scrape_timeout_s=_float(env, "SGDJOB_SCRAPE_TIMEOUT_SECONDS", 2.0),
+            scrape_grace_s=_float(env, "SGDJOB_SCRAPE_GRACE_SECONDS", 120.0),
             scrape_host=env.get("SGDJOB_SCRAPE_HOST", ""),
             metrics_port=int(env.get("SGDJOB_OPERATOR_METRICS_PORT") or 0),
             metrics_host=env.get("SGDJOB_OPERATOR_METRICS_HOST") or "0.0.0.0",

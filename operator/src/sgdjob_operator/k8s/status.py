@@ -169,6 +169,8 @@ def _compact(value: Any) -> Any:
 def dump_status(status: SGDJobStatus) -> dict[str, Any]:
     """Status as a merge patch: top-level nulls delete stale members; list items are compacted."""
     raw = status.model_dump(mode="json", by_alias=True, exclude_none=False)
+    if raw.get("controller"):
+        raw["controller"]["policyState"] = None  # kept in the job's ConfigMap (`k8s.actuator`), never here
     return {
         k: (_compact(v) if isinstance(v, list | dict) and k != "controller" else (None if v == "" else v))
         for k, v in raw.items()
