@@ -66,6 +66,19 @@ def proc_cpu_seconds(pid: int) -> float:
     return total
 
 
+def proc_memory_mib(pid: int) -> tuple[float, float]:
+    """Resident memory now and at its peak (VmRSS, VmHWM), MiB, of a process and its live children."""
+    now = peak = 0.0
+    for p in [pid] + [int(c) for c in _children(pid)]:
+        try:
+            fields = dict(line.split(":", 1) for line in Path(f"/proc/{p}/status").read_text().splitlines())
+        except (OSError, ValueError):
+            continue
+        now += int(fields.get("VmRSS", "0 kB").split()[0]) / 1024
+        peak += int(fields.get("VmHWM", "0 kB").split()[0]) / 1024
+    return now, peak
+
+
 def _children(pid: int) -> list[str]:
     try:
         return Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
@@ -197,6 +210,7 @@ def run(out: Path, jobs: int, workers: int, timeout_s: float) -> dict[str, Any]:
         if op.poll() is not None:
             raise RuntimeError(f"the operator exited with {op.returncode}; see {out / 'operator.log'}")
         cpu0, req0, api0 = proc_cpu_seconds(op.pid), proxy.snapshot(), apiserver_requests(plane.server, plane.token)
+        rss0, _ = proc_memory_mib(op.pid)
         watcher = PodWatch(core, ns)
         watcher.thread.start()
         time.sleep(1)
@@ -232,6 +246,7 @@ def run(out: Path, jobs: int, workers: int, timeout_s: float) -> dict[str, Any]:
         all_pods_s = max((max(seen[n]) for n in latencies), default=t0) - t0
         time.sleep(2)  # let in-flight status writes land before the phase's counters are read
         cpu1, req1, api1 = proc_cpu_seconds(op.pid), proxy.snapshot(), apiserver_requests(plane.server, plane.token)
+        rss1, peak1 = proc_memory_mib(op.pid)
         watcher.stop()
         operator_requests = req1 - req0
         # Clean-up: delete every SGDJob; the garbage collector deletes the pods they own.
@@ -265,6 +280,10 @@ def run(out: Path, jobs: int, workers: int, timeout_s: float) -> dict[str, Any]:
             "operator_cpu_startup_s": cpu0,
             "operator_cpu_create_phase_s": cpu1 - cpu0,
             "operator_cpu_per_job_ms": (cpu1 - cpu0) * 1000 / jobs,
+            "operator_rss_idle_mib": rss0,
+            "operator_rss_all_jobs_mib": rss1,
+            "operator_rss_peak_mib": peak1,
+            "operator_rss_per_job_kib": (rss1 - rss0) * 1024 / jobs,
             "operator_requests_create_phase": sum(operator_requests.values()),
             "operator_requests_per_job": sum(operator_requests.values()) / jobs,
             "operator_requests_by_verb_resource": {f"{v} {r}": c for (v, r), c in operator_requests.most_common()},
@@ -307,6 +326,9 @@ def summary(doc: dict[str, Any]) -> str:
         f"  operator CPU: {f('operator_cpu_create_phase_s')}s for the create phase "
         f"({f('operator_cpu_per_job_ms', '.1f')} ms/job), "
         f"{f('operator_cpu_startup_s')}s start-up, {f('operator_cpu_cleanup_phase_s')}s clean-up\n"
+        f"  operator memory (RSS): {f('operator_rss_idle_mib', '.0f')} MiB idle, "
+        f"{f('operator_rss_all_jobs_mib', '.0f')} MiB with every job ({f('operator_rss_per_job_kib', '.0f')} KiB/job), "
+        f"peak {f('operator_rss_peak_mib', '.0f')} MiB\n"
         f"  operator API requests: {f('operator_requests_per_job', '.1f')} per job "
         f"({doc['operator_requests_create_phase']} in the create phase); "
         f"apiserver_request_total delta (all clients) {f('apiserver_requests_create_phase_all_clients', '.0f')}\n"

@@ -4,13 +4,14 @@ milliseconds, and one tiny real run of every system (shape only, never the speed
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from bench.apiproxy import classify
-from bench.operator_scale import percentile
+from bench.operator_scale import percentile, proc_memory_mib
 from bench.results import (
     SYSTEMS,
     curve_from_ddp,
@@ -165,6 +166,8 @@ def test_operator_scale_helpers() -> None:
     )
     assert classify("GET", "/api/v1/namespaces/ns", {}) == ("get", "namespaces")
     assert classify("DELETE", "/api/v1/namespaces/ns/pods/p", {}) == ("delete", "pods")
+    rss, peak = proc_memory_mib(os.getpid())  # this Python with torch imported: tens of MiB at least
+    assert 10 < rss <= peak
 
 
 @pytest.mark.multiproc

@@ -18,7 +18,8 @@ waiting for a full world again before its fault; e and f run on jobs of their ow
      with the same pods.
   d) the API server restarted -> training goes on, the same pods.
   e) a crash-looping worker (faults everyLife) with backoffLimit 1 -> Failed, BackoffLimitExceeded.
-  f) a hung worker (faults kind hang) -> WorkerHung, its pod replaced, the job Succeeds.
+  f) a hung worker (faults kind hang) -> WorkerHung (Event and condition), its pod replaced, the job
+     Succeeds and the condition says Recovered.
 """
 
 from __future__ import annotations
@@ -318,9 +319,19 @@ def test_f_hung_worker_is_replaced_and_the_job_succeeds(env: Env) -> None:
             120,
             "a WorkerHung event",
         )
+        condition = wait_for(
+            lambda: [c for c in job_status(env.kube, env.ns, job).get("conditions") or [] if c["type"] == "WorkerHung"],
+            60,
+            "the WorkerHung condition",
+        )
         seconds, lost = recovered(env, [], t0, job)
         wait_for(lambda: job_status(env.kube, env.ns, job).get("phase") == "Succeeded", 300, f"{job} Succeeded")
     record("f hung worker", outcome(env, job), watch, seconds, lost)
     assert "stuck in its own compute" in hung[0]["message"], hung[0]
+    # torchrun numbers ranks by rendezvous order, not by pod index: rank 1 may run in either pod.
+    named = re.search(r"rank 1 \(pod (hung-worker-\d)\)", hung[0]["message"])
+    assert named and f"rank 1 (pod {named[1]}) made no progress at step" in condition[0]["message"], condition
+    [done] = [c for c in job_status(env.kube, env.ns, job)["conditions"] if c["type"] == "WorkerHung"]
+    assert (done["status"], done["reason"]) == ("False", "Recovered"), done
     assert lost <= 2 * INTERVAL
     assert watch.per_index == 1 and watch.total <= 2

@@ -14,7 +14,15 @@ from sgdjob_operator.k8s.actuator import Outcome, apply_step, driver_state, stor
 from sgdjob_operator.k8s.observe import Observation, command_to_push, record_observation
 from sgdjob_operator.k8s.plan import plan_reconcile
 from sgdjob_operator.k8s.reconcile import mark_invalid
-from sgdjob_operator.k8s.status import PodView, controller, dump_status, load_status, record_decision, rfc3339
+from sgdjob_operator.k8s.status import (
+    PodView,
+    controller,
+    dump_status,
+    load_status,
+    pod_changed,
+    record_decision,
+    rfc3339,
+)
 from sgdjob_operator.policy import Decision, Keep, Rebalance, ReplaceWorker, Rescale, SwitchMode, WorkerSample, job_view
 from sgdjob_operator.policy.driver import Observed, Refused, Step, action_for
 from sgdjob_operator.workers.scrape import Endpoint
@@ -320,6 +328,33 @@ def test_a_hung_worker_is_replaced_with_a_warning_naming_rank_and_pod() -> None:
     assert (slow.events[-1].type, slow.events[-1].reason) == ("Normal", "ReplaceWorker")
 
 
+def test_the_worker_hung_condition_names_rank_and_pod_until_the_job_passes_the_step_it_hung_at() -> None:
+    spec, st = _spec(), running()
+    pods = [pod(0), pod(1), rdzv()]
+    st.step = 120
+    apply_decision(
+        st, spec, ReplaceWorker(rank=1, reason="hang: rank 1 finished no step for 300s", hung=True), (_sample(1),)
+    )
+
+    def hung_condition(status: SGDJobStatus) -> Any:
+        return {c.type: c for c in status.conditions}.get("WorkerHung")
+
+    plan = plan_reconcile(spec, st, pods, generation=1, now=T0 + 5)
+    cond = hung_condition(plan.status)
+    assert (cond.status, cond.reason) == ("True", "WorkerHung")
+    assert "rank 1 (pod j-worker-1) made no progress at step 120" in cond.message
+    plan.status.step = 100  # resumed from the checkpoint before the hang: still short of it
+    plan = plan_reconcile(spec, plan.status, pods, generation=1, now=T0 + 20)
+    assert hung_condition(plan.status).status == "True"
+    plan.status.step = 121
+    plan = plan_reconcile(spec, plan.status, pods, generation=1, now=T0 + 40)
+    cond = hung_condition(plan.status)
+    assert (cond.status, cond.reason) == ("False", "Recovered") and "hung at step 120" in cond.message
+    assert cond.last_transition_time == rfc3339(T0 + 40)
+    quiet = plan_reconcile(spec, running(), pods, generation=1, now=T0)
+    assert hung_condition(quiet.status) is None  # a job that never hung does not show it
+
+
 def test_replace_rescale_rebalance_and_keep() -> None:
     spec, st = _spec(policy={"allowedActions": ["rescale", "replaceWorker"]}), running()
     out = apply_decision(st, spec, ReplaceWorker(rank=1, reason="slow node", exclude_node="n1"), (_sample(1),))
@@ -337,3 +372,19 @@ def test_replace_rescale_rebalance_and_keep() -> None:
     with pytest.raises(Refused, match=r"spec\.mode fixes sync"):
         apply_decision(fixed, _spec(mode="sync"), SwitchMode(mode="async", reason="x"))
     assert not fixed.decisions and controller(fixed).command is None
+
+
+def test_only_pod_events_that_change_what_a_pass_reads_wake_the_job() -> None:
+    seen: dict[str, PodView] = {}
+    created = {"metadata": {"name": "j-worker-0", "uid": "u0", "labels": {"sgdjob.dev/replica-index": "0"}}}
+    assert pod_changed(seen, "ADDED", created)
+    unschedulable = {
+        **created,
+        "status": {"phase": "Pending", "conditions": [{"type": "PodScheduled", "status": "False"}]},
+    }
+    assert not pod_changed(seen, "MODIFIED", unschedulable)  # the scheduler's note: nothing a pass acts on
+    bound = {**created, "spec": {"nodeName": "node-1"}, "status": {"phase": "Pending"}}
+    assert pod_changed(seen, "MODIFIED", bound) and not pod_changed(seen, "MODIFIED", bound)
+    ready = {**bound, "status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]}}
+    assert pod_changed(seen, "MODIFIED", ready)
+    assert pod_changed(seen, "DELETED", ready) and seen == {}

@@ -268,7 +268,10 @@ class Condition(CamelModel):
 
     type: Annotated[
         str,
-        Field(max_length=64, description="Condition type: Created, Running, Adapting, Suspended, Succeeded, Failed."),
+        Field(
+            max_length=64,
+            description="Condition type: Created, Running, Adapting, WorkerHung, Suspended, Succeeded, Failed.",
+        ),
     ]
     status: Annotated[str, Field(max_length=16, description="True, False or Unknown.")]
     reason: Annotated[str, Field(max_length=128, description="One CamelCase word for machines.")] = ""
@@ -288,6 +291,11 @@ class DecisionRecord(CamelModel):
     rank: Annotated[int | None, Field(ge=0, le=65_535, description="Rank a replacement is about.")] = None
     replicas: Annotated[int | None, Field(ge=0, le=MAX_WORKERS, description="Target replicas of a rescale.")] = None
     step: Annotated[int | None, Field(ge=0, le=10**12, description="Job step at the decision.")] = None
+    pod: Annotated[str | None, Field(max_length=253, description="Worker pod a replacement is about.")] = None
+    hung: Annotated[
+        bool | None,
+        Field(description="True when the replacement recovers from a hung worker (policy.hangTimeoutSeconds)."),
+    ] = None
 
 
 class Straggler(CamelModel):

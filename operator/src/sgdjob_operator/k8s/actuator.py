@@ -146,7 +146,8 @@ class StatusActuator:
             exclude(ctl, node, self.now, self.spec.policy.exclude_node_seconds, f"rank {action.rank} slow on it")
         elif action.pod:
             self.out.delete_pod = action.pod
-        record = record_decision(self.st, self.now, action.decision.action, action.decision.reason, rank=action.rank)
+        d = action.decision
+        record = record_decision(self.st, self.now, d.action, d.reason, rank=action.rank, pod=action.pod, hung=d.hung)
         where = f"; node {node} excluded for this job" if node else ""
         message = f"replacing rank {action.rank} (pod {action.pod or 'unknown'}){where}: {action.decision.reason}"
         # A hang is a fault a person may want to look into (the node, the data); a slow worker is routine.

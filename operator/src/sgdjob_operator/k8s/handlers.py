@@ -204,9 +204,11 @@ async def job_event(
 
 
 @kopf.on.event("", "v1", "pods", labels={LABEL_JOB: kopf.PRESENT})
-def pod_event(*, namespace: str | None, labels: kopf.Labels, **_: Any) -> None:
+async def pod_event(*, event: kopf.RawEvent, namespace: str | None, labels: kopf.Labels, **_: Any) -> None:
+    """Wake the pod's job when something a pass acts on changed (async: in the event loop, where
+    the wake-up is safe; a sync handler would run in a thread)."""
     rt = _State.runtime
-    if rt is not None:
+    if rt is not None and rt.pod_changed(event["type"] or "", dict(event["object"])):
         rt.wake((namespace or "default", str(labels[LABEL_JOB])))
 
 

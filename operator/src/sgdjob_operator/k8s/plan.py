@@ -21,6 +21,7 @@ from sgdjob_operator.k8s.status import (
     controller,
     desired_conditions,
     finish,
+    hang_condition,
     merge_conditions,
     new_command,
     parse_time,
@@ -200,7 +201,13 @@ def plan_reconcile(
         )
     st.conditions = merge_conditions(
         st.conditions,
-        desired_conditions(phase, created=True, adapting_reason="ChangeInFlight" if why else "", message=st.message),
+        desired_conditions(
+            phase,
+            created=True,
+            adapting_reason="ChangeInFlight" if why else "",
+            message=st.message,
+            hung=hang_condition(st),
+        ),
         now,
     )
     return plan
@@ -234,6 +241,7 @@ def _hold(plan: Plan, pods: Sequence[PodView], previous_phase: Phase, queued: st
             adapting_reason="",
             message=st.message,
             suspended_reason=QUEUED if queued else "JobSuspended",
+            hung=hang_condition(st),
         ),
         now,
     )

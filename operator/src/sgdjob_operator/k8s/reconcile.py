@@ -54,7 +54,17 @@ from sgdjob_operator.k8s.observe import (
 from sgdjob_operator.k8s.plan import plan_reconcile
 from sgdjob_operator.k8s.queueing import QUEUED_POLL_S, Gate, ensure_pod_group, kueue_gate
 from sgdjob_operator.k8s.settings import OperatorSettings
-from sgdjob_operator.k8s.status import FINISHED, Event, PodView, controller, dump_status, finish, in_flight, load_status
+from sgdjob_operator.k8s.status import (
+    FINISHED,
+    Event,
+    PodView,
+    controller,
+    dump_status,
+    finish,
+    in_flight,
+    load_status,
+    pod_changed,
+)
 from sgdjob_operator.k8s.status import workers as worker_pods
 from sgdjob_operator.workers.scrape import post_control
 from sgdjob_trainer.config import SyncMode
@@ -81,11 +91,17 @@ class Runtime:
     # Per job UID: endpoint URL -> when its failed scrapes in a row began (lost on restart: the
     # grace then starts over, which only delays a Warning).
     failing_since: dict[str, dict[str, float]] = field(default_factory=dict)
+    # Pod UID -> what a pass reads of it, last seen in a watch event: only a change wakes the job
+    # (a scheduler's or kubelet's status updates that change none of it cost a pass each otherwise).
+    pod_views: dict[str, PodView] = field(default_factory=dict)
 
     def wake(self, key: Key) -> None:
         event = self.wakeups.get(key)
         if event is not None:
             event.set()
+
+    def pod_changed(self, event_type: str, pod: dict[str, Any]) -> bool:
+        return pod_changed(self.pod_views, event_type, pod)
 
     def forget(self, key: Key, uid: str) -> None:
         metrics.forget_job(*key)

@@ -44,7 +44,8 @@ INFRA_REASONS = frozenset(
 )
 # Conditions always shown; the others appear once they have been true.
 ALWAYS_CONDITIONS = ("Created", "Running")
-CONDITION_ORDER = ("Created", "Running", "Adapting", "Suspended", "Succeeded", "Failed")
+CONDITION_ORDER = ("Created", "Running", "Adapting", "WorkerHung", "Suspended", "Succeeded", "Failed")
+NOT_HUNG = (False, "", "")
 
 
 def rfc3339(t: float) -> str:
@@ -123,6 +124,21 @@ def workers(pods: Iterable[PodView]) -> list[PodView]:
     )
 
 
+def pod_changed(seen: dict[str, PodView], event_type: str, pod: dict[str, Any]) -> bool:
+    """Whether a pod watch event changes what a pass would see (a new or deleted pod, its phase,
+    readiness, node, exit status or deletion); records the pod in `seen` (by UID). A scheduler's or
+    kubelet's status updates that change none of it would otherwise cost the job a pass each."""
+    uid = str((pod.get("metadata") or {}).get("uid") or "")
+    if event_type == "DELETED":
+        seen.pop(uid, None)
+        return True
+    view = PodView.from_obj(pod)
+    if seen.get(uid) == view:
+        return False
+    seen[uid] = view
+    return True
+
+
 def rdzv_pods(pods: Iterable[PodView]) -> list[PodView]:
     return [p for p in pods if p.role == ROLE_RDZV]
 
@@ -192,6 +208,8 @@ def record_decision(
     mode: str | None = None,
     rank: int | None = None,
     replicas: int | None = None,
+    pod: str | None = None,
+    hung: bool | None = None,
 ) -> DecisionRecord:
     """Append to the bounded history (oldest dropped first)."""
     record = DecisionRecord(
@@ -202,6 +220,8 @@ def record_decision(
         rank=rank,
         replicas=replicas,
         step=status.step or None,
+        pod=pod,
+        hung=hung or None,
     )
     status.decisions = [*status.decisions, record][-MAX_DECISIONS:]
     return record
@@ -218,10 +238,30 @@ def new_command(status: SGDJobStatus, now: float, reason: str, *, mode: str) -> 
     return ctl.command or {}
 
 
+def hang_condition(status: SGDJobStatus) -> tuple[bool, str, str]:
+    """The WorkerHung condition from the decision history: true from the recovery of a hung worker
+    until the job passes the step it hung at (it resumed from an earlier checkpoint), then false
+    with reason Recovered. Never true for a job that has not hung (the condition is then not shown)."""
+    last = next((d for d in reversed(status.decisions) if d.hung), None)
+    if last is None:
+        return NOT_HUNG
+    who = f"rank {last.rank} (pod {last.pod or 'unknown'})"
+    at = last.step or 0
+    if status.step > at:
+        return False, "Recovered", f"{who} hung at step {at}; the job has since passed that step"
+    return True, "WorkerHung", f"{who} made no progress at step {at}; recovering: {last.reason}"
+
+
 def desired_conditions(
-    phase: Phase, *, created: bool, adapting_reason: str, message: str, suspended_reason: str = "JobSuspended"
+    phase: Phase,
+    *,
+    created: bool,
+    adapting_reason: str,
+    message: str,
+    suspended_reason: str = "JobSuspended",
+    hung: tuple[bool, str, str] = NOT_HUNG,
 ) -> dict[str, tuple[bool, str, str]]:
-    """Condition type -> (true?, reason, message) for a phase."""
+    """Condition type -> (true?, reason, message) for a phase; `hung` is `hang_condition`'s."""
     return {
         "Created": (
             created,
@@ -234,6 +274,7 @@ def desired_conditions(
             message if phase is Phase.RUNNING else "",
         ),
         "Adapting": (phase is Phase.ADAPTING, adapting_reason or "Stable", message if phase is Phase.ADAPTING else ""),
+        "WorkerHung": hung,
         "Suspended": (
             phase is Phase.SUSPENDED,
             suspended_reason if phase is Phase.SUSPENDED else "JobResumed",
@@ -304,6 +345,10 @@ def finish(status: SGDJobStatus, phase: Phase, reason: str, message: str, now: f
         status.completion_time = rfc3339(now)
         status.message = message
         status.conditions = merge_conditions(
-            status.conditions, desired_conditions(phase, created=True, adapting_reason=reason, message=message), now
+            status.conditions,
+            desired_conditions(
+                phase, created=True, adapting_reason=reason, message=message, hung=hang_condition(status)
+            ),
+            now,
         )
     return Event("Normal" if phase is Phase.SUCCEEDED else "Warning", reason, message)
