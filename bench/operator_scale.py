@@ -169,7 +169,7 @@ class PodWatch:
         self.watch.stop()  # type: ignore[no-untyped-call]
 
 
-def run(out: Path, jobs: int, workers: int, timeout_s: float) -> dict[str, Any]:
+def run(out: Path, jobs: int, workers: int, timeout_s: float, rate: float | None = None) -> dict[str, Any]:
     import urllib3
     from kubernetes import client, config
 
@@ -217,6 +217,8 @@ def run(out: Path, jobs: int, workers: int, timeout_s: float) -> dict[str, Any]:
         created: dict[str, float] = {}
         t0 = time.monotonic()
         for i in range(jobs):
+            if rate:  # paced: job i no sooner than i / rate seconds after the first
+                time.sleep(max(0.0, t0 + i / rate - time.monotonic()))
             name = f"scale-{i:03d}"
             _retry(
                 lambda n=name: custom.create_namespaced_custom_object(
@@ -273,6 +275,7 @@ def run(out: Path, jobs: int, workers: int, timeout_s: float) -> dict[str, Any]:
             "workers_per_job": workers,
             "jobs_with_all_pods": len(latencies),
             "create_calls_s": create_calls_s,
+            "rate_limit_jobs_per_s": rate,
             "pods_exist_p50_s": percentile(values, 50),
             "pods_exist_p99_s": percentile(values, 99),
             "pods_exist_max_s": values[-1] if values else None,
@@ -318,8 +321,9 @@ def summary(doc: dict[str, Any]) -> str:
         value = doc.get(key)
         return format(value, spec) if isinstance(value, int | float) else "—"
 
+    pace = f"at most {f('rate_limit_jobs_per_s', '.1f')}/s" if doc.get("rate_limit_jobs_per_s") else "a burst"
     return (
-        f"{doc['jobs']} SGDJobs x {doc['workers_per_job']} workers: "
+        f"{doc['jobs']} SGDJobs x {doc['workers_per_job']} workers, created in {f('create_calls_s')}s ({pace}): "
         f"all pods of {doc['jobs_with_all_pods']} jobs exist\n"
         f"  per job, create -> all worker pods seen: p50 {f('pods_exist_p50_s')}s  p99 {f('pods_exist_p99_s')}s  "
         f"max {f('pods_exist_max_s')}s; every job's pods after {f('all_pods_exist_s')}s\n"
@@ -343,10 +347,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--jobs", type=int, default=100)
     parser.add_argument("--workers", type=int, default=8)
+    parser.add_argument(
+        "--rate",
+        type=float,
+        default=None,
+        help="jobs created per second at most (default: as fast as the API takes them)",
+    )
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for pods, and for the clean-up")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the plane and the operator are stopped
-    doc = run(args.out, args.jobs, args.workers, args.timeout)
+    doc = run(args.out, args.jobs, args.workers, args.timeout, args.rate)
     doc["date"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     (args.out / "operator_scale.json").write_text(json.dumps(doc, indent=2) + "\n")
     print(summary(doc))

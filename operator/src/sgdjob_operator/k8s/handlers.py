@@ -33,6 +33,19 @@ log = logging.getLogger("sgdjob_operator")
 PREFIX = "sgdjob.dev"
 
 
+class SpecDiffBase(kopf.AnnotationsDiffBaseStorage):
+    """kopf's annotation diff base, built without first deep-copying the status and the managed
+    fields it then throws away. Every event on a job (our own status writes included) builds
+    one, and the copy of a long status was a quarter of the operator's CPU with 100 new jobs."""
+
+    def build(self, *, body: kopf.Body, extra_fields: Any = None) -> Any:
+        if extra_fields:  # a handler that watches status fields needs them copied: kopf's own way
+            return super().build(body=body, extra_fields=extra_fields)
+        lean = {k: v for k, v in body.items() if k not in ("status", "metadata")}
+        lean["metadata"] = {k: v for k, v in (body.get("metadata") or {}).items() if k != "managedFields"}
+        return super().build(body=kopf.Body(lean), extra_fields=extra_fields)  # type: ignore[arg-type]
+
+
 class _State:
     runtime: Runtime | None = None
     credentials: Credentials | None = None
@@ -70,9 +83,7 @@ async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
     cfg = current()
     # Handler progress and the last-handled spec live in annotations: status belongs to our model.
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=PREFIX)
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix=PREFIX, key="last-handled-configuration"
-    )
+    settings.persistence.diffbase_storage = SpecDiffBase(prefix=PREFIX, key="last-handled-configuration")
     settings.persistence.finalizer = f"{PREFIX}/finalizer"
     # Our own Events carry the decisions; kopf adds one only for warnings and errors in handlers.
     settings.posting.level = logging.WARNING
@@ -136,7 +147,8 @@ async def admit(body: kopf.Body, patch: kopf.Patch, retry: int, **_: Any) -> Non
                 f"cannot create the job's objects yet: {err}", delay=min(60, 2 ** min(retry, 5))
             ) from err
         raise kopf.PermanentError(str(err)) from err
-    rt.wake((ref.namespace, ref.name))
+    # No wake-up here: the job's loop runs on the same watch event (job_event), and a new generation
+    # wakes it there; one more would cost every new job a second pass.
 
 
 async def job_loop(rt: Runtime, ref: JobRef) -> None:
@@ -198,8 +210,13 @@ async def job_event(
         await _delete_children(rt, ref)
         return
     _supervise(rt, ref)
-    # Our own status writes come back as events too; only a new generation (spec) needs a pass.
-    if meta.get("generation") != rt.generations.get(key):
+    # Our own writes (status, kopf's annotations) come back as events too; only a new generation
+    # (spec) needs a pass. Compared with the last event's too: while the first pass is still under
+    # way, no generation has been handled yet, and kopf's annotation patch must not cause a second.
+    generation = meta.get("generation")
+    last_event = rt.event_generations.get(key)
+    rt.event_generations[key] = generation
+    if generation != rt.generations.get(key) and generation != last_event:
         rt.wake(key)
 
 

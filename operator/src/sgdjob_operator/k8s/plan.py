@@ -251,6 +251,12 @@ def _hold(plan: Plan, pods: Sequence[PodView], previous_phase: Phase, queued: st
         plan.events.append(Event("Normal", "Suspended", st.message))
 
 
+def count_pods(st: SGDJobStatus, spec: SGDJobSpec, pods: Sequence[PodView]) -> None:
+    """The printer counts again, for pods the pass has just created: status is then right at once,
+    and their creation needs no pass of its own."""
+    _fill_counts(st, spec, workers(pods))
+
+
 def _fill_counts(st: SGDJobStatus, spec: SGDJobSpec, ws: Sequence[PodView]) -> None:
     """Printer fields: pods that exist, pods ready, 'ready/desired'."""
     live = [p for p in ws if p.active]

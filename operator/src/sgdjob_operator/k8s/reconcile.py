@@ -51,7 +51,7 @@ from sgdjob_operator.k8s.observe import (
     record_observation,
     unanswered,
 )
-from sgdjob_operator.k8s.plan import plan_reconcile
+from sgdjob_operator.k8s.plan import count_pods, plan_reconcile
 from sgdjob_operator.k8s.queueing import QUEUED_POLL_S, Gate, ensure_pod_group, kueue_gate
 from sgdjob_operator.k8s.settings import OperatorSettings
 from sgdjob_operator.k8s.status import (
@@ -82,7 +82,8 @@ class Runtime:
     http: aiohttp.ClientSession
     wakeups: dict[Key, asyncio.Event] = field(default_factory=dict)
     loops: dict[Key, asyncio.Task[None]] = field(default_factory=dict)
-    generations: dict[Key, int] = field(default_factory=dict)
+    generations: dict[Key, int] = field(default_factory=dict)  # handled by a pass
+    event_generations: dict[Key, Any] = field(default_factory=dict)  # in the last watch event
     phases: dict[Key, str] = field(default_factory=dict)
     tokens: dict[str, str] = field(default_factory=dict)
     next_monitor: dict[str, float] = field(default_factory=dict)
@@ -94,6 +95,8 @@ class Runtime:
     # Pod UID -> what a pass reads of it, last seen in a watch event: only a change wakes the job
     # (a scheduler's or kubelet's status updates that change none of it cost a pass each otherwise).
     pod_views: dict[str, PodView] = field(default_factory=dict)
+    # (namespace, name) of pods a pass is creating, until their ADDED event comes.
+    expected_pods: set[tuple[str, str]] = field(default_factory=set)
 
     def wake(self, key: Key) -> None:
         event = self.wakeups.get(key)
@@ -101,11 +104,20 @@ class Runtime:
             event.set()
 
     def pod_changed(self, event_type: str, pod: dict[str, Any]) -> bool:
-        return pod_changed(self.pod_views, event_type, pod)
+        """Whether a pod watch event should wake its job: not for a pod a pass has just created
+        (its ADDED event can come before the create call returns: an expectation, as Kubernetes'
+        own ReplicaSet controller keeps), nor for a change of nothing a pass reads."""
+        changed = pod_changed(self.pod_views, event_type, pod)
+        meta = pod.get("metadata") or {}
+        expected = (str(meta.get("namespace") or ""), str(meta.get("name") or ""))
+        if event_type == "ADDED" and expected in self.expected_pods:
+            self.expected_pods.discard(expected)
+            return False
+        return changed
 
     def forget(self, key: Key, uid: str) -> None:
         metrics.forget_job(*key)
-        for table in (self.wakeups, self.generations, self.phases):
+        for table in (self.wakeups, self.generations, self.event_generations, self.phases):
             table.pop(key, None)
         for uid_table in (self.tokens, self.next_monitor, self.last_ensure, self.failing_since):
             uid_table.pop(uid, None)
@@ -305,15 +317,23 @@ async def reconcile(rt: Runtime, ref: JobRef) -> float | None:
     ]
     if plan.create_rdzv:
         creates.append(build_rdzv_pod(ref, spec, default_image=rt.settings.trainer_image))
+    expected = [(ref.namespace, str(pod["metadata"]["name"])) for pod in creates]
+    rt.expected_pods.update(expected)
     results = await asyncio.gather(*(rt.kube.create(pod) for pod in creates), return_exceptions=True)
     failed = [
         f"{pod['metadata']['name']}: {result}"
         for pod, result in zip(creates, results, strict=True)
         if isinstance(result, BaseException)
     ]
-    for pod, result in zip(creates, results, strict=True):
+    created: list[PodView] = []
+    for pod_key, pod, result in zip(expected, creates, results, strict=True):
         if result is True:
             metrics.PODS_CREATED.labels(role=pod["metadata"]["labels"].get("sgdjob.dev/role", "worker")).inc()
+            created.append(PodView.from_obj(pod))  # as created: Pending, on no node yet
+        else:
+            rt.expected_pods.discard(pod_key)  # not created (exists, refused): its events are news
+    if created:
+        count_pods(plan.status, spec, [*pods, *created])
     # Admission refusals repeat every pass until someone fixes the cause: one Event per distinct cause.
     events += await _once(
         rt, ref, "CreateFailed", f"cannot create {len(failed)} pods; first: {failed[0]}" if failed else ""
