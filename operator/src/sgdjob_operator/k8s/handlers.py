@@ -180,14 +180,18 @@ async def job_loop(rt: Runtime, ref: JobRef) -> None:
             await asyncio.wait_for(wake.wait(), timeout=max(0.0, delay - rt.settings.min_tick_s))
 
 
-def _supervise(rt: Runtime, ref: JobRef) -> None:
-    """One loop per job (by UID: a job deleted and re-created under its name gets a fresh one)."""
+def _supervise(rt: Runtime, ref: JobRef, generation: int | None) -> None:
+    """One loop per job (by UID: a job deleted and re-created under its name gets a fresh one). A
+    new loop's first pass handles at least `generation`: it counts as handled from the start, so
+    the events of our own first writes (kopf's annotations, status) do not ask for a second pass."""
     key = (ref.namespace, ref.name)
     task = rt.loops.get(key)
     if task is not None and not task.done() and task.get_name() == ref.uid:
         return
     if task is not None:
         task.cancel()
+    if generation is not None:
+        rt.generations[key] = generation
     rt.loops[key] = asyncio.create_task(job_loop(rt, ref), name=ref.uid)
 
 
@@ -209,14 +213,10 @@ async def job_event(
         rt.forget(key, uid)
         await _delete_children(rt, ref)
         return
-    _supervise(rt, ref)
-    # Our own writes (status, kopf's annotations) come back as events too; only a new generation
-    # (spec) needs a pass. Compared with the last event's too: while the first pass is still under
-    # way, no generation has been handled yet, and kopf's annotation patch must not cause a second.
     generation = meta.get("generation")
-    last_event = rt.event_generations.get(key)
-    rt.event_generations[key] = generation
-    if generation != rt.generations.get(key) and generation != last_event:
+    _supervise(rt, ref, generation)
+    # Our own status writes come back as events too; only a new generation (spec) needs a pass.
+    if generation != rt.generations.get(key):
         rt.wake(key)
 
 

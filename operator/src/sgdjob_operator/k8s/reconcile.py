@@ -82,8 +82,7 @@ class Runtime:
     http: aiohttp.ClientSession
     wakeups: dict[Key, asyncio.Event] = field(default_factory=dict)
     loops: dict[Key, asyncio.Task[None]] = field(default_factory=dict)
-    generations: dict[Key, int] = field(default_factory=dict)  # handled by a pass
-    event_generations: dict[Key, Any] = field(default_factory=dict)  # in the last watch event
+    generations: dict[Key, int] = field(default_factory=dict)
     phases: dict[Key, str] = field(default_factory=dict)
     tokens: dict[str, str] = field(default_factory=dict)
     next_monitor: dict[str, float] = field(default_factory=dict)
@@ -117,7 +116,7 @@ class Runtime:
 
     def forget(self, key: Key, uid: str) -> None:
         metrics.forget_job(*key)
-        for table in (self.wakeups, self.generations, self.event_generations, self.phases):
+        for table in (self.wakeups, self.generations, self.phases):
             table.pop(key, None)
         for uid_table in (self.tokens, self.next_monitor, self.last_ensure, self.failing_since):
             uid_table.pop(uid, None)
