@@ -155,6 +155,18 @@ def _query(base: str, promql: str) -> list[dict[str, Any]]:
     return result
 
 
+def _prometheus_ready(proc: subprocess.Popen[bytes], base: str, log: Path) -> bool:
+    """Prometheus answers /-/ready once its storage is open; on a fresh machine that can take longer
+    than the job takes to report steps. An exited process fails at once, with its log."""
+    if proc.poll() is not None:
+        raise RuntimeError(f"prometheus exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+    try:
+        with urllib.request.urlopen(f"{base}/-/ready", timeout=5) as resp:
+            return bool(resp.status == 200)
+    except OSError:  # refused while it starts, 503 while it replays its storage
+        return False
+
+
 def test_prometheus_scrapes_the_operator_and_the_workers_and_the_charts_rules_evaluate(
     cluster: Cluster, operator: Operator, tmp_path: Path
 ) -> None:
@@ -196,6 +208,7 @@ def test_prometheus_scrapes_the_operator_and_the_workers_and_the_charts_rules_ev
         for i, host in enumerate(hosts):
             cluster.run_pod(f"prom-worker-{i}", host, node=f"node-{i}")
         wait_for("Running with steps", lambda: cluster.status("prom").get("step", 0) > 0, timeout=60)
+        wait_for("prometheus ready", lambda: _prometheus_ready(proc, base, tmp_path / "prometheus.log"), timeout=60)
         modes = wait_for("the mode series", lambda: _query(base, f"sgdjob_operator_job_mode{{{job}}} == 1"), timeout=60)
         assert [m["metric"]["mode"] for m in modes] == ["sync"]
         stragglers = _query(base, f"sgdjob_operator_job_stragglers{{{job}}}")
