@@ -137,7 +137,10 @@ def restarts(e: Env, job: str = JOB) -> list[tuple[int, int, int]]:
     """Every restart record (lost, reached, resumed-at) the job's live pods logged so far."""
     found: list[tuple[int, int, int]] = []
     for pod in worker_pods(e.kube, e.ns, job):
-        text = e.cluster.agent.logs(e.ns, str(pod["metadata"]["name"]))
+        try:
+            text = e.cluster.agent.logs(e.ns, str(pod["metadata"]["name"]))
+        except KeyError:  # a replacement the node agent has not started yet: no log so far
+            continue
         found += [(int(a), int(b), int(c)) for a, b, c in RESTART_RE.findall(text)]
     return found
 

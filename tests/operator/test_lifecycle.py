@@ -79,6 +79,25 @@ def test_objects_are_built_as_specified(cluster: Cluster, operator: Operator) ->
     assert status["observedGeneration"] == job["metadata"]["generation"]
 
 
+def test_a_deleted_or_edited_child_object_is_restored_on_resync(cluster: Cluster, operator: Operator) -> None:
+    """The operator re-asserts a job's Service, Secret and ConfigMap every resync (3 s here), reading
+    them from the API server's cache: what someone deleted comes back, a hand edit is undone."""
+    cluster.apply("kept", {"replicas": 1})
+    wait_for("the run config", lambda: cluster.core.read_namespaced_config_map("kept-config", cluster.ns))
+    original = cluster.core.read_namespaced_config_map("kept-config", cluster.ns).data
+    cluster.core.delete_namespaced_service("kept", cluster.ns, _preload_content=False)
+    cluster.core.delete_namespaced_secret("kept-control", cluster.ns, _preload_content=False)
+    cluster.core.patch_namespaced_config_map("kept-config", cluster.ns, {"data": {"run-config.json": "{}"}})
+    wait_for("the Service back", lambda: cluster.core.read_namespaced_service("kept", cluster.ns), timeout=20)
+    secret = wait_for("the Secret back", lambda: cluster.core.read_namespaced_secret("kept-control", cluster.ns))
+    assert len(base64.b64decode(secret.data["token"])) >= 32
+    wait_for(
+        "the run config restored",
+        lambda: cluster.core.read_namespaced_config_map("kept-config", cluster.ns).data == original,
+        timeout=20,
+    )
+
+
 def test_status_columns_scale_and_success(cluster: Cluster, operator: Operator) -> None:
     cluster.apply("life", {"replicas": 2, "minReplicas": 1, "maxReplicas": 3, "runPolicy": {"cleanPodPolicy": "All"}})
     cluster.run_all("life", 2)

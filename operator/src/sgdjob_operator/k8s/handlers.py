@@ -24,8 +24,10 @@ from sgdjob_operator.api.models import GROUP, PLURAL, VERSION
 from sgdjob_operator.api.validation import SpecError, validate_spec
 from sgdjob_operator.k8s import metrics
 from sgdjob_operator.k8s.builders import LABEL_JOB, JobRef
+from sgdjob_operator.k8s.children import ensure_children
 from sgdjob_operator.k8s.client import ApiError, Credentials, Kube, core_path, pods_path
-from sgdjob_operator.k8s.reconcile import Runtime, ensure_children, mark_invalid, post_events, reconcile
+from sgdjob_operator.k8s.reconcile import mark_invalid, post_events, reconcile
+from sgdjob_operator.k8s.runtime import Runtime
 from sgdjob_operator.k8s.settings import current
 from sgdjob_operator.k8s.status import dump_status, load_status
 

@@ -1,22 +1,18 @@
 """The imperative shell around the pure core: one reconciliation pass of one SGDJob.
 
-A pass reads the job and its pods from the API (never from a cache that could be stale after our own
-write), scrapes the workers when the policy interval is due, plans with the pure functions and carries
-the plan out through the one API wrapper. Memory here is only timing and de-duplication of noisy
-Events; losing it (operator restart) changes nothing that matters.
+A pass reads the job from the API (never from a cache that could be stale after our own status write)
+and its pods from the API server's watch cache, unless pods it created are not yet seen there (then
+from etcd: a cache that lags our own creates would make the plan create them again). It scrapes the
+workers when the policy interval is due, plans with the pure functions and carries the plan out
+through the one API wrapper. What it keeps between passes is in `runtime.Runtime`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import logging
-import secrets
 import time
-from dataclasses import dataclass, field
 from typing import Any
-
-import aiohttp
 
 from sgdjob_operator.api.models import Phase, SGDJobSpec, SGDJobStatus
 from sgdjob_operator.api.validation import SpecError, validate_spec
@@ -31,16 +27,13 @@ from sgdjob_operator.k8s.actuator import (
 )
 from sgdjob_operator.k8s.builders import (
     POLICY_STATE_KEY,
-    TOKEN_KEY,
     JobRef,
-    build_config_map,
     build_policy_state,
     build_rdzv_pod,
-    build_secret,
-    build_service,
     build_worker_pod,
 )
-from sgdjob_operator.k8s.client import ApiError, Kube, core_path
+from sgdjob_operator.k8s.children import ensure_children, job_token
+from sgdjob_operator.k8s.client import ApiError, core_path
 from sgdjob_operator.k8s.membership import excluded_names
 from sgdjob_operator.k8s.observe import (
     Observation,
@@ -53,7 +46,7 @@ from sgdjob_operator.k8s.observe import (
 )
 from sgdjob_operator.k8s.plan import count_pods, plan_reconcile
 from sgdjob_operator.k8s.queueing import QUEUED_POLL_S, Gate, ensure_pod_group, kueue_gate
-from sgdjob_operator.k8s.settings import OperatorSettings
+from sgdjob_operator.k8s.runtime import Runtime
 from sgdjob_operator.k8s.status import (
     FINISHED,
     Event,
@@ -63,64 +56,11 @@ from sgdjob_operator.k8s.status import (
     finish,
     in_flight,
     load_status,
-    pod_changed,
 )
 from sgdjob_operator.k8s.status import workers as worker_pods
 from sgdjob_operator.workers.scrape import post_control
-from sgdjob_trainer.config import SyncMode
 
 log = logging.getLogger("sgdjob_operator")
-Key = tuple[str, str]
-
-
-@dataclass(slots=True)
-class Runtime:
-    """What the handlers share: settings, the API client, the scrape session and soft memory."""
-
-    settings: OperatorSettings
-    kube: Kube
-    http: aiohttp.ClientSession
-    wakeups: dict[Key, asyncio.Event] = field(default_factory=dict)
-    loops: dict[Key, asyncio.Task[None]] = field(default_factory=dict)
-    generations: dict[Key, int] = field(default_factory=dict)
-    phases: dict[Key, str] = field(default_factory=dict)
-    tokens: dict[str, str] = field(default_factory=dict)
-    next_monitor: dict[str, float] = field(default_factory=dict)
-    last_ensure: dict[str, float] = field(default_factory=dict)
-    noisy: dict[tuple[str, str], str] = field(default_factory=dict)
-    # Per job UID: endpoint URL -> when its failed scrapes in a row began (lost on restart: the
-    # grace then starts over, which only delays a Warning).
-    failing_since: dict[str, dict[str, float]] = field(default_factory=dict)
-    # Pod UID -> what a pass reads of it, last seen in a watch event: only a change wakes the job
-    # (a scheduler's or kubelet's status updates that change none of it cost a pass each otherwise).
-    pod_views: dict[str, PodView] = field(default_factory=dict)
-    # (namespace, name) of pods a pass is creating, until their ADDED event comes.
-    expected_pods: set[tuple[str, str]] = field(default_factory=set)
-
-    def wake(self, key: Key) -> None:
-        event = self.wakeups.get(key)
-        if event is not None:
-            event.set()
-
-    def pod_changed(self, event_type: str, pod: dict[str, Any]) -> bool:
-        """Whether a pod watch event should wake its job: not for a pod a pass has just created
-        (its ADDED event can come before the create call returns: an expectation, as Kubernetes'
-        own ReplicaSet controller keeps), nor for a change of nothing a pass reads."""
-        changed = pod_changed(self.pod_views, event_type, pod)
-        meta = pod.get("metadata") or {}
-        expected = (str(meta.get("namespace") or ""), str(meta.get("name") or ""))
-        if event_type == "ADDED" and expected in self.expected_pods:
-            self.expected_pods.discard(expected)
-            return False
-        return changed
-
-    def forget(self, key: Key, uid: str) -> None:
-        metrics.forget_job(*key)
-        for table in (self.wakeups, self.generations, self.phases):
-            table.pop(key, None)
-        for uid_table in (self.tokens, self.next_monitor, self.last_ensure, self.failing_since):
-            uid_table.pop(uid, None)
-        metrics.set_phases(self.phases.values())
 
 
 async def post_events(rt: Runtime, ref: JobRef, events: list[Event]) -> None:
@@ -132,37 +72,6 @@ async def post_events(rt: Runtime, ref: JobRef, events: list[Event]) -> None:
         (log.warning if ev.type == "Warning" else log.info)(
             "%s/%s %s: %s", ref.namespace, ref.name, ev.reason, ev.message
         )
-
-
-async def ensure_children(rt: Runtime, ref: JobRef, spec: SGDJobSpec, status: SGDJobStatus) -> None:
-    """Service, token Secret and run-config ConfigMap: created if missing; the ConfigMap is kept at
-    the mode a restarted world should start in (the target mode)."""
-    rt.last_ensure[ref.uid] = time.monotonic()  # first, so the create handler and the daemon do not both do it
-    mode = status.target_mode or spec.initial_mode.value
-    config_map = build_config_map(ref, spec, SyncMode(mode))
-    try:
-        _, _, fresh = await asyncio.gather(
-            rt.kube.create(build_service(ref)),
-            rt.kube.create(build_secret(ref, secrets.token_urlsafe(32))),
-            rt.kube.create(config_map),
-        )
-        if not fresh:
-            await rt.kube.patch(
-                f"{core_path(ref.namespace, 'configmaps')}/{ref.config_map}", {"data": config_map["data"]}
-            )
-    except ApiError:
-        rt.last_ensure.pop(ref.uid, None)  # the next pass tries again
-        raise
-
-
-async def job_token(rt: Runtime, ref: JobRef) -> str | None:
-    if ref.uid not in rt.tokens:
-        secret = await rt.kube.get(f"{core_path(ref.namespace, 'secrets')}/{ref.secret}")
-        data = (secret or {}).get("data") or {}
-        if TOKEN_KEY not in data:
-            return None
-        rt.tokens[ref.uid] = base64.b64decode(data[TOKEN_KEY]).decode().strip()
-    return rt.tokens[ref.uid]
 
 
 async def _once(rt: Runtime, ref: JobRef, kind: str, message: str, ev_type: str = "Warning") -> list[Event]:
@@ -278,8 +187,8 @@ async def reconcile(rt: Runtime, ref: JobRef) -> float | None:
             restarts=st.restarts, decisions=st.decisions, controller=st.controller
         )  # fixed spec: start over
     if time.monotonic() - rt.last_ensure.get(ref.uid, -1e9) > rt.settings.resync_s and st.phase not in FINISHED:
-        await ensure_children(rt, ref, spec, st)
-    pods = [PodView.from_obj(p) for p in await rt.kube.job_pods(ref)]
+        await ensure_children(rt, ref, spec, st, reassert=ref.uid in rt.last_ensure)
+    pods = [PodView.from_obj(p) for p in await rt.kube.job_pods(ref, cached=not rt.awaits_pods(ref))]
     gate = Gate()
     await kueue_gate(
         rt.kube,
