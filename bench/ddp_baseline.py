@@ -19,14 +19,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from sgdjob_trainer.__main__ import load_run_config
-from sgdjob_trainer.data import ShardedStream, build_dataset, fetch, held_out_indices
+from sgdjob_trainer.assembly import assemble
+from sgdjob_trainer.data import DataPosition
 from sgdjob_trainer.emulation import ComputeEmulator
-from sgdjob_trainer.networks import build_loss, build_model
-from sgdjob_trainer.optim import build_optimizer
+from sgdjob_trainer.optim import set_lr
 from sgdjob_trainer.runtime import WorldInfo
 from sgdjob_trainer.validation import Validator
 
@@ -41,22 +40,23 @@ def main() -> None:
     info = WorldInfo.from_env()
     dist.init_process_group("gloo", rank=info.rank, world_size=info.world_size)
     train = cfg.training
-    dataset = build_dataset(train.dataset)
-    # The trainer's split: validate on the held-out samples, train on the rest.
-    held_out = held_out_indices(len(dataset), train.evaluation.samples)  # type: ignore[arg-type]
-    stream = ShardedStream(dataset, info.rank, info.world_size, train.seed, held_out=held_out)
-    eval_x, eval_y = fetch(dataset, held_out)
-    net = build_model(train.model, train.seed)
+    # The trainer's own assembly: the same task (built-in model and dataset, or `training.task`), the
+    # same held-out split, optimizer and learning-rate schedule; only the loop below is plain DDP.
+    parts = assemble(train, info, torch.device("cpu"), DataPosition(), None)
+    net, optimizer, stream, eval_x, eval_y = parts.model, parts.optimizer, parts.stream, parts.eval_x, parts.eval_y
     model = DistributedDataParallel(net)
-    loss_fn = build_loss(train.loss, train.dataset, eval_y[:1])
-    optimizer = build_optimizer(train, net)  # the job's own optimizer (training.optimizer)
+    loss_fn = parts.task.loss
+    lr_scale = train.lr_scaling.factor(info.world_size, cfg.reference_world_size)
     emulator = ComputeEmulator(train.emulation, info.rank, info.node, train.batch_size, train.seed)
 
     # Rank 0 validates on the held-out split between steps, as the trainer's rank 0 does
-    # (training.evaluation: the same samples, the same schedule, the same accuracy); the other ranks
-    # wait for it at the next allreduce.
-    classification = loss_fn is F.cross_entropy
-    validator = Validator(train.evaluation, eval_x, eval_y, loss_fn, classification) if info.rank == 0 else None
+    # (training.evaluation: the same samples, the same schedule, the same accuracy and metric); the
+    # other ranks wait for it at the next allreduce.
+    validator = (
+        Validator(train.evaluation, eval_x, eval_y, loss_fn, parts.task.is_classification(), parts.task.metric)
+        if info.rank == 0
+        else None
+    )
     validations: list[dict[str, float | int | None]] = []
 
     def full_loss() -> float:
@@ -70,10 +70,20 @@ def main() -> None:
     compute = 0.0
     if validator is not None:  # the curve's first point is the initial model at 0 s, as in the trainer's
         first = validator.run(net)
-        validations.append({"step": 0, "time_s": 0.0, "samples": 0, "loss": first.loss, "accuracy": first.accuracy})
+        validations.append(
+            {
+                "step": 0,
+                "time_s": 0.0,
+                "samples": 0,
+                "loss": first.loss,
+                "accuracy": first.accuracy,
+                "metric": first.metric,
+            }
+        )
     for step in range(train.steps):
         x, y = stream.next_batch(train.batch_size)
         emulated = emulator.run(step, train.batch_size)
+        set_lr(optimizer, lr_scale * parts.schedule(step))
         optimizer.zero_grad()
         loss = loss_fn(model(x), y)
         loss.backward()  # type: ignore[no-untyped-call]  # DDP's allreduce happens inside backward and waits for the slowest rank
@@ -90,6 +100,7 @@ def main() -> None:
                     "samples": (step + 1) * train.batch_size * info.world_size,
                     "loss": result.loss,
                     "accuracy": result.accuracy,
+                    "metric": result.metric,
                 }
             )
     wall = time.perf_counter() - start

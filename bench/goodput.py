@@ -2,7 +2,9 @@
 after a fixed wall-time budget, on a classification task where quality differs between modes
 (`digits-mlp` on the built-in `digits` dataset), on the same EMULATED scenarios.
 
-    python -m bench.goodput [--quick] --out DIR
+    python -m bench.goodput [--quick] [--task digits-mlp|charlm] --out DIR
+
+`--task charlm` trains the transformer of examples/custom-task instead (see TASKS).
 
 Systems: plain DDP on all N workers (`ddp`), DDP on the N-1 fastest (`ddp-drop`), static
 speed-proportional batches in sync (`lb-bsp`), SGDJob's static `sync`, `hierarchical`, `async`, and
@@ -46,6 +48,9 @@ SYSTEMS = ("ddp", "ddp-drop", "lb-bsp", "sync", "hierarchical", "async", "auto")
 QUICK_SCENARIOS = ("homogeneous", "one-straggler")
 TARGET_ACCURACY = 0.9
 BUDGET_S = 8.0
+CHARLM_STEPS = 300
+CHARLM_TARGET = 0.40
+CHARLM_BUDGET_S = 30.0
 # Rank 0 validates on the held-out split (256 samples, the trainer's default) every 0.5 s of
 # training, in every system: the same time resolution whatever a system's step rate.
 EVALUATION: dict[str, Any] = {"everySteps": None, "everySeconds": 0.5, "samples": 256}
@@ -53,6 +58,40 @@ CONFIG = BenchConfig(
     workers=4, steps=200, learning_rate=0.1, model="digits-mlp", dataset="digits", evaluation=EVALUATION
 )
 FULL_SEEDS = 3
+
+
+@dataclass(frozen=True, slots=True)
+class GoodputTask:
+    """A task the benchmark trains, sized so a full run (5 scenarios x 7 systems x 3 seeds) fits in
+    90 minutes here, with the validation accuracy it must reach and the wall-time budget."""
+
+    config: BenchConfig
+    target_accuracy: float
+    budget_s: float
+    what: str
+
+
+TASKS: dict[str, GoodputTask] = {
+    "digits-mlp": GoodputTask(CONFIG, TARGET_ACCURACY, BUDGET_S, "digits-mlp on the built-in digits dataset"),
+    # The transformer of examples/custom-task (training.task "charlm.task:build"): a character-level
+    # language model with AdamW and the example's warmup + cosine schedule; the accuracy is
+    # next-character accuracy on its held-out files.
+    "charlm": GoodputTask(
+        BenchConfig(
+            workers=4,
+            steps=CHARLM_STEPS,
+            batch_size=32,
+            task="charlm.task:build",
+            code_dirs=("examples/custom-task",),
+            lr_scaling="sqrt",
+            lr_policy={"warmupSteps": 20, "schedule": "cosine", "minFactor": 0.1},
+            evaluation={"everySteps": None, "everySeconds": 2.0, "samples": 128},
+        ),
+        CHARLM_TARGET,
+        CHARLM_BUDGET_S,
+        "the charlm transformer (examples/custom-task) on Python's standard library source",
+    ),
+}
 DEFINITIONS = {
     "time_to_target_s": (
         "seconds since that run's training start until rank 0's first validation on the held-out split "
@@ -333,14 +372,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--quick", action="store_true", help=f"{', '.join(QUICK_SCENARIOS)}, every system, one seed (< 12 minutes)"
     )
+    parser.add_argument(
+        "--task", choices=sorted(TASKS), default="digits-mlp", help="what to train (default digits-mlp)"
+    )
     parser.add_argument("--seeds", type=int, help=f"seeds per scenario and system (default {FULL_SEEDS}; quick 1)")
-    parser.add_argument("--steps", type=int, help=f"override the steps per run (default {CONFIG.steps})")
+    parser.add_argument("--steps", type=int, help="override the task's steps per run")
     parser.add_argument("--workers", type=int, help=f"override the worker count (default {CONFIG.workers})")
     parser.add_argument("--compute-seconds", type=float, help="override the emulated compute seconds per step")
     parser.add_argument("--scenarios", help="comma-separated subset of scenarios")
     parser.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset of systems")
-    parser.add_argument("--target", type=float, default=TARGET_ACCURACY, help="target validation accuracy")
-    parser.add_argument("--budget", type=float, default=BUDGET_S, help="wall-time budget (s since training start)")
+    parser.add_argument(
+        "--target", type=float, help=f"target validation accuracy (default: the task's; digits-mlp {TARGET_ACCURACY:g})"
+    )
+    parser.add_argument(
+        "--budget", type=float, help=f"wall-time budget, s since training start (default: the task's; {BUDGET_S:g})"
+    )
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds before one run is stopped")
     args = parser.parse_args(argv)
     overrides = {
@@ -348,7 +394,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         for k, v in {"steps": args.steps, "workers": args.workers, "compute_seconds": args.compute_seconds}.items()
         if v is not None
     }
-    cfg = replace(CONFIG, **overrides)
+    task = TASKS[args.task]
+    cfg = replace(task.config, **overrides)
+    target = args.target if args.target is not None else task.target_accuracy
+    budget_s = args.budget if args.budget is not None else task.budget_s
     scenarios = (args.scenarios or ",".join(QUICK_SCENARIOS if args.quick else GOODPUT_SCENARIOS)).split(",")
     scenarios = [s for s in scenarios if s]
     systems = [s for s in args.systems.split(",") if s]
@@ -358,17 +407,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     seeds = list(range(args.seeds or (1 if args.quick else FULL_SEEDS)))
     wall0 = time.monotonic()
     doc = run_benchmark(
-        cfg, scenarios, systems, seeds, args.out, target=args.target, budget_s=args.budget, timeout_s=args.timeout
+        cfg, scenarios, systems, seeds, args.out, target=target, budget_s=budget_s, timeout_s=args.timeout
     )
     meta = doc["metadata"]
     header = (
         f"# Goodput benchmark ({'quick' if args.quick else 'full'}"
-        f"{' with overrides ' + str(overrides) if overrides else ''}: {cfg.model} on {cfg.dataset}, "
+        f"{' with overrides ' + str(overrides) if overrides else ''}: {task.what}, "
         f"{cfg.workers} workers, {cfg.steps} steps, {len(seeds)} seed(s), {meta['date']})\n\n"
         f"EMULATED compute: {cfg.compute_seconds:g} s/step x slowdown factor, jitter {cfg.jitter:g}; "
         "real gradients over gloo on loopback. "
         f"Machine: {meta['machine']['cpus']} CPUs, no GPU, load average {meta['machine']['load_average_at_start']} "
-        f"at start. Target validation accuracy {args.target:g}; budget {args.budget:g} s since training start. "
+        f"at start. Target validation accuracy {target:g}; budget {budget_s:g} s since training start. "
         "Cells: median [min-max] over seeds. Bench wall "
         f"{meta['bench_wall_s']:.0f}s; full run estimated at {_fmt(meta['estimated_full_run_min'], '.0f')} min.\n\n"
     )
@@ -380,10 +429,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         plot_curves(
             {s: [run["curve"] for run in agg["runs"]] for s, agg in r["systems"].items()},
             args.out / f"goodput-{r['scenario']}.png",
-            f"{r['scenario']}: {r['description']} (EMULATED compute; {cfg.model}, {cfg.workers} workers, "
+            f"{r['scenario']}: {r['description']} (EMULATED compute; {args.task}, {cfg.workers} workers, "
             f"{meta['date']})",
-            target=args.target,
-            budget_s=args.budget,
+            target=target,
+            budget_s=budget_s,
         )
     print(header + table)
     print(f"wrote {args.out / 'goodput.json'}, {args.out / 'goodput.md'} and one PNG per scenario")

@@ -49,6 +49,16 @@ class BenchConfig:
     model: str = "mlp"
     dataset: str = "synthetic"
     evaluation: dict[str, Any] | None = None  # camelCase training.evaluation; the trainer's default when None
+    # A user's training code (`training.task: "module:function"`) instead of model/dataset/learningRate:
+    # the task builds its model, data, loss and optimizer; `code_dirs` (repository-relative) go on the
+    # workers' PYTHONPATH so it imports, in every system.
+    task: str | None = None
+    code_dirs: tuple[str, ...] = ()
+    lr_scaling: str | None = None  # training.lrScaling; the trainer's default (linear) when None
+    lr_policy: dict[str, Any] | None = None  # camelCase training.lrPolicy
+    # The world size the task's learning rate is meant for when it is not `workers` (ddp-drop runs
+    # a task's optimizer on N-1 workers: the job's lrScaling rule then scales it as SGDJob would).
+    reference_workers: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,15 +133,22 @@ def emulation(cfg: BenchConfig, scenario: Scenario) -> dict[str, Any]:
 
 
 def training(cfg: BenchConfig, scenario: Scenario, *, hierarchical_groups: bool) -> dict[str, Any]:
+    what: dict[str, Any] = (
+        {"task": cfg.task}
+        if cfg.task is not None
+        else {"model": cfg.model, "dataset": cfg.dataset, "learningRate": cfg.learning_rate}
+    )
     doc: dict[str, Any] = {
-        "model": cfg.model,
-        "dataset": cfg.dataset,
+        **what,
         "batchSize": cfg.batch_size,
-        "learningRate": cfg.learning_rate,
         "steps": cfg.steps,
         "seed": cfg.seed,
         "emulation": emulation(cfg, scenario),
     }
+    if cfg.lr_scaling is not None:
+        doc["lrScaling"] = cfg.lr_scaling
+    if cfg.lr_policy is not None:
+        doc["lrPolicy"] = dict(cfg.lr_policy)
     if cfg.evaluation is not None:
         doc["evaluation"] = dict(cfg.evaluation)
     if hierarchical_groups:
@@ -166,7 +183,7 @@ def ddp_run_config(cfg: BenchConfig, scenario: Scenario) -> dict[str, Any]:
     return {
         "jobName": f"bench-{scenario.name}-ddp",
         "mode": "sync",
-        "referenceWorldSize": cfg.workers,
+        "referenceWorldSize": cfg.reference_workers or cfg.workers,
         "training": training(cfg, scenario, hierarchical_groups=False),
     }
 
@@ -203,15 +220,19 @@ def slowest_rank(cfg: BenchConfig, scenario: Scenario) -> int:
 def without_rank(cfg: BenchConfig, scenario: Scenario, drop: int) -> tuple[BenchConfig, Scenario]:
     """The same job on the other N-1 workers, as a user who takes a slow worker out by hand runs it:
     the same batch per worker (so the global batch shrinks by 1/N) and the learning rate by the
-    job's rule for a smaller world (lrScaling linear: x (N-1)/N); rank numbers above `drop` shift
-    down by one, and the dropped rank's slowdowns go with it."""
+    job's rule for a smaller world (lrScaling linear: x (N-1)/N; a task's optimizer by its
+    lrScaling); rank numbers above `drop` shift down by one, and the dropped rank's slowdowns go
+    with it."""
     n = cfg.workers
     if not 0 <= drop < n or n < 2:
         raise ValueError(f"cannot drop rank {drop} of {n} workers (at least 1 must remain)")
     slowdowns = tuple(
         {**s, "rank": s["rank"] - (1 if s["rank"] > drop else 0)} for s in scenario.slowdowns if s["rank"] != drop
     )
-    smaller = replace(cfg, workers=n - 1, learning_rate=cfg.learning_rate * (n - 1) / n)
+    if cfg.task is None:
+        smaller = replace(cfg, workers=n - 1, learning_rate=cfg.learning_rate * (n - 1) / n)
+    else:  # the task's optimizer sets the rate: the baseline applies the job's rule for N-1 of N
+        smaller = replace(cfg, workers=n - 1, reference_workers=n)
     rest = [r - (1 if r > drop else 0) for r in range(n) if r != drop]
     return smaller, Scenario(
         scenario.name, f"{scenario.description}; rank {drop} dropped", slowdowns, tuple((r,) for r in rest)

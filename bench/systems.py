@@ -48,6 +48,11 @@ def guarded(system: str, out_dir: Path, run: Callable[[], RunRecord]) -> RunReco
         return RunRecord(system, out_dir, 0.0, error=f"{type(err).__name__}: {err}")
 
 
+def code_paths(cfg: BenchConfig) -> tuple[str, ...]:
+    """The task's code folders, absolute (the same on every system's PYTHONPATH)."""
+    return tuple(str(REPO_ROOT / d) for d in cfg.code_dirs)
+
+
 def run_ddp(cfg: BenchConfig, scenario: Scenario, out_dir: Path, timeout_s: float, *, system: str = "ddp") -> RunRecord:
     """`torchrun --standalone --nproc-per-node=N -m bench.ddp_baseline --config run-config.json`."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -66,11 +71,8 @@ def run_ddp(cfg: BenchConfig, scenario: Scenario, out_dir: Path, timeout_s: floa
         "--config",
         str(config),
     ]
-    env = {
-        **os.environ,
-        "SGDJOB_REPORT_DIR": str(out_dir),
-        "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p),
-    }
+    paths = (str(REPO_ROOT), *code_paths(cfg), os.environ.get("PYTHONPATH", ""))
+    env = {**os.environ, "SGDJOB_REPORT_DIR": str(out_dir), "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
     start = time.monotonic()
     with (out_dir / "torchrun.log").open("w") as log:
         try:
@@ -136,6 +138,7 @@ def run_sgdjob(
     `sgdjob run JOB --mode MODE --out DIR` runs it, minus the CLI's plots. `on_poll` is the local
     runner's poll hook (e.g. one that pushes a control command); `system` names the record."""
     job_path = write_job(cfg, scenario, mode, out_dir / "job.yaml")
-    outcome, harness = run_job_file(job_path, mode, out_dir, timeout_s, on_poll=on_poll)
+    code_dirs = tuple(Path(p) for p in code_paths(cfg))
+    outcome, harness = run_job_file(job_path, mode, out_dir, timeout_s, on_poll=on_poll, code_dirs=code_dirs)
     error = None if outcome.exit_code == 0 else outcome.message.splitlines()[0]
     return RunRecord(system or mode, out_dir, harness, report=outcome.report, error=error)

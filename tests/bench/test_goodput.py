@@ -27,6 +27,7 @@ from bench.scenarios import (
     GOODPUT_SCENARIOS,
     BenchConfig,
     build_scenario,
+    ddp_run_config,
     job_doc,
     rank_factor,
     slowest_rank,
@@ -147,4 +148,40 @@ def test_tiny_goodput_run_of_every_system(tmp_path: Path) -> None:
     assert "EMULATED" in meta["emulation"] and meta["seeds"] == [0] and meta["target_accuracy"] == 0.3
     assert (out / "goodput-one-straggler.png").stat().st_size > 0
     assert "| one-straggler | lb-bsp |" in (out / "goodput.md").read_text()
+    assert code == 0
+
+
+def test_a_task_config_names_the_task_and_its_schedule_and_ddp_drop_scales_its_rate() -> None:
+    """A task preset writes `training.task` (no model, dataset or learning rate: the task's optimizer
+    sets the rate) in our job and in the DDP baseline's run config alike; ddp-drop keeps the reference
+    world of N so the job's lrScaling rule scales the task's rate for N-1."""
+    from bench.goodput import TASKS
+
+    cfg = TASKS["charlm"].config
+    scenario = build_scenario("one-straggler", cfg)
+    job = validate_job(job_doc(cfg, scenario, "auto"))
+    assert job.spec.training.task == "charlm.task:build" and job.spec.training.lr_scaling.value == "sqrt"
+    ddp = ddp_run_config(cfg, scenario)
+    assert "learningRate" not in ddp["training"] and ddp["referenceWorldSize"] == 4
+    small, _ = without_rank(cfg, scenario, 3)
+    assert small.workers == 3 and ddp_run_config(small, scenario)["referenceWorldSize"] == 4
+
+
+@pytest.mark.multiproc
+def test_the_transformer_task_runs_under_ddp_and_ours_with_a_next_character_accuracy_curve(tmp_path: Path) -> None:
+    """`--task charlm`: the DDP baseline trains the user's task (model, data, AdamW, schedule) through
+    the trainer's own assembly, and both systems report validation accuracy over time."""
+    from bench.goodput import main
+
+    out = tmp_path / "charlm"
+    argv = "--task charlm --workers 2 --steps 30 --scenarios one-straggler --systems ddp,auto --seeds 1"
+    code = main([*argv.split(), "--budget", "5", "--target", "0.05", "--timeout", "240", "--out", str(out)])
+    doc = json.loads((out / "goodput.json").read_text())
+    systems = doc["results"][0]["systems"]
+    for name in ("ddp", "auto"):
+        run = systems[name]["runs"][0]
+        assert run["ok"], (name, run.get("error"))
+        curve = run["curve"]
+        assert len(curve) >= 2 and curve[-1][1] > curve[0][1], (name, curve)  # it learned to predict characters
+    assert doc["metadata"]["config"]["task"] == "charlm.task:build"
     assert code == 0
