@@ -2,7 +2,7 @@
 after a fixed wall-time budget, on a classification task where quality differs between modes
 (`digits-mlp` on the built-in `digits` dataset), on the same EMULATED scenarios.
 
-    python -m bench.goodput [--quick] [--task digits-mlp|charlm] --out DIR
+    python -m bench.goodput [--quick] [--task digits-mlp|digits-cnn|charlm] --out DIR
 
 `--task charlm` trains the transformer of examples/custom-task instead (see TASKS).
 
@@ -73,6 +73,12 @@ class GoodputTask:
 
 TASKS: dict[str, GoodputTask] = {
     "digits-mlp": GoodputTask(CONFIG, TARGET_ACCURACY, BUDGET_S, "digits-mlp on the built-in digits dataset"),
+    "digits-cnn": GoodputTask(
+        replace(CONFIG, model="digits-cnn"),
+        TARGET_ACCURACY,
+        BUDGET_S,
+        "digits-cnn (two convolutions) on the built-in digits dataset",
+    ),
     # The transformer of examples/custom-task (training.task "charlm.task:build"): a character-level
     # language model with AdamW and the example's warmup + cosine schedule; the accuracy is
     # next-character accuracy on its held-out files.

@@ -165,6 +165,8 @@ def test_a_task_config_names_the_task_and_its_schedule_and_ddp_drop_scales_its_r
     assert "learningRate" not in ddp["training"] and ddp["referenceWorldSize"] == 4
     small, _ = without_rank(cfg, scenario, 3)
     assert small.workers == 3 and ddp_run_config(small, scenario)["referenceWorldSize"] == 4
+    cnn = validate_job(job_doc(TASKS["digits-cnn"].config, scenario, "auto"))
+    assert cnn.spec.training.model == "digits-cnn" and cnn.spec.training.task is None
 
 
 @pytest.mark.multiproc
