@@ -15,6 +15,7 @@ import subprocess
 from collections.abc import Iterable
 from pathlib import Path
 
+from devcluster.proctree import alive
 from devcluster.realconf import FABRIC_BRIDGE, FABRIC_IP, Layout
 
 NETNS_DIR = Path("/run/netns")
@@ -110,7 +111,7 @@ def pids_in(names: Iterable[str]) -> list[int]:
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
-        if ns_inode(entry / "ns" / "net") in wanted:
+        if ns_inode(entry / "ns" / "net") in wanted and alive(int(entry.name)):
             found.append(int(entry.name))
     return found
 

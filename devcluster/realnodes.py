@@ -210,7 +210,9 @@ class RealCluster:
         self._spawn(
             "nsproxy",
             [
-                sys.executable, "-m", "devcluster.nsproxy", "--netns", str(realnet.ns_path(lay.fabric_ns)),
+                # As a script (it needs only the standard library): the cwd is not the checkout.
+                sys.executable, str(Path(__file__).with_name("nsproxy.py")),
+                "--netns", str(realnet.ns_path(lay.fabric_ns)),
                 "--listen", f"127.0.0.1:{self.api_port}", "--connect", f"{realconf.FABRIC_IP}:{realconf.API_PORT}",
             ],
             [],
@@ -274,8 +276,8 @@ class RealCluster:
         raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}; logs in {self.layout.logs}")
 
     def _api_ready(self) -> bool:
-        kube = self.kube()
-        return kube.request("GET", "/readyz") is not None and bool(kube.get_or_none("/api/v1/namespaces/default"))
+        # The default namespace appears a moment after /readyz turns ok; the first clients need it.
+        return bool(self.kube().get_or_none("/api/v1/namespaces/default"))
 
     def _nodes_schedulable(self) -> bool:
         ok = set()
@@ -304,6 +306,7 @@ class RealCluster:
         names = [lay.fabric_ns, *(lay.node_ns(i) for i in range(lay.nodes))]
         deadline = time.monotonic() + 15
         while realnet.kill_all_in(names) and time.monotonic() < deadline:
+            self._reap()
             time.sleep(0.1)
         realhost.kill_cgroup(lay.cgroup_root)
         for proc in self._procs.values():
