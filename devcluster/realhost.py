@@ -24,6 +24,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from devcluster.proctree import alive
+
 log = logging.getLogger("devcluster.realnodes")
 
 CGROUP_V1 = Path("/sys/fs/cgroup")
@@ -111,7 +113,8 @@ def kill_cgroup(root: str, timeout: float = 15.0) -> int:
     """SIGKILL every process in the tree (the containers) until none is left; returns how many."""
     killed: set[int] = set()
     deadline = time.monotonic() + timeout
-    while (pids := cgroup_pids(root)) and time.monotonic() < deadline:
+    # Zombies stay listed until their new parent reaps them; they are already dead.
+    while (pids := {p for p in cgroup_pids(root) if alive(p)}) and time.monotonic() < deadline:
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)

@@ -298,16 +298,22 @@ class RealCluster:
         """Stop everything; returns what could not be cleaned (empty when all is gone)."""
         lay = self.layout
         nodes = [lay.node_name(i) for i in range(lay.nodes)]
+        t0 = time.monotonic()
         self._terminate([f"{n}.{d}" for n in nodes for d in ("kube-proxy", "kubelet")], 15)
         realhost.kill_cgroup(lay.cgroup_root)  # the containers
         self._terminate([f"{n}.containerd" for n in nodes], 15)
-        self._terminate(["kube-scheduler", "kube-controller-manager", "kube-apiserver", "etcd", "nsproxy"], 15)
+        log.info("nodes stopped after %.1f s", time.monotonic() - t0)
+        # One at a time: an API server whose etcd is gone hangs in its shutdown until SIGKILL.
+        for name in ("kube-scheduler", "kube-controller-manager", "nsproxy", "kube-apiserver", "etcd"):
+            self._terminate([name], 15)
+        log.info("control plane stopped after %.1f s", time.monotonic() - t0)
         # Whatever is left in our namespaces: containerd shims, the holders, anything stuck.
         names = [lay.fabric_ns, *(lay.node_ns(i) for i in range(lay.nodes))]
         deadline = time.monotonic() + 15
         while realnet.kill_all_in(names) and time.monotonic() < deadline:
             self._reap()
             time.sleep(0.1)
+        log.info("namespaces swept after %.1f s", time.monotonic() - t0)
         realhost.kill_cgroup(lay.cgroup_root)
         for proc in self._procs.values():
             if proc.poll() is None:
@@ -315,6 +321,7 @@ class RealCluster:
         problems = [f"process {pid} still in the cluster's namespaces" for pid in realnet.pids_in(names)]
         realnet.delete(lay)
         problems += realhost.remove_cgroups(lay.cgroup_root)
+        log.info("namespaces and cgroups removed after %.1f s", time.monotonic() - t0)
         for path in self.created:
             try:
                 Path(path).rmdir()
