@@ -3,42 +3,31 @@ namespaces; pods on two nodes talk over the pod network, through a Service (kube
 API; `kubectl logs`/`exec` work; the host gets no interface, route or iptables rule; and after stop()
 nothing is left (processes, namespaces, cgroups, mounts, files).
 
-Root only. Without root or the node binaries these tests skip saying why; with SGDJOB_REQUIRE_K8S=1 they
-fail instead. Missing Debian packages (containerd, runc, CNI plugins, iptables, buildah, debootstrap)
-are installed with apt-get. Timings are printed (run with -s to see them).
+The `real_cluster` fixture (devcluster/pytest_plugin.py) brings the cluster up and checks that nothing
+is left after it. Root only: without root or the node binaries these tests skip saying why; with
+SGDJOB_REQUIRE_K8S=1 they fail instead. Missing Debian packages (containerd, runc, CNI plugins,
+iptables, buildah, debootstrap) are installed with apt-get. Timings are printed (run with -s).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import textwrap
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from devcluster import realnet
-from devcluster.controlplane import AssetsMissing, assets_dir
 from devcluster.images import ImageBuilder
 from devcluster.kube import KubeApi, pod_path
-from devcluster.realhost import HostNotReady, cgroup_pids
-from devcluster.realnodes import NODE_BINARIES, RealCluster
+from devcluster.realnodes import RealCluster
 from devcluster.testing import new_namespace, phase_in, wait_for
 
 pytestmark = pytest.mark.realnode
-PREFIX = "sgdjtest"  # not the CLI's "sgdjob": a cluster a person started is left alone
 IMAGE = "python:3.11-slim-bookworm"  # the small base image, imported into every node
 TIMINGS: dict[str, object] = {}
-
-
-def _unavailable(reason: str) -> None:
-    if os.environ.get("SGDJOB_REQUIRE_K8S") == "1":
-        pytest.fail(f"SGDJOB_REQUIRE_K8S=1 but real nodes cannot run here: {reason}")
-    pytest.skip(f"real nodes cannot run here: {reason}")
 
 
 def _host_network() -> dict[str, str]:
@@ -55,53 +44,14 @@ def _host_network() -> dict[str, str]:
     return out
 
 
-@pytest.fixture(scope="module")
-def real_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealCluster]:
-    if os.geteuid() != 0:
-        _unavailable("needs root (network namespaces, containerd, cgroups)")
-    try:
-        missing = [b for b in NODE_BINARIES if not (assets_dir() / b).is_file()]
-    except AssetsMissing as err:
-        _unavailable(str(err))
-    if missing:
-        _unavailable(f"KUBEBUILDER_ASSETS lacks {', '.join(missing)} (../shared/k8s/install.sh provides them)")
-    t0 = time.monotonic()
-    builder = ImageBuilder()
-    images = [builder.pause(), builder.python()]
-    TIMINGS["base images (s)"] = builder.timings
-    TIMINGS["base images total (s)"] = round(time.monotonic() - t0, 1)
-    cluster = RealCluster(tmp_path_factory.mktemp("realnodes"), nodes=3, prefix=PREFIX)
-    t0 = time.monotonic()
-    try:
-        cluster.start(images)
-    except HostNotReady as err:
-        _unavailable(str(err))
-    TIMINGS["cluster up (s)"] = round(time.monotonic() - t0, 1)
-    TIMINGS["cluster phases (s)"] = cluster.timings
-    try:
-        yield cluster
-    finally:
-        t0 = time.monotonic()
-        problems = cluster.stop()
-        TIMINGS["cluster down (s)"] = round(time.monotonic() - t0, 1)
-        print(f"\nreal-node timings: {json.dumps(TIMINGS, indent=1)}")
-    names = [cluster.layout.fabric_ns, *(cluster.layout.node_ns(i) for i in range(3))]
-    assert not problems, problems
-    assert not [n for n in names if realnet.exists(n)], "network namespaces left"
-    assert not cgroup_pids(cluster.layout.cgroup_root), "processes left in the cluster's cgroups"
-    left = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _mentions(p, cluster.layout.workdir)]
-    assert not left, f"processes still naming the cluster's folder: {left}"
-    assert not cluster.layout.workdir.exists()
-
-
-def _mentions(proc: Path, text: Path) -> bool:
-    try:
-        return str(text).encode() in (proc / "cmdline").read_bytes()
-    except OSError:
-        return False
+@pytest.fixture(scope="module", autouse=True)
+def _print_timings() -> Iterator[None]:
+    yield
+    print(f"\nreal-node test timings: {json.dumps(TIMINGS)}")
 
 
 def test_three_nodes_ready_and_the_host_untouched(real_cluster: RealCluster) -> None:
+    TIMINGS["cluster up phases (s)"] = real_cluster.timings
     nodes = {n["metadata"]["name"]: n for n in real_cluster.kube().get("/api/v1/nodes")["items"]}
     assert sorted(nodes) == ["node-0", "node-1", "node-2"]
     ips = {
