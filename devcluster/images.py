@@ -113,6 +113,16 @@ def context_files(dockerfile: Path, context: Path) -> list[Path]:
     return sorted(files)
 
 
+def source_key(target: str, base_key: str, context: Path) -> str:
+    """A Dockerfile target's cache key: its base's key, the Dockerfile, and each file it COPYs (path,
+    content, executable bit). Anything else in the checkout (tests, docs, caches) never rebuilds it."""
+    dockerfile = context / "Dockerfile"
+    parts: list[str | bytes] = [f"{target}-v1", base_key, dockerfile.read_bytes()]
+    for f in context_files(dockerfile, context):
+        parts += [str(f.relative_to(context)), f.read_bytes(), oct(f.stat().st_mode & 0o111)]
+    return _hash(*parts)
+
+
 @dataclass
 class ImageBuilder:
     """Builds (or finds in the cache) the images above; `timings` says what each cost."""
@@ -227,10 +237,6 @@ class ImageBuilder:
         """`--target operator` or `--target trainer` of the project's Dockerfile."""
         base = self.torch() if target == "trainer" else self.python()
         dockerfile = self.context / "Dockerfile"
-        files = context_files(dockerfile, self.context)
-        parts: list[str | bytes] = [f"{target}-v1", base.key, dockerfile.read_bytes()]
-        for f in files:
-            parts += [str(f.relative_to(self.context)), f.read_bytes(), oct(f.stat().st_mode & 0o111)]
         args = {"PYTHON_BASE": REFS["python"], "TRAINER_BASE": REFS["torch"]}
 
         def build() -> None:
@@ -241,7 +247,7 @@ class ImageBuilder:
                 argv += ["--build-arg", f"{k}={v}"]
             _run([*argv, str(self.context)])
 
-        return self._ensure(target, _hash(*parts), build)
+        return self._ensure(target, source_key(target, base.key, self.context), build)
 
     def get(self, name: str) -> Image:
         if name in ("operator", "trainer"):

@@ -67,6 +67,7 @@ def up(args: argparse.Namespace, info: dict[str, Any] | None) -> int:
 
 
 def down(args: argparse.Namespace, info: dict[str, Any]) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
     workdir = Path(info["workdir"])
     if not (workdir / "state.json").is_file():
         print(f"no {workdir / 'state.json'}: nothing to take down", file=sys.stderr)

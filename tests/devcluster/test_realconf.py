@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from devcluster import realconf, realhost
-from devcluster.images import context_files
+from devcluster.images import context_files, source_key
 from devcluster.realconf import Layout
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -67,3 +67,19 @@ def test_image_key_covers_what_the_dockerfile_copies() -> None:
     assert {"pyproject.toml", "README.md", "docker/operator_requirements.py"} <= files
     assert any(f.startswith("operator/src/") for f in files) and any(f.startswith("trainer/src/") for f in files)
     assert not [f for f in files if "__pycache__" in f or f.endswith(".pyc")]
+
+
+def test_image_key_changes_with_the_sources_only(tmp_path: Path) -> None:
+    dockerfile = "FROM x AS wheel\nCOPY pyproject.toml ./\nCOPY src/ src/\nCOPY --from=wheel /w /w\n"
+    (tmp_path / "Dockerfile").write_text(dockerfile)
+    (tmp_path / "pyproject.toml").write_text("[project]\n")
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.py").write_text("A = 1\n")
+    key = source_key("trainer", "base1", tmp_path)
+    (tmp_path / "src" / "__pycache__").mkdir()
+    (tmp_path / "src" / "__pycache__" / "a.cpython-311.pyc").write_bytes(b"junk")
+    (tmp_path / "README.md").write_text("not copied\n")
+    assert source_key("trainer", "base1", tmp_path) == key
+    assert source_key("operator", "base1", tmp_path) != key and source_key("trainer", "base2", tmp_path) != key
+    (tmp_path / "src" / "a.py").write_text("A = 2\n")
+    assert source_key("trainer", "base1", tmp_path) != key
