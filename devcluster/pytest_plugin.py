@@ -97,7 +97,9 @@ def _real_unavailable(reason: str) -> None:
     pytest.skip(f"real nodes cannot run here: {reason}")
 
 
-@pytest.fixture(scope="session")
+# Module scope: a real cluster costs ~27 s to start but ~1 GB of memory and some CPU while up, so it
+# should not idle through the rest of a CI session. Raise it to session scope once several modules use it.
+@pytest.fixture(scope="module")
 def real_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealCluster]:
     """Control plane + 3 real kubelet nodes (devcluster/realnodes.py) with the pause and python images
     (`python:3.11-slim-bookworm`, imagePullPolicy Never) in every node. Root only: otherwise the tests
