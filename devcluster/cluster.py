@@ -3,6 +3,7 @@
     python -m devcluster up      # starts it in the background, prints `export KUBECONFIG=...`
     python -m devcluster status  # is it up, where are its files
     python -m devcluster down    # stops everything it started; nothing is left running
+    python -m devcluster up --real-nodes 3   # root: real kubelets + containerd instead (devcluster/realcli.py)
 
 `up` starts a daemon (`serve`) in its own session that owns the cluster and writes a state file
 (pids, kubeconfig, workdir, the agent's process tag). `down` asks it to stop (SIGTERM), then kills
@@ -28,6 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from devcluster import realcli
 from devcluster.controlplane import ControlPlane
 from devcluster.kube import KubeApi
 from devcluster.node_agent import NodeAgent, NodeSpec
@@ -161,6 +163,9 @@ def _up(args: argparse.Namespace) -> int:
     reap_orphans()  # pods left by an earlier agent that was SIGKILLed
     state = Path(args.state)
     info = _read_state(state)
+    if args.real_nodes or (info and info.get("kind") == "real"):
+        ensure_assets()
+        return realcli.up(args, info) if args.real_nodes else _refuse_mixed()
     if info and alive(int(info["pid"])):
         print(f"already up (pid {info['pid']}); take it down with: python -m devcluster down", file=sys.stderr)
         print(f"export KUBECONFIG={info['kubeconfig']}")
@@ -197,12 +202,19 @@ def _up(args: argparse.Namespace) -> int:
     return 1
 
 
+def _refuse_mixed() -> int:
+    print("a real-node cluster is up with this state file: python -m devcluster down first", file=sys.stderr)
+    return 1
+
+
 def _down(args: argparse.Namespace) -> int:
     state = Path(args.state)
     info = _read_state(state)
     if not info:
         print("no cluster state: nothing to take down", file=sys.stderr)
         return 0
+    if info.get("kind") == "real":
+        return realcli.down(args, info)
     pid = int(info["pid"])
     if alive(pid):
         os.kill(pid, signal.SIGTERM)
@@ -224,6 +236,8 @@ def _down(args: argparse.Namespace) -> int:
 
 def _status(args: argparse.Namespace) -> int:
     info = _read_state(Path(args.state))
+    if info and info.get("kind") == "real":
+        return realcli.status(info)
     if not info or not alive(int(info["pid"])):
         print("down")
         return 1
@@ -237,10 +251,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("command", choices=["up", "down", "status", "serve"])
+    parser.add_argument("command", choices=["up", "down", "status", "serve", "images"])
     parser.add_argument("--state", default=str(DEFAULT_STATE), help=f"state file (default {DEFAULT_STATE})")
     parser.add_argument("--gpu-nodes", type=int, default=4, help="nodes with one nvidia.com/gpu each (default 4)")
     parser.add_argument("--cpu-nodes", type=int, default=1, help="nodes without GPUs (default 1)")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds `up` waits for the cluster")
+    real = parser.add_argument_group("real nodes (root; kubelet + containerd per node, devcluster/realnodes.py)")
+    real.add_argument("--real-nodes", type=int, default=0, help="up: this many real kubelet nodes instead")
+    real.add_argument("--workdir", default=str(realcli.DEFAULT_WORKDIR), help="up: the real cluster's folder")
+    real.add_argument("--images", default="", help="up: also import these images, e.g. operator,trainer")
+    real.add_argument("--only", default="operator,trainer", help="images: which (pause,python,torch,operator,trainer)")
+    real.add_argument("--rebuild", action="store_true", help="images: build even when the cache is current")
     args = parser.parse_args(argv)
+    if args.real_nodes and args.timeout == 120.0:
+        args.timeout = 300.0  # image imports and three kubelets on two cores
+    if args.command == "images":
+        ensure_assets()
+        return realcli.images(args, _read_state(Path(args.state)))
     return {"up": _up, "down": _down, "status": _status, "serve": _serve}[args.command](args)

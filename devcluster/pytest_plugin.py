@@ -1,5 +1,6 @@
-"""Pytest fixtures for tiers that need a real API server (`k8s`, `k8s_assets`) or the whole local cluster
-(`cluster`); a plugin, loaded by tests/conftest.py (`pytest_plugins = ["devcluster.pytest_plugin"]`).
+"""Pytest fixtures for tiers that need a real API server (`k8s`, `k8s_assets`), the whole local cluster
+(`cluster`), or real kubelet nodes (`real_cluster`, root only); a plugin, loaded by tests/conftest.py
+(`pytest_plugins = ["devcluster.pytest_plugin"]`).
 
 Without KUBEBUILDER_ASSETS these tiers skip with the reason; with SGDJOB_REQUIRE_K8S=1 (CI) a
 missing control plane is a failure instead, so CI can never pass by skipping them.
@@ -10,6 +11,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
@@ -21,6 +23,9 @@ from devcluster.controlplane import AssetsMissing, ControlPlane, assets_dir
 
 if TYPE_CHECKING:  # imported in the fixture: unit-test runs need not load the Kubernetes client
     from devcluster.cluster import LocalCluster
+    from devcluster.realnodes import RealCluster
+
+REAL_PREFIX = "sgdjtest"  # not the CLI's "sgdjob": a real cluster a person started is left alone
 
 
 def require_assets() -> None:
@@ -84,3 +89,60 @@ def cluster() -> Iterator[LocalCluster]:
             signal.signal(signal.SIGTERM, restore)
     leftovers = local.agent.leftover_pids()
     assert not leftovers, f"pod processes outlived the node agent: {leftovers}"
+
+
+def _real_unavailable(reason: str) -> None:
+    if os.environ.get("SGDJOB_REQUIRE_K8S") == "1":
+        pytest.fail(f"SGDJOB_REQUIRE_K8S=1 but real nodes cannot run here: {reason}")
+    pytest.skip(f"real nodes cannot run here: {reason}")
+
+
+# Module scope: a real cluster costs ~27 s to start but ~1 GB of memory and some CPU while up, so it
+# should not idle through the rest of a CI session. Raise it to session scope once several modules use it.
+@pytest.fixture(scope="module")
+def real_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealCluster]:
+    """Control plane + 3 real kubelet nodes (devcluster/realnodes.py) with the pause and python images
+    (`python:3.11-slim-bookworm`, imagePullPolicy Never) in every node. Root only: otherwise the tests
+    skip saying why (fail with SGDJOB_REQUIRE_K8S=1). Teardown fails if anything of it is left:
+    processes, network namespaces, cgroups, mounts or its folder. `timings` holds up's phases."""
+    from devcluster.images import ImageBuilder
+    from devcluster.realhost import HostNotReady, cgroup_pids
+    from devcluster.realnet import exists
+    from devcluster.realnodes import NODE_BINARIES, RealCluster
+
+    if os.geteuid() != 0:
+        _real_unavailable("needs root (network namespaces, containerd, cgroups)")
+    try:
+        missing = [b for b in NODE_BINARIES if not (assets_dir() / b).is_file()]
+    except AssetsMissing as err:
+        _real_unavailable(str(err))
+    if missing:
+        _real_unavailable(f"KUBEBUILDER_ASSETS lacks {', '.join(missing)} (../shared/k8s/install.sh provides them)")
+    builder = ImageBuilder()
+    images = [builder.pause(), builder.python()]
+    cluster = RealCluster(tmp_path_factory.mktemp("realnodes"), nodes=3, prefix=REAL_PREFIX)
+    try:
+        cluster.start(images)
+    except HostNotReady as err:
+        _real_unavailable(str(err))
+    cluster.timings["base images"] = sum(builder.timings.values())
+    try:
+        yield cluster
+    finally:
+        t0 = time.monotonic()
+        problems = cluster.stop()
+        print(f"\nreal cluster: up {cluster.timings}, down {time.monotonic() - t0:.1f} s")
+    lay = cluster.layout
+    assert not problems, problems
+    assert not [n for n in [lay.fabric_ns, *(lay.node_ns(i) for i in range(3))] if exists(n)], "netns left"
+    assert not cgroup_pids(lay.cgroup_root), "processes left in the cluster's cgroups"
+    naming = [p.name for p in Path("/proc").iterdir() if p.name.isdigit() and _names(p, str(lay.workdir))]
+    assert not naming, f"processes still naming the cluster's folder: {naming}"
+    assert not lay.workdir.exists()
+
+
+def _names(proc: Path, text: str) -> bool:
+    try:
+        return text.encode() in (proc / "cmdline").read_bytes()
+    except OSError:
+        return False

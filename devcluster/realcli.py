@@ -1,0 +1,104 @@
+"""The real-node side of `python -m devcluster` (devcluster/cluster.py parses the arguments):
+
+    python -m devcluster up --real-nodes 3 [--images operator,trainer]   # root; prints export KUBECONFIG=...
+    python -m devcluster images [--only operator] [--rebuild]            # build (cached) + import into the nodes
+    python -m devcluster status
+    python -m devcluster down                                            # stops everything it started
+
+Unlike the process cluster there is no daemon: the cluster's processes run on their own, and
+the state file points at the cluster's folder, whose state.json lists them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from devcluster import realnet
+from devcluster.images import ImageBuilder, default_cache
+from devcluster.realconf import Layout
+from devcluster.realnodes import RealCluster
+
+DEFAULT_WORKDIR = default_cache().parent / "realnodes"
+BASE_IMAGES = ("pause", "python")  # every node: the pod sandbox, and a small image for tests and people
+
+
+def _names(csv: str) -> list[str]:
+    return [n for n in (s.strip() for s in csv.split(",")) if n]
+
+
+def _is_up(info: dict[str, Any]) -> bool:
+    return realnet.exists(Layout(Path(info["workdir"]), int(info["nodes"]), str(info["prefix"])).fabric_ns)
+
+
+def up(args: argparse.Namespace, info: dict[str, Any] | None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+    state = Path(args.state)
+    if info and info.get("kind") == "real":
+        if _is_up(info):
+            print("already up; take it down with: python -m devcluster down", file=sys.stderr)
+            print(f"export KUBECONFIG={info['kubeconfig']}")
+            return 0
+        print("cleaning up a real cluster that is no longer complete", file=sys.stderr)
+        RealCluster.load(Path(info["workdir"])).stop()
+    elif info:
+        print("a process cluster is up with this state file: python -m devcluster down first", file=sys.stderr)
+        return 1
+    t0 = time.monotonic()
+    builder = ImageBuilder()
+    images = [builder.get(n) for n in [*BASE_IMAGES, *_names(args.images)]]
+    built = time.monotonic() - t0
+    cluster = RealCluster(Path(args.workdir), args.real_nodes)
+    cluster.start(images, timeout=args.timeout)
+    state.parent.mkdir(parents=True, exist_ok=True)
+    state.write_text(json.dumps(cluster.state(), indent=1))
+    print(
+        f"# real cluster up: nodes {', '.join(cluster.node_names())}; images {built:.1f} s, cluster "
+        f"{cluster.timings.get('ready', 0):.1f} s ({cluster.timings}); files under {cluster.layout.workdir}",
+        file=sys.stderr,
+    )
+    print(f"export KUBECONFIG={cluster.kubeconfig}")
+    return 0
+
+
+def down(args: argparse.Namespace, info: dict[str, Any]) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+    workdir = Path(info["workdir"])
+    if not (workdir / "state.json").is_file():
+        print(f"no {workdir / 'state.json'}: nothing to take down", file=sys.stderr)
+        Path(args.state).unlink(missing_ok=True)
+        return 0
+    t0 = time.monotonic()
+    problems = RealCluster.load(workdir).stop()
+    Path(args.state).unlink(missing_ok=True)
+    for p in problems:
+        print(f"left behind: {p}", file=sys.stderr)
+    print(f"real cluster down in {time.monotonic() - t0:.1f} s", file=sys.stderr)
+    return 1 if problems else 0
+
+
+def status(info: dict[str, Any]) -> int:
+    if not _is_up(info):
+        print("down (a stale real-cluster state file: python -m devcluster down cleans up)")
+        return 1
+    print(f"up, real nodes {', '.join(info['node_names'])}: export KUBECONFIG={info['kubeconfig']}")
+    return 0
+
+
+def images(args: argparse.Namespace, info: dict[str, Any] | None) -> int:
+    """Build (or take from the cache) the named images; import them into the real cluster when it is up."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+    builder = ImageBuilder(rebuild=args.rebuild)
+    built = [builder.get(n) for n in _names(args.only)]
+    print(f"# builds (s): {builder.timings}", file=sys.stderr)
+    if info and info.get("kind") == "real" and _is_up(info):
+        cluster = RealCluster.load(Path(info["workdir"]))
+        print(f"# imported (s): {cluster.import_images(built)}", file=sys.stderr)
+    for img in built:
+        print(f"{img.ref} {img.archive}")
+    return 0

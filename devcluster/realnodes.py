@@ -1,0 +1,376 @@
+"""A local cluster with real nodes: the control plane plus N kubelets, each with its own containerd,
+network namespace, mount namespace, pod CIDR and cgroup tree (layout: devcluster/realconf.py).
+
+    cluster = RealCluster(workdir, nodes=3).start(images)   # ~30-60 s on 2 cores; root only
+    cluster.kubectl("get", "nodes")                         # the API through a loopback forwarder
+    cluster.stop()                                          # nothing left: processes, namespaces, cgroups
+
+Every daemon runs at nice 19 in its own session; pids are written to `<workdir>/state.json` as they
+start, so `RealCluster.load(workdir).stop()` (the `down` command) can clean up after any process,
+even one that crashed halfway through `start`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from devcluster import realconf, realhost, realnet
+from devcluster.controlplane import assets_dir, free_port
+from devcluster.images import Image, import_image
+from devcluster.kube import KubeApi, KubeError
+from devcluster.proctree import alive
+from devcluster.realconf import Layout
+
+log = logging.getLogger("devcluster.realnodes")
+NICE = ["nice", "-n", "19"]
+NODE_BINARIES = ("kubelet", "kube-proxy", "kube-controller-manager", "kube-scheduler")
+
+
+class RealCluster:
+    """Control plane in the fabric namespace, `nodes` kubelet nodes, and a forwarder on the host's loopback."""
+
+    def __init__(self, workdir: Path, nodes: int = 3, prefix: str = "sgdjob") -> None:
+        self.layout = Layout(Path(workdir).resolve(), nodes, prefix)
+        self.pids: dict[str, int] = {}
+        self.cmds: dict[str, str] = {}  # name -> the binary, to tell our pid from a reused one
+        self.api_port = 0
+        self.created: list[str] = []  # host directories made as mount points, removed by stop()
+        self.timings: dict[str, float] = {}
+        self._procs: dict[str, subprocess.Popen[bytes]] = {}
+        self._t0 = time.monotonic()
+
+    # --- access ---
+    @property
+    def kubeconfig(self) -> Path:
+        """The admin kubeconfig for this machine's loopback (host side)."""
+        return self.layout.etc / "admin.kubeconfig"
+
+    @property
+    def incluster_kubeconfig(self) -> Path:
+        """The admin kubeconfig for use inside the cluster's namespaces (https://10.250.0.1:6443)."""
+        return self.layout.etc / "admin-fabric.kubeconfig"
+
+    def kube(self) -> KubeApi:
+        return KubeApi(self.kubeconfig)
+
+    def kubectl(
+        self, *args: str, check: bool = True, input_text: str | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        result = subprocess.run(
+            [str(assets_dir() / "kubectl"), "--kubeconfig", str(self.kubeconfig), *args],
+            input=input_text,
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=120,
+        )
+        if check and result.returncode != 0:
+            raise RuntimeError(f"kubectl {' '.join(args)} failed ({result.returncode}): {result.stderr.strip()}")
+        return result
+
+    def node_names(self) -> list[str]:
+        return [self.layout.node_name(i) for i in range(self.layout.nodes)]
+
+    # --- state ---
+    def state(self) -> dict[str, Any]:
+        lay = self.layout
+        return {
+            "kind": "real",
+            "workdir": str(lay.workdir),
+            "nodes": lay.nodes,
+            "prefix": lay.prefix,
+            "pids": self.pids,
+            "cmds": self.cmds,
+            "api_port": self.api_port,
+            "created": self.created,
+            "kubeconfig": str(self.kubeconfig),
+            "node_names": self.node_names(),
+            "timings": self.timings,
+        }
+
+    def _save(self) -> None:
+        path = self.layout.workdir / "state.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.state(), indent=1))
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, workdir: Path) -> RealCluster:
+        info = json.loads((Path(workdir) / "state.json").read_text())
+        cluster = cls(Path(info["workdir"]), int(info["nodes"]), str(info["prefix"]))
+        cluster.pids = {k: int(v) for k, v in info["pids"].items()}
+        cluster.cmds = dict(info["cmds"])
+        cluster.api_port = int(info["api_port"])
+        cluster.created = list(info["created"])
+        cluster.timings = dict(info.get("timings", {}))
+        return cluster
+
+    def _mark(self, phase: str) -> None:
+        self.timings[phase] = round(time.monotonic() - self._t0, 2)
+        log.info("%s after %.1f s", phase, self.timings[phase])
+
+    # --- start ---
+    def start(self, images: Sequence[Image] = (), timeout: float = 300.0, install: bool = True) -> RealCluster:
+        """Bring the cluster up and import `images` into every node; returns once every node is Ready."""
+        if os.geteuid() != 0:
+            raise realhost.HostNotReady("real nodes need root (network namespaces, containerd, cgroups)")
+        bin_dir = assets_dir()
+        missing = [b for b in NODE_BINARIES if not (bin_dir / b).is_file()]
+        if missing:
+            raise realhost.HostNotReady(f"KUBEBUILDER_ASSETS={bin_dir} lacks {', '.join(missing)}")
+        realhost.ensure_packages(realconf.CNI_BIN, install)
+        lay = self.layout
+        if realnet.exists(lay.fabric_ns):
+            raise RuntimeError(
+                f"network namespace {lay.fabric_ns} exists: a real cluster is up (python -m devcluster down)"
+            )
+        self._t0 = time.monotonic()
+        self._write_files()
+        self._save()
+        try:
+            realhost.make_cgroups([lay.node_cgroup(i) for i in range(lay.nodes)])
+            realnet.create(lay)
+            self._mark("network")
+            self._start_plane(bin_dir, timeout)
+            self._start_nodes(bin_dir, timeout)
+            self.import_images(images)
+            self._mark("images imported")
+            self._wait(self._nodes_schedulable, timeout, "every node Ready and schedulable")
+            self._wait(self._default_sa, timeout, "the default ServiceAccount")
+            self._mark("ready")
+            self._save()
+        except BaseException:
+            log.exception("start failed; logs in %s", lay.logs)
+            self.stop(remove_files=False)
+            raise
+        return self
+
+    def _write_files(self) -> None:
+        lay = self.layout
+        for d in (lay.etc, lay.logs, lay.plane_dir / "certs"):
+            d.mkdir(parents=True, exist_ok=True)
+        etc = lay.etc
+        subprocess.run(["openssl", "genrsa", "-out", str(etc / "sa.key"), "2048"], check=True, capture_output=True)
+        subprocess.run(
+            ["openssl", "rsa", "-in", str(etc / "sa.key"), "-pubout", "-out", str(etc / "sa.pub")],
+            check=True,
+            capture_output=True,
+        )
+        tokens = {name: secrets.token_hex(24) for name, _, _ in lay.identities()}
+        _private(etc / "tokens.csv", realconf.tokens_csv(tokens, lay))
+        self.api_port = free_port()
+        for name, user, _ in lay.identities():
+            _private(etc / f"{name}.kubeconfig", realconf.kubeconfig(lay.api_server, user, tokens[name]))
+        _private(self.kubeconfig, realconf.kubeconfig(f"https://127.0.0.1:{self.api_port}", "admin", tokens["admin"]))
+        _private(self.incluster_kubeconfig, realconf.kubeconfig(lay.api_server, "admin", tokens["admin"]))
+        # Pods resolve only /etc/hosts names (no cluster DNS yet); a DNS query to the pod's own
+        # loopback fails at once instead of waiting for a server that is not there.
+        (etc / "resolv.conf").write_text("nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")
+        self.created += [str(p) for p in (Path("/var/lib/cni"),) if realhost.ensure_mountpoint(p)]
+        for i in range(lay.nodes):
+            d = lay.node_dir(i)
+            realhost.prepare_node_dir(d)
+            (d / "cni" / "10-devcluster.conflist").write_text(realconf.cni_conflist(lay, i))
+            (d / "containerd.toml").write_text(realconf.containerd_toml(lay, i))
+
+    def _spawn(self, name: str, argv: list[str], prefix: list[str]) -> int:
+        out = open(self.layout.logs / f"{name}.log", "ab")  # noqa: SIM115 - the child keeps it
+        try:
+            proc = subprocess.Popen(
+                [*prefix, *argv],
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=self.layout.workdir,
+                start_new_session=True,
+            )
+        finally:
+            out.close()
+        # nsenter and nice exec the next program: this pid is the daemon's own.
+        self._procs[name], self.pids[name], self.cmds[name] = proc, proc.pid, Path(argv[0]).name
+        self._save()
+        return proc.pid
+
+    def _start_plane(self, bin_dir: Path, timeout: float) -> None:
+        lay = self.layout
+        fab = realnet.enter(lay.fabric_ns)
+        self._spawn(
+            "nsproxy",
+            [
+                # As a script (it needs only the standard library): the cwd is not the checkout.
+                sys.executable, str(Path(__file__).with_name("nsproxy.py")),
+                "--netns", str(realnet.ns_path(lay.fabric_ns)),
+                "--listen", f"127.0.0.1:{self.api_port}", "--connect", f"{realconf.FABRIC_IP}:{realconf.API_PORT}",
+            ],
+            [],
+        )  # fmt: skip
+        self._spawn("etcd", realconf.etcd_argv(bin_dir, lay), [*fab, *NICE])
+        self._spawn("kube-apiserver", realconf.apiserver_argv(bin_dir, lay), [*fab, *NICE])
+        self._wait(self._api_ready, timeout, "the API server")
+        self._mark("api ready")
+        self._spawn("kube-controller-manager", realconf.controller_manager_argv(bin_dir, lay), [*fab, *NICE])
+        self._spawn("kube-scheduler", realconf.scheduler_argv(bin_dir, lay), [*fab, *NICE])
+
+    def _start_nodes(self, bin_dir: Path, timeout: float) -> None:
+        lay = self.layout
+        holders = {}
+        for i in range(lay.nodes):
+            d = lay.node_dir(i)
+            argv = ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", realhost.holder_script(d)]
+            holders[i] = self._spawn(f"{lay.node_name(i)}.holder", argv, realnet.enter(lay.node_ns(i)))
+        for i in range(lay.nodes):
+            ready = lay.node_dir(i) / "holder.ready"
+            self._wait(ready.exists, 30, f"{lay.node_name(i)}'s mount namespace")
+            into = ["nsenter", "-t", str(holders[i]), "-n", "-m", "--", *NICE]
+            toml = lay.node_dir(i) / "containerd.toml"
+            self._spawn(f"{lay.node_name(i)}.containerd", ["containerd", "--config", str(toml)], into)
+        for i in range(lay.nodes):
+            sock = lay.containerd_socket(i)
+            self._wait(lambda s=sock: _containerd_up(s), timeout, f"{lay.node_name(i)}'s containerd")  # type: ignore[misc]
+            into = ["nsenter", "-t", str(holders[i]), "-n", "-m", "--", *NICE]
+            self._spawn(f"{lay.node_name(i)}.kubelet", realconf.kubelet_argv(bin_dir, lay, i), into)
+            self._spawn(f"{lay.node_name(i)}.kube-proxy", realconf.kube_proxy_argv(bin_dir, lay, i), into)
+        self._mark("nodes started")
+
+    def import_images(self, images: Sequence[Image]) -> dict[str, float]:
+        """Import image archives into every node's containerd (skipped where the same one is there);
+        two at a time, as the machine has two cores. Returns seconds per image and node."""
+        jobs = [(img, i) for img in images for i in range(self.layout.nodes)]
+
+        def one(job: tuple[Image, int]) -> tuple[str, float]:
+            img, i = job
+            t0 = time.monotonic()
+            import_image(self.layout.containerd_socket(i), img)
+            return f"{img.ref}@{self.layout.node_name(i)}", round(time.monotonic() - t0, 2)
+
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            return dict(pool.map(one, jobs))
+
+    # --- readiness ---
+    def _wait(self, check: Callable[[], object], timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for name, proc in self._procs.items():
+                if proc.poll() is not None:
+                    log_tail = (self.layout.logs / f"{name}.log").read_text(errors="replace")[-2000:]
+                    raise RuntimeError(f"{name} exited with {proc.returncode} waiting for {what}:\n{log_tail}")
+            try:
+                if check():
+                    return
+            except (KubeError, OSError):
+                pass
+            time.sleep(0.3)
+        raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}; logs in {self.layout.logs}")
+
+    def _api_ready(self) -> bool:
+        # The default namespace appears a moment after /readyz turns ok; the first clients need it.
+        return bool(self.kube().get_or_none("/api/v1/namespaces/default"))
+
+    def _nodes_schedulable(self) -> bool:
+        ok = set()
+        for node in self.kube().get("/api/v1/nodes")["items"]:
+            conditions = node["status"].get("conditions", [])
+            ready = any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+            tainted = any(t["key"].startswith("node.kubernetes.io/") for t in node["spec"].get("taints") or [])
+            if ready and not tainted:
+                ok.add(node["metadata"]["name"])
+        return set(self.node_names()) <= ok
+
+    def _default_sa(self) -> bool:
+        sa = self.kube().get_or_none("/api/v1/namespaces/default/serviceaccounts/default")
+        return bool(sa and sa.get("secrets"))
+
+    # --- stop ---
+    def stop(self, remove_files: bool = True) -> list[str]:
+        """Stop everything; returns what could not be cleaned (empty when all is gone)."""
+        lay = self.layout
+        nodes = [lay.node_name(i) for i in range(lay.nodes)]
+        t0 = time.monotonic()
+        self._terminate([f"{n}.{d}" for n in nodes for d in ("kube-proxy", "kubelet")], 15)
+        realhost.kill_cgroup(lay.cgroup_root)  # the containers
+        self._terminate([f"{n}.containerd" for n in nodes], 15)
+        log.info("nodes stopped after %.1f s", time.monotonic() - t0)
+        # One at a time: an API server whose etcd is gone hangs in its shutdown until SIGKILL.
+        for name in ("kube-scheduler", "kube-controller-manager", "nsproxy", "kube-apiserver", "etcd"):
+            self._terminate([name], 15)
+        log.info("control plane stopped after %.1f s", time.monotonic() - t0)
+        # Whatever is left in our namespaces: containerd shims, the holders, anything stuck.
+        names = [lay.fabric_ns, *(lay.node_ns(i) for i in range(lay.nodes))]
+        deadline = time.monotonic() + 15
+        while realnet.kill_all_in(names) and time.monotonic() < deadline:
+            self._reap()
+            time.sleep(0.1)
+        log.info("namespaces swept after %.1f s", time.monotonic() - t0)
+        realhost.kill_cgroup(lay.cgroup_root)
+        for proc in self._procs.values():
+            if proc.poll() is None:
+                proc.wait(timeout=10)
+        problems = [f"process {pid} still in the cluster's namespaces" for pid in realnet.pids_in(names)]
+        realnet.delete(lay)
+        problems += realhost.remove_cgroups(lay.cgroup_root)
+        log.info("namespaces and cgroups removed after %.1f s", time.monotonic() - t0)
+        for path in self.created:
+            try:
+                Path(path).rmdir()
+            except OSError as err:
+                problems.append(f"{path}: {err.strerror}")
+        problems += [f"still mounted on the host: {m}" for m in realhost.mounts_under(lay.workdir)]
+        if remove_files and not problems:
+            shutil.rmtree(lay.workdir, ignore_errors=True)  # the containerd roots: every image, unpacked
+            log.info("files removed after %.1f s", time.monotonic() - t0)
+        return problems
+
+    def _terminate(self, names: list[str], grace: float) -> None:
+        """SIGTERM to each (still ours) process, then SIGKILL whatever is alive after `grace` seconds."""
+        pids = [self.pids[n] for n in names if n in self.pids and self._ours(n)]
+        for pid in pids:
+            _signal(pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while any(alive(p) for p in pids) and time.monotonic() < deadline:
+            self._reap()
+            time.sleep(0.1)
+        for pid in pids:
+            if alive(pid):
+                _signal(pid, signal.SIGKILL)
+        self._reap()
+
+    def _ours(self, name: str) -> bool:
+        pid = self.pids[name]
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            return False
+        return self.cmds[name] in cmdline
+
+    def _reap(self) -> None:
+        for proc in self._procs.values():
+            proc.poll()
+
+
+def _containerd_up(sock: Path) -> bool:
+    if not sock.exists():
+        return False
+    return subprocess.run(["ctr", "--address", str(sock), "version"], capture_output=True, check=False).returncode == 0
+
+
+def _signal(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, sig)
+
+
+def _private(path: Path, text: str) -> None:
+    path.touch(mode=0o600, exist_ok=True)
+    path.write_text(text)
