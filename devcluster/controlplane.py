@@ -8,6 +8,7 @@ tree, and ports are picked free so several planes (parallel test runs) can coexi
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
 import shutil
@@ -48,6 +49,41 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def kubeconfig_text(server: str, user: str, token: str) -> str:
+    """A kubeconfig (JSON, which is YAML) for a bearer token. insecure-skip-tls-verify: the API
+    server's certificate is self-signed and everything here is local to this machine."""
+    cluster = {"server": server, "insecure-skip-tls-verify": True}
+    context = {"cluster": "devcluster", "user": user, "namespace": "default"}
+    return json.dumps(
+        {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [{"name": "devcluster", "cluster": cluster}],
+            "users": [{"name": user, "user": {"token": token}}],
+            "contexts": [{"name": "devcluster", "context": context}],
+            "current-context": "devcluster",
+        },
+        indent=1,
+    )
+
+
+def run_kubectl(
+    kubeconfig: Path, *args: str, check: bool = True, input_text: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    """The real kubectl from the assets folder; raises with its stderr when `check` and it fails."""
+    result = subprocess.run(
+        [str(assets_dir() / "kubectl"), "--kubeconfig", str(kubeconfig), *args],
+        input=input_text,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+    )
+    if check and result.returncode != 0:
+        raise RuntimeError(f"kubectl {' '.join(args)} failed ({result.returncode}): {result.stderr.strip()}")
+    return result
+
+
 @dataclass
 class ControlPlane:
     """etcd + kube-apiserver (+ optional controller-manager and scheduler) under one temp dir."""
@@ -75,17 +111,7 @@ class ControlPlane:
         self, *args: str, check: bool = True, input_text: str | None = None
     ) -> subprocess.CompletedProcess[str]:
         """Run the real kubectl against this plane."""
-        result = subprocess.run(
-            [str(self.bin / "kubectl"), "--kubeconfig", str(self.kubeconfig), *args],
-            input=input_text,
-            capture_output=True,
-            text=True,
-            check=False,
-            timeout=120,
-        )
-        if check and result.returncode != 0:
-            raise RuntimeError(f"kubectl {' '.join(args)} failed ({result.returncode}): {result.stderr.strip()}")
-        return result
+        return run_kubectl(self.kubeconfig, *args, check=check, input_text=input_text)
 
     def _spawn(self, name: str, argv: list[str]) -> None:
         log = open(self.workdir / f"{name}.log", "ab")  # noqa: SIM115 - closed with the process
@@ -157,13 +183,7 @@ class ControlPlane:
         return self
 
     def _write_kubeconfig(self) -> None:
-        self.kubeconfig.write_text(
-            "apiVersion: v1\nkind: Config\n"
-            f"clusters:\n- name: local\n  cluster:\n    server: {self.server}\n    insecure-skip-tls-verify: true\n"
-            f"users:\n- name: admin\n  user:\n    token: {self.token}\n"
-            "contexts:\n- name: local\n  context:\n    cluster: local\n    user: admin\n    namespace: default\n"
-            "current-context: local\n"
-        )
+        self.kubeconfig.write_text(kubeconfig_text(self.server, "admin", self.token))
 
     def _wait_ready(self, timeout: float) -> None:
         ctx = ssl.create_default_context()

@@ -125,22 +125,6 @@ def tokens_csv(tokens: dict[str, str], layout: Layout) -> str:
     return "\n".join(lines) + "\n"
 
 
-def kubeconfig(server: str, user: str, token: str) -> str:
-    # insecure-skip-tls-verify: the API server's certificate is self-signed for the fabric address;
-    # everything here is local to the machine's namespaces and its loopback.
-    return json.dumps(
-        {
-            "apiVersion": "v1",
-            "kind": "Config",
-            "clusters": [{"name": "devcluster", "cluster": {"server": server, "insecure-skip-tls-verify": True}}],
-            "users": [{"name": user, "user": {"token": token}}],
-            "contexts": [{"name": "devcluster", "context": {"cluster": "devcluster", "user": user}}],
-            "current-context": "devcluster",
-        },
-        indent=1,
-    )
-
-
 def cni_conflist(layout: Layout, i: int) -> str:
     """The bridge network of node i. No masquerade: pod IPs are routed between nodes as they are."""
     return json.dumps(

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from devcluster import realconf, realhost, realnet
-from devcluster.controlplane import assets_dir, free_port
+from devcluster.controlplane import assets_dir, free_port, kubeconfig_text, run_kubectl
 from devcluster.images import Image, import_image
 from devcluster.kube import KubeApi, KubeError
 from devcluster.proctree import alive
@@ -69,17 +69,7 @@ class RealCluster:
     def kubectl(
         self, *args: str, check: bool = True, input_text: str | None = None
     ) -> subprocess.CompletedProcess[str]:
-        result = subprocess.run(
-            [str(assets_dir() / "kubectl"), "--kubeconfig", str(self.kubeconfig), *args],
-            input=input_text,
-            capture_output=True,
-            text=True,
-            check=False,
-            timeout=120,
-        )
-        if check and result.returncode != 0:
-            raise RuntimeError(f"kubectl {' '.join(args)} failed ({result.returncode}): {result.stderr.strip()}")
-        return result
+        return run_kubectl(self.kubeconfig, *args, check=check, input_text=input_text)
 
     def node_names(self) -> list[str]:
         return [self.layout.node_name(i) for i in range(self.layout.nodes)]
@@ -173,9 +163,9 @@ class RealCluster:
         _private(etc / "tokens.csv", realconf.tokens_csv(tokens, lay))
         self.api_port = free_port()
         for name, user, _ in lay.identities():
-            _private(etc / f"{name}.kubeconfig", realconf.kubeconfig(lay.api_server, user, tokens[name]))
-        _private(self.kubeconfig, realconf.kubeconfig(f"https://127.0.0.1:{self.api_port}", "admin", tokens["admin"]))
-        _private(self.incluster_kubeconfig, realconf.kubeconfig(lay.api_server, "admin", tokens["admin"]))
+            _private(etc / f"{name}.kubeconfig", kubeconfig_text(lay.api_server, user, tokens[name]))
+        _private(self.kubeconfig, kubeconfig_text(f"https://127.0.0.1:{self.api_port}", "admin", tokens["admin"]))
+        _private(self.incluster_kubeconfig, kubeconfig_text(lay.api_server, "admin", tokens["admin"]))
         # Pods resolve only /etc/hosts names (no cluster DNS yet); a DNS query to the pod's own
         # loopback fails at once instead of waiting for a server that is not there.
         (etc / "resolv.conf").write_text("nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from devcluster import realconf, realhost
+from devcluster.controlplane import kubeconfig_text
 from devcluster.images import context_files, source_key
 from devcluster.realconf import Layout
 
@@ -49,7 +50,7 @@ def test_every_kubelet_is_a_node_identity(tmp_path: Path) -> None:
     csv = realconf.tokens_csv(tokens, lay).splitlines()
     assert 't-node-1,system:node:node-1,node-1,"system:nodes"' in csv
     assert 't-admin,admin,admin,"system:masters"' in csv
-    kc = json.loads(realconf.kubeconfig("https://10.250.0.1:6443", "system:node:node-0", "tok"))
+    kc = json.loads(kubeconfig_text("https://10.250.0.1:6443", "system:node:node-0", "tok"))
     assert kc["users"][0]["user"]["token"] == "tok"
 
 
