@@ -255,15 +255,12 @@ def test_gpu_pods_schedule_onto_gpu_nodes_only(cluster: LocalCluster, kube: Kube
     assert "nvidia.com/gpu" in next(
         c["message"] for c in refused[0]["status"]["conditions"] if c["type"] == "PodScheduled"
     )
-    logs = wait_for(
-        lambda: [
-            cluster.agent.logs(ns, p["metadata"]["name"]).strip()
-            for p in running
-            if cluster.agent.logs(ns, p["metadata"]["name"])
-        ],
-        20,
-        "GPU pods' output",
-    )
+
+    def outputs() -> list[str] | None:
+        found = [cluster.agent.logs(ns, p["metadata"]["name"]).strip() for p in running]
+        return found if all(found) else None  # every pod's, not the first few that have written
+
+    logs = wait_for(outputs, 20, "GPU pods' output")
     assert logs == ["gpus=0"] * 4  # the device plugin's env: each node's only GPU
     cluster.plane.kubectl("delete", "pods", "-n", ns, "-l", "app=gpu", "--wait=false")
     wait_for(lambda: not kube.get(pod_path(ns), labelSelector="app=gpu")["items"], 30, "GPU pods to be gone")
