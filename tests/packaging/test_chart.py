@@ -99,6 +99,8 @@ def test_operator_pod_is_hardened() -> None:
     assert deploy["spec"]["replicas"] == 1 and deploy["spec"]["strategy"]["type"] == "Recreate"
     pod = deploy["spec"]["template"]["spec"]
     container = pod["containers"][0]
+    # The chart's own metrics Service would otherwise set SGDJOB_OPERATOR_METRICS_PORT=tcp://...
+    assert pod["enableServiceLinks"] is False
     assert (
         pod["securityContext"]["runAsNonRoot"] is True
         and pod["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"

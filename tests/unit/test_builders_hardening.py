@@ -30,6 +30,8 @@ def test_default_pods_are_restricted_and_have_no_api_access() -> None:
         assert pod["securityContext"] == {"seccompProfile": {"type": "RuntimeDefault"}, "runAsNonRoot": True}
         assert sc == {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
         assert pod["automountServiceAccountToken"] is False
+        # Service link variables would overwrite the torchrun contract (a Service `master`: MASTER_PORT).
+        assert pod["enableServiceLinks"] is False
 
 
 def test_a_users_image_may_run_as_root_but_keeps_the_other_restrictions() -> None:

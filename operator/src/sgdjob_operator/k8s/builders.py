@@ -307,6 +307,9 @@ def build_worker_pod(
     pod_spec["restartPolicy"] = "Never"
     # Trainers never call the Kubernetes API; a template that needs it can say so.
     pod_spec.setdefault("automountServiceAccountToken", False)
+    # Docker-link variables of the namespace's Services (a Service `master` sets MASTER_PORT=tcp://...)
+    # would overwrite torchrun's and the trainer's environment contract.
+    pod_spec.setdefault("enableServiceLinks", False)
     harden(pod_spec, main, non_root=main["image"] == default_image)
     pod_spec.update(group_fields)
     pod_spec["hostname"] = name
@@ -369,6 +372,7 @@ def build_rdzv_pod(job: JobRef, spec: SGDJobSpec, *, default_image: str) -> dict
         hostname=job.rdzv_pod,
         subdomain=job.service,
         automountServiceAccountToken=False,
+        enableServiceLinks=False,
     )
     harden(rdzv_spec, container, non_root=image == default_image)
     return {"apiVersion": "v1", "kind": "Pod", "metadata": _meta(job, job.rdzv_pod, ROLE_RDZV), "spec": rdzv_spec}
