@@ -31,7 +31,7 @@ class AssetsMissing(RuntimeError):
 
 def assets_dir() -> Path:
     """The folder of control-plane binaries, or AssetsMissing with how to get them."""
-    value = os.environ.get("KUBEBUILDER_ASSETS", "")
+    value = os.environ.get("KUBEBUILDER_ASSETS", "") or _shared_assets()
     if not value:
         raise AssetsMissing(
             'KUBEBUILDER_ASSETS is not set: run `export KUBEBUILDER_ASSETS="$(../shared/k8s/install.sh)"`'
@@ -41,6 +41,16 @@ def assets_dir() -> Path:
     if missing:
         raise AssetsMissing(f"KUBEBUILDER_ASSETS={path} lacks {', '.join(missing)}")
     return path
+
+
+def _shared_assets() -> str:
+    """What ../shared/k8s/install.sh (beside the checkout) prints, so a person's `python -m devcluster`
+    works without exporting KUBEBUILDER_ASSETS first; empty when there is no such script."""
+    script = Path(__file__).resolve().parents[2] / "shared" / "k8s" / "install.sh"
+    if not script.is_file():
+        return ""
+    result = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=600, check=False)
+    return result.stdout.strip().splitlines()[-1] if result.returncode == 0 and result.stdout.strip() else ""
 
 
 def free_port() -> int:

@@ -26,6 +26,9 @@ if TYPE_CHECKING:  # imported in the fixture: unit-test runs need not load the K
     from devcluster.realnodes import RealCluster
 
 REAL_PREFIX = "sgdjtest"  # not the CLI's "sgdjob": a real cluster a person started is left alone
+# Four, as the process cluster has four GPU nodes: a 3-worker job spread one per node still leaves a
+# node to replace a worker on.
+REAL_NODES = 4
 
 
 def require_assets() -> None:
@@ -97,11 +100,17 @@ def _real_unavailable(reason: str) -> None:
     pytest.skip(f"real nodes cannot run here: {reason}")
 
 
-# Module scope: a real cluster costs ~27 s to start but ~1 GB of memory and some CPU while up, so it
-# should not idle through the rest of a CI session. Raise it to session scope once several modules use it.
-@pytest.fixture(scope="module")
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Real-node tests run last, one after another (in their collected order): the session's real
+    cluster (~1 GB, some CPU while up) then never idles through the other tiers."""
+    items.sort(key=lambda item: item.get_closest_marker("realnode") is not None)
+
+
+# Session scope: several modules use it (the cluster's own tests, the end-to-end scenarios), and
+# the collection hook above runs them together at the end.
+@pytest.fixture(scope="session")
 def real_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealCluster]:
-    """Control plane + 3 real kubelet nodes (devcluster/realnodes.py) with the pause and python images
+    """Control plane + REAL_NODES real kubelet nodes (devcluster/realnodes.py) with the pause and python images
     (`python:3.11-slim-bookworm`, imagePullPolicy Never) in every node. Root only: otherwise the tests
     skip saying why (fail with SGDJOB_REQUIRE_K8S=1). Teardown fails if anything of it is left:
     processes, network namespaces, cgroups, mounts or its folder. `timings` holds up's phases."""
@@ -120,7 +129,7 @@ def real_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealClust
         _real_unavailable(f"KUBEBUILDER_ASSETS lacks {', '.join(missing)} (../shared/k8s/install.sh provides them)")
     builder = ImageBuilder()
     images = [builder.pause(), builder.python()]
-    cluster = RealCluster(tmp_path_factory.mktemp("realnodes"), nodes=3, prefix=REAL_PREFIX)
+    cluster = RealCluster(tmp_path_factory.mktemp("realnodes"), nodes=REAL_NODES, prefix=REAL_PREFIX)
     try:
         cluster.start(images)
     except HostNotReady as err:
@@ -134,7 +143,7 @@ def real_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealClust
         print(f"\nreal cluster: up {cluster.timings}, down {time.monotonic() - t0:.1f} s")
     lay = cluster.layout
     assert not problems, problems
-    assert not [n for n in [lay.fabric_ns, *(lay.node_ns(i) for i in range(3))] if exists(n)], "netns left"
+    assert not [n for n in [lay.fabric_ns, *(lay.node_ns(i) for i in range(REAL_NODES))] if exists(n)], "netns left"
     assert not cgroup_pids(lay.cgroup_root), "processes left in the cluster's cgroups"
     naming = [p.name for p in Path("/proc").iterdir() if p.name.isdigit() and _names(p, str(lay.workdir))]
     assert not naming, f"processes still naming the cluster's folder: {naming}"

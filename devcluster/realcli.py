@@ -1,6 +1,6 @@
 """The real-node side of `python -m devcluster` (devcluster/cluster.py parses the arguments):
 
-    python -m devcluster up --real-nodes 3 [--images operator,trainer]   # root; prints export KUBECONFIG=...
+    eval "$(python -m devcluster up --real-nodes 3 [--images operator,trainer])"   # root; sets KUBECONFIG, PATH
     python -m devcluster images [--only operator] [--rebuild]            # build (cached) + import into the nodes
     python -m devcluster status
     python -m devcluster down                                            # stops everything it started
@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from devcluster import realnet
+from devcluster.controlplane import assets_dir
 from devcluster.images import ImageBuilder, default_cache
 from devcluster.realconf import Layout
 from devcluster.realnodes import RealCluster
@@ -42,7 +43,7 @@ def up(args: argparse.Namespace, info: dict[str, Any] | None) -> int:
     if info and info.get("kind") == "real":
         if _is_up(info):
             print("already up; take it down with: python -m devcluster down", file=sys.stderr)
-            print(f"export KUBECONFIG={info['kubeconfig']}")
+            _print_env(Path(info["kubeconfig"]))
             return 0
         print("cleaning up a real cluster that is no longer complete", file=sys.stderr)
         RealCluster.load(Path(info["workdir"])).stop()
@@ -62,8 +63,14 @@ def up(args: argparse.Namespace, info: dict[str, Any] | None) -> int:
         f"{cluster.timings.get('ready', 0):.1f} s ({cluster.timings}); files under {cluster.layout.workdir}",
         file=sys.stderr,
     )
-    print(f"export KUBECONFIG={cluster.kubeconfig}")
+    _print_env(cluster.kubeconfig)
     return 0
+
+
+def _print_env(kubeconfig: Path) -> None:
+    """For `eval`: the cluster's kubeconfig, and the kubectl and helm that come with the control plane."""
+    print(f"export KUBECONFIG={kubeconfig}")
+    print(f'export PATH="{assets_dir()}:$PATH"')
 
 
 def down(args: argparse.Namespace, info: dict[str, Any]) -> int:

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from devcluster.proctree import alive
-from devcluster.realconf import FABRIC_BRIDGE, FABRIC_IP, Layout
+from devcluster.realconf import FABRIC_BRIDGE, FABRIC_IP, SERVICE_CIDR, Layout
 
 NETNS_DIR = Path("/run/netns")
 
@@ -80,6 +80,11 @@ def create(layout: Layout) -> None:
             "net.bridge.bridge-nf-call-iptables=1",
             "net.ipv4.conf.all.route_localnet=1",
         )
+    # ClusterIPs from the fabric (the API server calling a webhook through its Service): through the
+    # nodes, whose kube-proxy rules translate them; kube-proxy masquerades traffic from outside the
+    # cluster CIDR, so the reply returns through the same node. One flow sticks to one node.
+    hops = [a for i in range(layout.nodes) for a in ("nexthop", "via", layout.node_ip(i))]
+    _run("ip", "-n", fab, "route", "add", SERVICE_CIDR, *hops)
 
 
 def delete(layout: Layout) -> list[str]:

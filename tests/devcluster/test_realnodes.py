@@ -1,4 +1,4 @@
-"""The real-node cluster (devcluster/realnodes.py): 3 kubelets with their own containerd, network and mount
+"""The real-node cluster (devcluster/realnodes.py): kubelets with their own containerd, network and mount
 namespaces; pods on two nodes talk over the pod network, through a Service (kube-proxy) and to the
 API; `kubectl logs`/`exec` work; the host gets no interface, route or iptables rule; and after stop()
 nothing is left (processes, namespaces, cgroups, mounts, files).
@@ -22,6 +22,7 @@ import pytest
 
 from devcluster.images import ImageBuilder
 from devcluster.kube import KubeApi, pod_path
+from devcluster.pytest_plugin import REAL_NODES
 from devcluster.realnodes import RealCluster
 from devcluster.testing import new_namespace, phase_in, wait_for
 
@@ -50,14 +51,14 @@ def _print_timings() -> Iterator[None]:
     print(f"\nreal-node test timings: {json.dumps(TIMINGS)}")
 
 
-def test_three_nodes_ready_and_the_host_untouched(real_cluster: RealCluster) -> None:
+def test_every_node_ready_and_the_host_untouched(real_cluster: RealCluster) -> None:
     TIMINGS["cluster up phases (s)"] = real_cluster.timings
     nodes = {n["metadata"]["name"]: n for n in real_cluster.kube().get("/api/v1/nodes")["items"]}
-    assert sorted(nodes) == ["node-0", "node-1", "node-2"]
+    assert sorted(nodes) == [f"node-{i}" for i in range(REAL_NODES)]
     ips = {
         name: [a["address"] for a in n["status"]["addresses"] if a["type"] == "InternalIP"] for name, n in nodes.items()
     }
-    assert ips == {f"node-{i}": [f"10.250.0.{10 + i}"] for i in range(3)}
+    assert ips == {f"node-{i}": [f"10.250.0.{10 + i}"] for i in range(REAL_NODES)}
     for n in nodes.values():
         info = n["status"]["nodeInfo"]
         assert info["kubeletVersion"] == "v1.20.2" and info["containerRuntimeVersion"].startswith("containerd://")

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -92,9 +93,9 @@ def job_events(kube: KubeApi, ns: str, name: str) -> list[Obj]:
     return sorted(items, key=lambda e: str(e.get("lastTimestamp") or e.get("eventTime") or ""))
 
 
-def kubectl_table(cluster: LocalCluster, *args: str) -> list[dict[str, str]]:
+def kubectl_table(env: Env, *args: str) -> list[dict[str, str]]:
     """`kubectl get ...` as rows of {COLUMN: value}, cut at the header's column starts (a blank cell stays '')."""
-    lines = [ln for ln in cluster.plane.kubectl("get", *args).stdout.splitlines() if ln.strip()]
+    lines = [ln for ln in env.kubectl("get", *args).stdout.splitlines() if ln.strip()]
     if not lines:
         return []
     header = lines[0]
@@ -193,9 +194,44 @@ class OperatorProcess:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:]) if self.log.exists() else ""
 
 
-@dataclass
 class Env:
-    """One scenario module's world: the cluster, a namespace of its own with an operator watching it."""
+    """One scenario module's world: a namespace of its own on a cluster with an operator watching it.
+    What differs between the process-node cluster (ProcessEnv) and real nodes (tests/e2e/real.py:
+    RealEnv) is behind these methods, so one scenario reads the same on both."""
+
+    kube: KubeApi
+    ns: str
+    tmp: Path
+
+    def kubectl(
+        self, *args: str, check: bool = True, input_text: str | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        raise NotImplementedError
+
+    def apply(self, manifest: str) -> None:
+        self.kubectl("apply", "-n", self.ns, "-f", "-", input_text=manifest)
+
+    def manifest(self, name: str, *, checkpoint_dir: str, **kwargs: Any) -> str:
+        """sgdjob_manifest, with whatever this cluster needs for `checkpoint_dir` to be shared by the pods."""
+        return sgdjob_manifest(name, checkpoint_dir=checkpoint_dir, **kwargs)
+
+    def logs(self, pod: str) -> str:
+        """What `kubectl logs` shows of the pod's trainer."""
+        raise NotImplementedError
+
+    def pod_json(self, pod: Obj, port: int, path: str) -> Obj | None:
+        """GET a JSON document from a pod's port (a trainer's /status); None when it does not answer."""
+        raise NotImplementedError
+
+    def crash_operator(self, down_s: float = 3.0) -> None:
+        """SIGKILL the operator (no clean-up), leave the jobs without it for `down_s`, and return once
+        an operator runs again."""
+        raise NotImplementedError
+
+
+@dataclass
+class ProcessEnv(Env):
+    """The process-node cluster (devcluster/cluster.py) with `sgdjob operator` as a host process."""
 
     cluster: LocalCluster
     kube: KubeApi
@@ -203,11 +239,27 @@ class Env:
     operator: OperatorProcess
     tmp: Path
 
+    def kubectl(
+        self, *args: str, check: bool = True, input_text: str | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        return self.cluster.plane.kubectl(*args, check=check, input_text=input_text)
+
+    def logs(self, pod: str) -> str:
+        return self.cluster.agent.logs(self.ns, pod)
+
+    def pod_json(self, pod: Obj, port: int, path: str) -> Obj | None:
+        return http_json(f"http://{pod['status']['podIP']}:{port}{path}")
+
+    def crash_operator(self, down_s: float = 3.0) -> None:
+        self.operator.kill()
+        time.sleep(down_s)
+        self.operator.start()
+
 
 @contextmanager
-def scenario_env(cluster: LocalCluster, prefix: str, tmp: Path) -> Iterator[Env]:
+def scenario_env(cluster: LocalCluster, prefix: str, tmp: Path) -> Iterator[ProcessEnv]:
     with operator_namespace(cluster, prefix, tmp) as (ns, op):
-        yield Env(cluster, cluster.kube(), ns, op, tmp)
+        yield ProcessEnv(cluster, cluster.kube(), ns, op, tmp)
 
 
 @contextmanager

@@ -35,7 +35,7 @@ import pytest
 
 from devcluster.cluster import LocalCluster
 from devcluster.testing import Obj, apply, wait_for
-from tests.e2e.helpers import Env, job_events, job_status, scenario_env, sgdjob_manifest, worker_pods
+from tests.e2e.helpers import ProcessEnv, job_events, job_status, scenario_env, sgdjob_manifest, worker_pods
 
 pytestmark = [pytest.mark.k8s, pytest.mark.multiproc]
 
@@ -50,7 +50,7 @@ NO_GPU = {"spec": {"containers": [{"name": "trainer"}]}}  # e and f may schedule
 class PodWatch:
     """Polls a job's worker pods in the background: the most live pods per worker index and in all."""
 
-    def __init__(self, env: Env, job: str) -> None:
+    def __init__(self, env: ProcessEnv, job: str) -> None:
         self.kube, self.ns, self.job = env.cluster.kube(), env.ns, job
         self.per_index = 0
         self.total = 0
@@ -94,7 +94,7 @@ def record(case: str, outcome: str, watch: PodWatch, recovery_s: float | None, l
 
 
 @pytest.fixture(scope="module")
-def env(cluster_crd: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
+def env(cluster_crd: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProcessEnv]:
     with scenario_env(cluster_crd, "chaos", tmp_path_factory.mktemp("chaos")) as e:
         yield e
     lines = [f"{'case':<34} {'outcome':<34} {'recovery_s':>10} {'lost_steps':>10} {'dup_pods':>8} {'max_pods':>8}"]
@@ -106,20 +106,20 @@ def env(cluster_crd: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> 
     print("\n--- chaos suite figures (emulated compute) ---\n" + "\n".join(lines))
 
 
-def step(e: Env, job: str = JOB) -> int:
+def step(e: ProcessEnv, job: str = JOB) -> int:
     try:
         return int(job_status(e.kube, e.ns, job).get("step") or 0)
     except Exception:  # the API server may be restarting (case d)
         return 0
 
 
-def outcome(e: Env, job: str = JOB) -> str:
+def outcome(e: ProcessEnv, job: str = JOB) -> str:
     st = job_status(e.kube, e.ns, job)
     failed = [c for c in st.get("conditions") or [] if c["type"] == st.get("phase") and c.get("reason")]
     return f"{st.get('phase')}" + (f" ({failed[0]['reason']})" if failed else "")
 
 
-def live(e: Env, job: str = JOB) -> list[Obj]:
+def live(e: ProcessEnv, job: str = JOB) -> list[Obj]:
     return [p for p in worker_pods(e.kube, e.ns, job) if not p["metadata"].get("deletionTimestamp")]
 
 
@@ -127,13 +127,13 @@ def uids(pods: list[Obj]) -> dict[str, str]:
     return {str(p["metadata"]["name"]): str(p["metadata"]["uid"]) for p in pods}
 
 
-def full_world(e: Env, n: int = 3) -> list[Obj] | None:
+def full_world(e: ProcessEnv, n: int = 3) -> list[Obj] | None:
     pods = live(e)
     ok = len(pods) == n and all(p["status"].get("phase") == "Running" for p in pods)
     return pods if ok and job_status(e.kube, e.ns, JOB).get("readyReplicas") == n else None
 
 
-def restarts(e: Env, job: str = JOB) -> list[tuple[int, int, int]]:
+def restarts(e: ProcessEnv, job: str = JOB) -> list[tuple[int, int, int]]:
     """Every restart record (lost, reached, resumed-at) the job's live pods logged so far."""
     found: list[tuple[int, int, int]] = []
     for pod in worker_pods(e.kube, e.ns, job):
@@ -145,7 +145,7 @@ def restarts(e: Env, job: str = JOB) -> list[tuple[int, int, int]]:
     return found
 
 
-def recovered(e: Env, before: list[tuple[int, int, int]], t0: float, job: str = JOB) -> tuple[float, int]:
+def recovered(e: ProcessEnv, before: list[tuple[int, int, int]], t0: float, job: str = JOB) -> tuple[float, int]:
     """Waits for a new restart record and then training past the step it had reached; returns the
     seconds from `t0` and the lost steps."""
     fresh = wait_for(lambda: [r for r in restarts(e, job) if r not in before], RECOVER_TIMEOUT, "a restart record")
@@ -154,7 +154,7 @@ def recovered(e: Env, before: list[tuple[int, int, int]], t0: float, job: str = 
     return time.monotonic() - t0, lost
 
 
-def ready_for_fault(e: Env) -> tuple[list[Obj], int]:
+def ready_for_fault(e: ProcessEnv) -> tuple[list[Obj], int]:
     pods = wait_for(lambda: full_world(e), RECOVER_TIMEOUT, "3 running, ready workers")
     at = step(e)
     wait_for(lambda: step(e) > at + INTERVAL, 120, "a fresh checkpoint and steps")
@@ -162,7 +162,7 @@ def ready_for_fault(e: Env) -> tuple[list[Obj], int]:
 
 
 @pytest.fixture(scope="module")
-def chaos(env: Env) -> str:
+def chaos(env: ProcessEnv) -> str:
     apply(
         env.cluster,
         env.ns,
@@ -178,7 +178,7 @@ def chaos(env: Env) -> str:
     return JOB
 
 
-def test_a_worker_0_deleted_gracefully_loses_no_step(env: Env, chaos: str) -> None:
+def test_a_worker_0_deleted_gracefully_loses_no_step(env: ProcessEnv, chaos: str) -> None:
     old, _ = ready_for_fault(env)
     before = restarts(env)
     with PodWatch(env, chaos) as watch:
@@ -192,7 +192,7 @@ def test_a_worker_0_deleted_gracefully_loses_no_step(env: Env, chaos: str) -> No
     assert watch.per_index == 1 and watch.total <= 3
 
 
-def test_a2_node_drain_loses_no_step_and_moves_the_worker(env: Env, chaos: str) -> None:
+def test_a2_node_drain_loses_no_step_and_moves_the_worker(env: ProcessEnv, chaos: str) -> None:
     pods, _ = ready_for_fault(env)
     rdzv_node = env.kube.get(f"/api/v1/namespaces/{env.ns}/pods/{chaos}-rdzv")["spec"].get("nodeName")
     victim = next(p for p in reversed(pods) if p["spec"]["nodeName"] != rdzv_node)  # drain a worker, not the store
@@ -215,7 +215,7 @@ def test_a2_node_drain_loses_no_step_and_moves_the_worker(env: Env, chaos: str) 
     assert watch.per_index == 1 and watch.total <= 3
 
 
-def test_b_a_lost_node_costs_at_most_one_interval(env: Env, chaos: str) -> None:
+def test_b_a_lost_node_costs_at_most_one_interval(env: ProcessEnv, chaos: str) -> None:
     pods, _ = ready_for_fault(env)
     node = next(p["spec"]["nodeName"] for p in pods if p["metadata"]["name"] == f"{chaos}-worker-1")
     before = restarts(env)
@@ -233,7 +233,7 @@ def test_b_a_lost_node_costs_at_most_one_interval(env: Env, chaos: str) -> None:
     assert watch.per_index == 1 and watch.total <= 3
 
 
-def test_c_operator_killed_mid_switch_finishes_the_switch(env: Env, chaos: str) -> None:
+def test_c_operator_killed_mid_switch_finishes_the_switch(env: ProcessEnv, chaos: str) -> None:
     pods, _ = ready_for_fault(env)
     before = restarts(env)
     with PodWatch(env, chaos) as watch:
@@ -258,7 +258,7 @@ def test_c_operator_killed_mid_switch_finishes_the_switch(env: Env, chaos: str) 
     assert switches, "the switch is recorded as an event"
 
 
-def test_d_api_server_restart_keeps_training(env: Env, chaos: str) -> None:
+def test_d_api_server_restart_keeps_training(env: ProcessEnv, chaos: str) -> None:
     pods, at = ready_for_fault(env)
     before = restarts(env)
     with PodWatch(env, chaos) as watch:
@@ -275,7 +275,7 @@ def test_d_api_server_restart_keeps_training(env: Env, chaos: str) -> None:
     wait_for(lambda: not worker_pods(env.kube, env.ns, chaos), 90, "the chaos job's pods gone")
 
 
-def test_e_crash_loop_fails_at_the_backoff_limit(env: Env) -> None:
+def test_e_crash_loop_fails_at_the_backoff_limit(env: ProcessEnv) -> None:
     job = "crashloop"
     fault = {"kind": "crash", "rank": 1, "atStep": 5, "everyLife": True}
     manifest = sgdjob_manifest(
@@ -304,7 +304,7 @@ def test_e_crash_loop_fails_at_the_backoff_limit(env: Env) -> None:
     env.cluster.plane.kubectl("delete", "sgdjob", job, "-n", env.ns, "--wait=false")
 
 
-def test_f_hung_worker_is_replaced_and_the_job_succeeds(env: Env) -> None:
+def test_f_hung_worker_is_replaced_and_the_job_succeeds(env: ProcessEnv) -> None:
     job, hang_at = "hung", 30
     manifest = sgdjob_manifest(
         job, steps=150, checkpoint_dir=str(env.tmp / "ckpt-f"), mode="sync", replicas=2, min_replicas=2,

@@ -1,4 +1,5 @@
-"""The user's scenarios on the local cluster, with the operator running as `sgdjob operator`.
+"""The user's scenarios on real kubelet nodes (containerd, pod network, kube-proxy, cluster DNS), with the
+operator installed by `helm install` as a Deployment of the project's image (tests/e2e/real.py).
 
 One small SGDJob ("quick": 3 workers, emulated compute) carries scenarios 1, 7, 4, 6, 5 and 8 in that
 order, as a user would meet them on one job: it starts and shows in `kubectl get`, bad jobs applied
@@ -6,33 +7,31 @@ beside it are refused without touching it, it survives the loss of worker 0, is 
 an operator crash, finishes, and is deleted. Tests run in file order and share the job (module
 fixture); a failure early on makes the later ones fail too, each with its own message.
 The job's policy may not act (allowedActions: []), so adaptation cannot interleave with the faults;
-test_scenarios_adapt.py covers adaptation.
+test_scenarios_adapt.py covers adaptation. Everything a test reads of a pod goes the way a cluster
+user's would: `kubectl logs`, and a trainer's /status through the API server's pod proxy.
 """
 
 from __future__ import annotations
 
 import re
-import time
+import subprocess
 from collections.abc import Iterator
 
 import pytest
 
-from devcluster.cluster import LocalCluster
-from devcluster.testing import Obj, apply, wait_for
+from devcluster.realnodes import RealCluster
+from devcluster.testing import Obj, wait_for
 from tests.e2e.helpers import (
     Env,
     assert_children_gone,
     get_job,
-    http_json,
-    job_events,
     job_status,
     kubectl_table,
-    scenario_env,
-    sgdjob_manifest,
     worker_pods,
 )
+from tests.e2e.real import OPERATOR_NS, RELEASE, RealEnv, RealOperator, real_scenario_env
 
-pytestmark = [pytest.mark.k8s, pytest.mark.multiproc]
+pytestmark = [pytest.mark.k8s, pytest.mark.multiproc, pytest.mark.realnode]
 
 JOB = "quick"
 STEPS = 1200
@@ -42,8 +41,10 @@ RECOVER_TIMEOUT = 240.0  # a membership change: torchrun's re-rendezvous (incl. 
 
 
 @pytest.fixture(scope="module")
-def env(cluster_crd: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
-    with scenario_env(cluster_crd, "scenarios", tmp_path_factory.mktemp("scenarios")) as e:
+def env(
+    real_cluster: RealCluster, real_operator: RealOperator, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RealEnv]:
+    with real_scenario_env(real_cluster, real_operator, "scenarios", tmp_path_factory.mktemp("scenarios")) as e:
         yield e
 
 
@@ -63,14 +64,14 @@ def running_workers(e: Env, n: int, *, world: bool = False, not_uid: str = "") -
         return None
     if not_uid and not_uid in uids(pods).values():
         return None
-    return pods if not world or world_sizes(pods) == [n] * n else None
+    return pods if not world or world_sizes(e, pods) == [n] * n else None
 
 
-def world_sizes(pods: list[Obj]) -> list[int]:
+def world_sizes(e: Env, pods: list[Obj]) -> list[int]:
     """Each worker's world size from its trainer's /status (what `curl <pod>:9400/status` shows)."""
     out = []
     for pod in pods:
-        doc = http_json(f"http://{pod['status']['podIP']}:9400/status")
+        doc = e.pod_json(pod, 9400, "/status")
         out.append(int(doc.get("worldSize", 0)) if doc else 0)
     return out
 
@@ -81,13 +82,35 @@ def advances(e: Env, past: int, timeout: float, what: str) -> int:
 
 @pytest.fixture(scope="module")
 def quick(env: Env) -> str:
-    apply(env.cluster, env.ns, sgdjob_manifest(JOB, steps=STEPS, checkpoint_dir=str(env.tmp / "checkpoints")))
+    env.apply(env.manifest(JOB, steps=STEPS, checkpoint_dir=str(env.tmp / "checkpoints")))
     wait_for(
         lambda: job_status(env.kube, env.ns, JOB).get("phase") == "Running" and step(env) > 0,
         START_TIMEOUT,
         "quick Running with steps",
     )
     return JOB
+
+
+def test_0_the_operator_runs_from_the_chart_as_a_locked_down_deployment(env: RealEnv) -> None:
+    """What `helm install` made: the project's operator image in a real container, non-root, with a
+    read-only root filesystem, and the liveness endpoint the kubelet probes answering."""
+    deploy = env.kube.get(f"/apis/apps/v1/namespaces/{OPERATOR_NS}/deployments/{RELEASE}")
+    assert deploy["status"].get("readyReplicas") == 1, deploy["status"]
+    pod = env.operator.pod()
+    assert pod is not None
+    (container,) = pod["spec"]["containers"]
+    assert container["image"] == "sgdjob/operator:dev" and container["securityContext"]["readOnlyRootFilesystem"]
+    assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+
+    def run(*argv: str) -> subprocess.CompletedProcess[str]:
+        return env.kubectl("exec", "-n", OPERATOR_NS, pod["metadata"]["name"], "--", *argv, check=False)
+
+    assert run("id", "-u").stdout.strip() == "10001"
+    wrote = run("touch", "/written-by-the-test")
+    assert wrote.returncode != 0 and "Read-only file system" in wrote.stderr, wrote
+    health = "import urllib.request as u; print(u.urlopen('http://127.0.0.1:8080/healthz', timeout=5).status)"
+    assert run("python", "-c", health).stdout.strip() == "200"
 
 
 def test_1_apply_runs_and_kubectl_shows_progress(env: Env, quick: str) -> None:
@@ -97,52 +120,39 @@ def test_1_apply_runs_and_kubectl_shows_progress(env: Env, quick: str) -> None:
     assert rdzv["status"]["phase"] == "Running"
     first = step(env)
     advances(env, first, 60, "training advances")
-    (row,) = kubectl_table(env.cluster, "sgdjobs", "-n", env.ns)
+    (row,) = kubectl_table(env, "sgdjobs", "-n", env.ns)
     assert row["NAME"] == quick and row["PHASE"] == "Running" and row["MODE"] == "sync" and row["READY"] == "3/3", row
     assert int(row["STEP"]) > 0, row
-    assert sorted(world_sizes(pods)) == [3, 3, 3]
+    assert sorted(world_sizes(env, pods)) == [3, 3, 3]
+    # `kubectl logs` of a worker is the trainer's own output (rank 0 logs; the others stay quiet).
+    logs = wait_for(lambda: env.logs(f"{quick}-worker-0"), 60, "worker-0's log")
+    assert f"job {quick}: world 3" in logs, logs[-2000:]
 
 
 def test_7_bad_sgdjobs_are_refused_naming_the_field(env: Env, quick: str) -> None:
     before = uids(worker_pods(env.kube, env.ns, quick))
     ckpt = str(env.tmp / "bad")
     for field, manifest in (
-        ("spec.mode", sgdjob_manifest("bad-mode", steps=10, checkpoint_dir=ckpt, mode="turbo")),
-        ("spec.replicas", sgdjob_manifest("bad-replicas", steps=10, checkpoint_dir=ckpt, replicas=0, min_replicas=1)),
+        ("spec.mode", env.manifest("bad-mode", steps=10, checkpoint_dir=ckpt, mode="turbo")),
+        ("spec.replicas", env.manifest("bad-replicas", steps=10, checkpoint_dir=ckpt, replicas=0, min_replicas=1)),
         (
             "spec.training.batchSize",
-            sgdjob_manifest("bad-batch", steps=10, checkpoint_dir=ckpt, training={"batchSize": 0}),
+            env.manifest("bad-batch", steps=10, checkpoint_dir=ckpt, training={"batchSize": 0}),
         ),
     ):
-        result = env.cluster.plane.kubectl("apply", "-n", env.ns, "-f", "-", input_text=manifest, check=False)
+        result = env.kubectl("apply", "-n", env.ns, "-f", "-", input_text=manifest, check=False)
         assert result.returncode != 0 and field in result.stderr, (field, result.stderr)
     assert [
         j["metadata"]["name"] for j in env.kube.get(f"/apis/sgdjob.dev/v1alpha1/namespaces/{env.ns}/sgdjobs")["items"]
     ] == [quick]
 
-    # The schema cannot compare fields; the operator does, and fails the job naming the field.
-    apply(
-        env.cluster,
-        env.ns,
-        sgdjob_manifest("bad-bounds", steps=10, checkpoint_dir=ckpt, replicas=2, min_replicas=3, max_replicas=3),
-    )
-    st = wait_for(
-        lambda: (s := job_status(env.kube, env.ns, "bad-bounds")).get("phase") == "Failed" and s,
-        60,
-        "bad-bounds Failed",
-    )
-    failed = next(c for c in st["conditions"] if c["type"] == "Failed")
-    assert failed["status"] == "True" and failed["reason"] == "InvalidSpec" and "minReplicas" in failed["message"], (
-        failed
-    )
-    assert any(
-        ev["reason"] == "InvalidSpec" and "minReplicas" in ev["message"]
-        for ev in job_events(env.kube, env.ns, "bad-bounds")
-    )
-    (row,) = [r for r in kubectl_table(env.cluster, "sgdjobs", "-n", env.ns) if r["NAME"] == "bad-bounds"]
-    assert row["PHASE"] == "Failed"
-    assert not worker_pods(env.kube, env.ns, "bad-bounds")
-    env.cluster.plane.kubectl("delete", "sgdjob", "bad-bounds", "-n", env.ns)
+    # The schema cannot compare fields; the chart's validating webhook (the operator's, reached by
+    # the API server through its Service) does, at admission, naming the field.
+    bounds = env.manifest("bad-bounds", steps=10, checkpoint_dir=ckpt, replicas=2, min_replicas=3, max_replicas=3)
+    result = env.kubectl("apply", "-n", env.ns, "-f", "-", input_text=bounds, check=False)
+    assert result.returncode != 0, result.stdout
+    assert "validate.sgdjob.dev" in result.stderr and "minReplicas" in result.stderr, result.stderr
+    assert get_job(env.kube, env.ns, "bad-bounds") is None
 
     # Nothing already running was disturbed: the same pods, still training.
     assert uids(worker_pods(env.kube, env.ns, quick)) == before
@@ -154,10 +164,7 @@ def lost_steps(e: Env, pods: list[Obj]) -> list[int]:
     """What the resumed rank 0 logs: `restart: N steps lost (reached R, resumed at C)`."""
     found = []
     for pod in pods:
-        found += [
-            int(n)
-            for n in re.findall(r"restart: (\d+) steps lost", e.cluster.agent.logs(e.ns, str(pod["metadata"]["name"])))
-        ]
+        found += [int(n) for n in re.findall(r"restart: (\d+) steps lost", e.logs(str(pod["metadata"]["name"])))]
     return found
 
 
@@ -165,7 +172,7 @@ def test_4_losing_worker_0_recovers_from_the_checkpoint(env: Env, quick: str) ->
     advances(env, CHECKPOINT_INTERVAL + 10, 120, "a checkpoint exists")
     old = uids(worker_pods(env.kube, env.ns, quick))
     at_loss = step(env)
-    env.cluster.plane.kubectl("delete", "pod", f"{quick}-worker-0", "-n", env.ns, "--wait=false")
+    env.kubectl("delete", "pod", f"{quick}-worker-0", "-n", env.ns, "--wait=false")
     pods = wait_for(
         lambda: running_workers(env, 3, world=True, not_uid=old[f"{quick}-worker-0"]),
         RECOVER_TIMEOUT,
@@ -186,7 +193,7 @@ def test_4_losing_worker_0_recovers_from_the_checkpoint(env: Env, quick: str) ->
 
 
 def test_6_kubectl_scale_changes_the_world_size(env: Env, quick: str) -> None:
-    env.cluster.plane.kubectl("scale", f"sgdjob/{quick}", "--replicas=2", "-n", env.ns)
+    env.kubectl("scale", f"sgdjob/{quick}", "--replicas=2", "-n", env.ns)
     at_scale = step(env)
     pods = wait_for(lambda: running_workers(env, 2, world=True), RECOVER_TIMEOUT, "a world of 2 workers")
     assert sorted(uids(pods)) == [f"{quick}-worker-0", f"{quick}-worker-1"]
@@ -205,9 +212,7 @@ def test_5_operator_crash_and_restart_creates_no_duplicates(env: Env, quick: str
     every = f"/api/v1/namespaces/{env.ns}/pods"
     before = uids(env.kube.get(every)["items"])
     decisions = st.get("decisions") or []
-    env.operator.kill()
-    time.sleep(3)  # the job trains on without its operator
-    env.operator.start()
+    env.crash_operator(down_s=3)  # the job trains on without its operator
     # The restarted operator adopts the job: it scrapes and writes progress again.
     advances(env, step(env), 60, "status progress from the restarted operator")
     assert uids(env.kube.get(every)["items"]) == before, "same pods, none added or replaced"
@@ -222,10 +227,10 @@ def test_1_5_job_finishes_succeeded(env: Env, quick: str) -> None:
     pods = worker_pods(env.kube, env.ns, quick)
     assert [p["metadata"]["name"] for p in pods] == [f"{quick}-worker-0", f"{quick}-worker-1"]
     assert all(p["status"]["phase"] == "Succeeded" for p in pods)
-    (row,) = kubectl_table(env.cluster, "sgdjobs", "-n", env.ns)
+    (row,) = kubectl_table(env, "sgdjobs", "-n", env.ns)
     assert row["PHASE"] == "Succeeded" and int(row["STEP"]) == STEPS, row
 
 
 def test_8_delete_removes_pods_service_and_secret(env: Env, quick: str) -> None:
-    env.cluster.plane.kubectl("delete", "sgdjob", quick, "-n", env.ns, "--wait=false")
+    env.kubectl("delete", "sgdjob", quick, "-n", env.ns, "--wait=false")
     assert_children_gone(env.kube, env.ns, quick)

@@ -1,8 +1,8 @@
-"""Adaptation scenarios on the local cluster with the operator running: an emulated straggler that
-appears mid-run makes the policy switch the mode (2); a straggler bound to one node makes it replace
-the worker elsewhere (3). Compute is emulated (a per-rank sleep per step, CPU-only machine); what is
-measured is the coordination. Each job is deleted at the end and must leave nothing (scenario 8 on a
-running job).
+"""Adaptation scenarios on real kubelet nodes with the Helm-installed operator (tests/e2e/real.py): an
+emulated straggler that appears mid-run makes the policy switch the mode (2); a straggler bound to one
+node makes it replace the worker elsewhere (3). Compute is emulated (a per-rank sleep per step,
+CPU-only machine); what is measured is the coordination. Each job is deleted at the end and must leave
+nothing (scenario 8 on a running job).
 
 Thresholds are set above this machine's noise (a loaded 2-core machine can make a healthy rank look
 2x slow for a while) and the emulated slowdowns well above the thresholds, so only the emulated
@@ -17,20 +17,18 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from devcluster.cluster import LocalCluster
-from devcluster.testing import Obj, apply, wait_for
+from devcluster.realnodes import RealCluster
+from devcluster.testing import Obj, wait_for
 from tests.e2e.helpers import (
     Env,
     assert_children_gone,
-    http_json,
     job_events,
     job_status,
-    scenario_env,
-    sgdjob_manifest,
     worker_pods,
 )
+from tests.e2e.real import RealOperator, real_scenario_env
 
-pytestmark = [pytest.mark.k8s, pytest.mark.multiproc]
+pytestmark = [pytest.mark.k8s, pytest.mark.multiproc, pytest.mark.realnode]
 
 START_TIMEOUT = 240.0
 RECOVER_TIMEOUT = 240.0
@@ -46,8 +44,10 @@ POLICY = {
 
 
 @pytest.fixture(scope="module")
-def env(cluster_crd: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
-    with scenario_env(cluster_crd, "adapt", tmp_path_factory.mktemp("adapt")) as e:
+def env(
+    real_cluster: RealCluster, real_operator: RealOperator, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Env]:
+    with real_scenario_env(real_cluster, real_operator, "adapt", tmp_path_factory.mktemp("adapt")) as e:
         yield e
 
 
@@ -72,11 +72,12 @@ class Reading:
 class Meter:
     """Reads every worker's /status (as `curl <pod>:9400/status` would): samples applied, step, mode."""
 
-    urls: list[str]
+    env: Env
+    pods: list[Obj]
     readings: list[Reading] = field(default_factory=list)
 
     def read(self) -> Reading | None:
-        docs = [http_json(u) for u in self.urls]
+        docs = [self.env.pod_json(p, 9400, "/status") for p in self.pods]
         if not all(docs):
             return None
         ok = [d for d in docs if d]
@@ -110,16 +111,16 @@ class Meter:
 def test_2_straggler_mid_run_switches_mode_and_throughput_rises(env: Env) -> None:
     job, onset_step = "strag", 150
     slow = {"rank": 2, "factor": 6.0, "startStep": onset_step}
-    manifest = sgdjob_manifest(
+    manifest = env.manifest(
         job,
         steps=100_000,
         checkpoint_dir=str(env.tmp / job),
         emulation={"computeSeconds": 0.04, "slowdowns": [slow]},
         policy={**POLICY, "allowedActions": ["switchMode"]},
     )
-    apply(env.cluster, env.ns, manifest)
+    env.apply(manifest)
     pods = wait_for(lambda: live_workers(env, job, 3), START_TIMEOUT, f"{job}: 3 running workers")
-    meter = Meter([f"http://{p['status']['podIP']}:9400/status" for p in pods])
+    meter = Meter(env, pods)
     first = meter.until(lambda r: r.step > 0, START_TIMEOUT, f"{job} training")
     assert first.step < onset_step, (
         f"training reached step {first.step} before the test saw it start; raise the onset step"
@@ -151,7 +152,7 @@ def test_2_straggler_mid_run_switches_mode_and_throughput_rises(env: Env) -> Non
     before = meter.rate(onset.time, switched.time - 0.5)
     after = meter.rate(switched.time + 1.0, deadline)
     assert after > 1.3 * before, f"throughput after the switch {after:.0f} samples/s is not above {before:.0f} before"
-    env.cluster.plane.kubectl("delete", "sgdjob", job, "-n", env.ns, "--wait=false")
+    env.kubectl("delete", "sgdjob", job, "-n", env.ns, "--wait=false")
     assert_children_gone(env.kube, env.ns, job)
 
 
@@ -165,7 +166,7 @@ def test_3_node_bound_straggler_is_replaced_on_another_node(env: Env) -> None:
     spec = {"affinity": {"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [prefer]}}}
     template = {"spec": {**spec, "containers": [{"name": "trainer", "resources": {"limits": {"nvidia.com/gpu": 1}}}]}}
     emulation = {"computeSeconds": 0.04, "slowdowns": [{"node": bad_node, "factor": 6.0}]}
-    manifest = sgdjob_manifest(
+    manifest = env.manifest(
         job,
         steps=100_000,
         checkpoint_dir=str(env.tmp / job),
@@ -173,7 +174,7 @@ def test_3_node_bound_straggler_is_replaced_on_another_node(env: Env) -> None:
         template=template,
         policy={**POLICY, "allowedActions": ["replaceWorker"]},
     )
-    apply(env.cluster, env.ns, manifest)
+    env.apply(manifest)
     pods = wait_for(lambda: live_workers(env, job, 3), START_TIMEOUT, f"{job}: 3 running workers")
     (slow,) = [p for p in pods if p["spec"]["nodeName"] == bad_node]
     slow_name, slow_uid = slow["metadata"]["name"], slow["metadata"]["uid"]
@@ -201,11 +202,11 @@ def test_3_node_bound_straggler_is_replaced_on_another_node(env: Env) -> None:
 
     # Training goes on in a world of 3 with no rank on the slow node.
     def training_again() -> list[Obj] | None:
-        docs = [http_json(f"http://{p['status']['podIP']}:9400/status") for p in live_workers(env, job, 3) or []]
+        docs = [env.pod_json(p, 9400, "/status") for p in live_workers(env, job, 3) or []]
         good = [d for d in docs if d and d.get("worldSize") == 3 and int(d.get("step", 0)) > 0]
         return good if len(good) == 3 else None
 
     docs = wait_for(training_again, RECOVER_TIMEOUT, f"{job} training again with 3 workers")
     assert bad_node not in {d["node"] for d in docs}
-    env.cluster.plane.kubectl("delete", "sgdjob", job, "-n", env.ns, "--wait=false")
+    env.kubectl("delete", "sgdjob", job, "-n", env.ns, "--wait=false")
     assert_children_gone(env.kube, env.ns, job)

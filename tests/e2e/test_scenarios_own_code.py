@@ -15,7 +15,7 @@ import yaml
 
 from devcluster.cluster import LocalCluster
 from devcluster.testing import Obj, apply, wait_for
-from tests.e2e.helpers import Env, job_events, job_status, scenario_env, sgdjob_manifest
+from tests.e2e.helpers import ProcessEnv, job_events, job_status, scenario_env, sgdjob_manifest
 from tests.local.example_runs import REPO
 
 pytestmark = [pytest.mark.k8s, pytest.mark.multiproc]
@@ -26,26 +26,26 @@ CHARLM_BITS_AT_300 = 3.6
 
 
 @pytest.fixture(scope="module")
-def env(cluster_crd: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
+def env(cluster_crd: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProcessEnv]:
     with scenario_env(cluster_crd, "owncode", tmp_path_factory.mktemp("owncode")) as e:
         yield e
 
 
-def _patch_mode(e: Env, job: str, mode: str) -> None:
+def _patch_mode(e: ProcessEnv, job: str, mode: str) -> None:
     patch = json.dumps({"spec": {"mode": mode}})
     e.cluster.plane.kubectl("patch", "sgdjob", job, "-n", e.ns, "--type", "merge", "-p", patch)
 
 
-def _finished(e: Env, job: str) -> Obj | None:
+def _finished(e: ProcessEnv, job: str) -> Obj | None:
     st = job_status(e.kube, e.ns, job)
     return st if st.get("phase") in ("Succeeded", "Failed") else None
 
 
-def _validation_loss(e: Env, job: str) -> float:
+def _validation_loss(e: ProcessEnv, job: str) -> float:
     return float(job_status(e.kube, e.ns, job).get("validationLoss") or "inf")
 
 
-def walk_modes(e: Env, job: str, steps_each: int) -> list[float]:
+def walk_modes(e: ProcessEnv, job: str, steps_each: int) -> list[float]:
     """As a user would: `kubectl patch` the job from sync through async and hierarchical to auto,
     each mode for `steps_each` steps once the workers run it; the validation loss at each change."""
     wait_for(lambda: job_status(e.kube, e.ns, job).get("step", 0) > 2 * steps_each, START_TIMEOUT, f"{job} training")
@@ -64,7 +64,7 @@ def walk_modes(e: Env, job: str, steps_each: int) -> list[float]:
     return losses
 
 
-def test_9_an_adamw_job_runs_in_every_mode_and_reaches_its_target(env: Env) -> None:
+def test_9_an_adamw_job_runs_in_every_mode_and_reaches_its_target(env: ProcessEnv) -> None:
     job = "adamw"
     training = {
         "model": "digits-mlp",
@@ -96,7 +96,7 @@ def test_9_an_adamw_job_runs_in_every_mode_and_reaches_its_target(env: Env) -> N
     assert all(b < a * 1.25 for a, b in itertools.pairwise(losses)), losses
 
 
-def test_10_the_transformer_example_runs_in_every_mode(env: Env) -> None:
+def test_10_the_transformer_example_runs_in_every_mode(env: ProcessEnv) -> None:
     """The example's job as it ships (task, AdamW, schedule, metric, policy), shortened to 300 steps
     on 3 workers with the third 3x slower, walked through sync, async, hierarchical and auto; bits
     per character must fall well below the 7 of a uniform guess (the full 1000-step run's bound is

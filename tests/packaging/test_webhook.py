@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -68,8 +68,8 @@ def _openssl(*args: str, cwd: Path) -> None:
     subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
 
 
-def make_certs(folder: Path, ip: str = "127.0.0.1") -> tuple[Path, Path, Path]:
-    """A CA and a serving certificate for `ip` signed by it: (ca.crt, tls.crt, tls.key)."""
+def make_certs(folder: Path, ip: str = "127.0.0.1", dns: str = "") -> tuple[Path, Path, Path]:
+    """A CA and a serving certificate for `ip` (or the DNS name `dns`) signed by it: (ca.crt, tls.crt, tls.key)."""
     _openssl(
         "req",
         "-x509",
@@ -96,10 +96,11 @@ def make_certs(folder: Path, ip: str = "127.0.0.1") -> tuple[Path, Path, Path]:
         "-out",
         "tls.csr",
         "-subj",
-        f"/CN={ip}",
+        f"/CN={dns or ip}",
         cwd=folder,
     )
-    (folder / "san.ext").write_text(f"subjectAltName=IP:{ip}\nextendedKeyUsage=serverAuth\n")
+    san = f"DNS:{dns}" if dns else f"IP:{ip}"
+    (folder / "san.ext").write_text(f"subjectAltName={san}\nextendedKeyUsage=serverAuth\n")
     _openssl(
         "x509",
         "-req",
@@ -134,7 +135,7 @@ def _serving(port: int, ca: Path) -> bool:
 
 
 @pytest.fixture
-def webhook_operator(k8s_crd: ControlPlane, tmp_path: Path) -> Iterator[tuple[str, str]]:
+def webhook_operator(k8s_crd: ControlPlane, tmp_path: Path) -> Iterator[tuple[str, Callable[[], str]]]:
     """The operator with its webhook on a free port, watching one fresh namespace, and a
     ValidatingWebhookConfiguration (limited to that namespace) pointing at it by URL."""
     ca, cert, key = make_certs(tmp_path)

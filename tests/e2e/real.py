@@ -1,0 +1,234 @@
+"""The scenarios' world on real nodes (devcluster/realnodes.py): the operator installed with `helm install`
+from charts/sgdjob-operator as a Deployment running the project's `sgdjob/operator:dev` image (non-root,
+read-only root filesystem, liveness probe), its validating webhook reached by the API server through the
+webhook's Service with a certificate made here, and workers from `sgdjob/trainer:dev`.
+
+The local cluster has no GPUs: every node advertises `nvidia.com/gpu: 1` as an extended resource (the
+documented PATCH of the node's status), so the scheduler places one-GPU workers as on a GPU cluster.
+Checkpoints live in a host folder that every node mounts as a hostPath volume at the same path: the
+nodes share the host's filesystem, as pods on a real cluster would share a network volume.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from devcluster.images import ImageBuilder
+from devcluster.kube import KubeApi, KubeError
+from devcluster.realnodes import RealCluster
+from devcluster.testing import Obj, new_namespace, wait_for
+from tests.e2e.helpers import Env, sgdjob_manifest
+from tests.packaging.test_chart import CHART, _helm
+from tests.packaging.test_webhook import make_certs
+
+RELEASE, OPERATOR_NS = "sgdjob-operator", "sgdjob-system"  # fullname = the release name
+OPERATOR_LABELS = f"app.kubernetes.io/instance={RELEASE}"
+GPUS_PER_NODE = 1
+DEV_VALUES = Path(__file__).resolve().parents[2] / "devcluster" / "helm-values.yaml"
+
+
+def advertise_gpus(kube: KubeApi, nodes: list[str], count: int = GPUS_PER_NODE) -> None:
+    for node in nodes:
+        patch = [{"op": "add", "path": "/status/capacity/nvidia.com~1gpu", "value": str(count)}]
+        kube.patch(f"/api/v1/nodes/{node}/status", patch, kind="json")
+    wait_for(
+        lambda: all(
+            n["status"].get("allocatable", {}).get("nvidia.com/gpu") == str(count)
+            for n in kube.get("/api/v1/nodes")["items"]
+        ),
+        60,
+        "nvidia.com/gpu allocatable on every node",
+    )
+
+
+def helm(cluster: RealCluster, *args: str, timeout: float = 400) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run(
+        [_helm(), "--kubeconfig", str(cluster.kubeconfig), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    assert result.returncode == 0, f"helm {' '.join(args[:2])}: {result.stdout}\n{result.stderr}"
+    return result
+
+
+@dataclass
+class RealOperator:
+    """The Helm release's operator pod on the real cluster."""
+
+    cluster: RealCluster
+    kube: KubeApi
+    timings: dict[str, float]
+
+    def pod(self) -> Obj | None:
+        """The running, ready operator pod (None while there is none)."""
+        for pod in self.kube.get(f"/api/v1/namespaces/{OPERATOR_NS}/pods", labelSelector=OPERATOR_LABELS)["items"]:
+            ready = any(c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions", []))
+            if ready and not pod["metadata"].get("deletionTimestamp"):
+                return dict(pod)
+        return None
+
+    def restarts(self) -> int:
+        pod = wait_for(self.pod, 120, "a ready operator pod")
+        return sum(int(c.get("restartCount", 0)) for c in pod["status"].get("containerStatuses", []))
+
+    def host_pids(self, pod: Obj) -> list[int]:
+        """The operator container's processes as the host sees them (its pod's cgroup)."""
+        tag = f"pod{pod['metadata']['uid']}"
+        found = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                if tag in (entry / "cgroup").read_text() and b"operator" in (entry / "cmdline").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+        return found
+
+    def crash(self, down_s: float = 3.0) -> None:
+        """SIGKILL the operator's process from the host, as the kernel's OOM killer would; the kubelet
+        restarts the container (restartPolicy Always). Returns once the restarted one is ready."""
+        pod = wait_for(self.pod, 120, "a ready operator pod")
+        before = self.restarts()
+        pids = self.host_pids(pod)
+        assert pids, f"no process of operator pod {pod['metadata']['name']} found on the host"
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+        time.sleep(down_s)
+        wait_for(lambda: self.pod() and self.restarts() > before, 180, "the operator container restarted and ready")
+
+    def logs(self, tail: int = 80) -> str:
+        result = self.cluster.kubectl(
+            "logs", "-n", OPERATOR_NS, "-l", OPERATOR_LABELS, f"--tail={tail}", "--all-containers", check=False
+        )
+        return result.stdout + result.stderr
+
+
+def install_operator(cluster: RealCluster, workdir: Path, resync_s: int = 3) -> RealOperator:
+    """Build (cached) and import the project's images, advertise GPUs, and `helm install` the chart with
+    its webhook on; returns once the operator pod is ready and its webhook answers through the Service."""
+    timings: dict[str, float] = {}
+    t0 = time.monotonic()
+    builder = ImageBuilder()
+    images = [builder.project("operator"), builder.project("trainer")]
+    timings["image builds"] = round(time.monotonic() - t0, 1)
+    t1 = time.monotonic()
+    cluster.import_images(images)
+    timings["image imports"] = round(time.monotonic() - t1, 1)
+    kube = cluster.kube()
+    advertise_gpus(kube, cluster.node_names())
+    certs = workdir / "webhook-certs"
+    certs.mkdir(parents=True, exist_ok=True)
+    ca, crt, key = make_certs(certs, dns=f"{RELEASE}-webhook.{OPERATOR_NS}.svc")
+    cluster.kubectl("create", "namespace", OPERATOR_NS)
+    cluster.kubectl(
+        "create", "secret", "tls", "webhook-tls", "-n", OPERATOR_NS, f"--cert={crt}", f"--key={key}"
+    )  # fmt: skip
+    t2 = time.monotonic()
+    # On top of the README's values for this cluster (the images `up` imports).
+    values = {
+        # A short resync, as the process-node scenarios run the operator: the tests wait less.
+        "extraArgs": ["--resync", str(resync_s)],
+        "webhook": {
+            "enabled": True,
+            "certSecret": "webhook-tls",
+            "caBundle": base64.b64encode(ca.read_bytes()).decode(),
+        },
+    }
+    (workdir / "values.json").write_text(json.dumps(values))
+    helm(
+        cluster, "install", RELEASE, str(CHART), "-n", OPERATOR_NS,
+        "-f", str(DEV_VALUES), "-f", str(workdir / "values.json"),
+        "--wait", "--timeout", "5m",
+    )  # fmt: skip
+    op = RealOperator(cluster, kube, timings)
+    wait_for(op.pod, 120, "the operator pod ready")
+    # Ready is the liveness port; the webhook's Service may trail it by a moment (endpoints, kube-proxy).
+    wait_for(lambda: _webhook_answers(cluster), 120, "the webhook answering through its Service")
+    timings["helm install to ready"] = round(time.monotonic() - t2, 1)
+    return op
+
+
+def _webhook_answers(cluster: RealCluster) -> bool:
+    """A server-side dry run of a cross-field-invalid job is refused by the webhook (not by a timeout)."""
+    job = json.loads(sgdjob_manifest("probe", steps=1, checkpoint_dir="/tmp", replicas=2, min_replicas=3))
+    result = cluster.kubectl(
+        "apply", "-n", "default", "--dry-run=server", "-f", "-", input_text=json.dumps(job), check=False
+    )
+    return result.returncode != 0 and "minReplicas" in result.stderr and "validate.sgdjob.dev" in result.stderr
+
+
+@dataclass
+class RealEnv(Env):
+    """A namespace on the real cluster, watched by the Helm-installed operator (all namespaces)."""
+
+    cluster: RealCluster
+    kube: KubeApi
+    ns: str
+    operator: RealOperator
+    tmp: Path
+
+    def kubectl(
+        self, *args: str, check: bool = True, input_text: str | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        return self.cluster.kubectl(*args, check=check, input_text=input_text)
+
+    def manifest(self, name: str, *, checkpoint_dir: str, **kwargs: Any) -> str:
+        # The trainer runs as uid 10001; the folder is the host's, mounted into every worker.
+        Path(checkpoint_dir).mkdir(parents=True, exist_ok=True)
+        Path(checkpoint_dir).chmod(0o777)
+        job = json.loads(sgdjob_manifest(name, checkpoint_dir=checkpoint_dir, **kwargs))
+        spec = job["spec"]["template"].setdefault("spec", {})
+        spec.setdefault("volumes", []).append(
+            {"name": "checkpoints", "hostPath": {"path": checkpoint_dir, "type": "Directory"}}
+        )
+        for container in spec.get("containers", []):
+            if container["name"] == "trainer":
+                mounts = container.setdefault("volumeMounts", [])
+                mounts.append({"name": "checkpoints", "mountPath": checkpoint_dir})
+        return json.dumps(job, indent=1)
+
+    def logs(self, pod: str) -> str:
+        return self.cluster.kubectl("logs", "-n", self.ns, pod, check=False).stdout
+
+    def pod_json(self, pod: Obj, port: int, path: str) -> Obj | None:
+        # Through the API server's pod proxy: the pod network is not reachable from the host.
+        name = pod["metadata"]["name"]
+        try:
+            doc = KubeApi(self.cluster.kubeconfig, timeout=3).get(
+                f"/api/v1/namespaces/{self.ns}/pods/{name}:{port}/proxy{path}"
+            )
+        except (KubeError, ValueError):
+            return None
+        return doc if isinstance(doc, dict) else None
+
+    def crash_operator(self, down_s: float = 3.0) -> None:
+        self.operator.crash(down_s)
+
+
+@contextmanager
+def real_scenario_env(cluster: RealCluster, operator: RealOperator, prefix: str, tmp: Path) -> Iterator[RealEnv]:
+    """A fresh namespace; on exit its SGDJobs are deleted and their pods waited out."""
+    kube = cluster.kube()
+    ns = new_namespace(kube, prefix)
+    try:
+        yield RealEnv(cluster, kube, ns, operator, tmp)
+    finally:
+        cluster.kubectl("delete", "sgdjobs", "--all", "-n", ns, "--wait=false", check=False)
+        try:
+            wait_for(lambda: not kube.get(f"/api/v1/namespaces/{ns}/pods")["items"], 90, f"pods in {ns} gone")
+        finally:
+            print(f"--- operator log tail ---\n{operator.logs()}")
+            cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
