@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from devcluster import clusterdns
+from devcluster import clusterdns, realconf
+from devcluster.realconf import Layout
 
 
 def _svc(ns: str, name: str, cluster_ip: str, **spec: Any) -> dict[str, Any]:
@@ -85,3 +86,14 @@ def test_hosts_file_is_replaced_only_when_it_changes(tmp_path: Path) -> None:
     assert not clusterdns.write_if_changed(tmp_path, "a\n") and (tmp_path / "hosts").stat().st_mtime_ns == mtime
     assert clusterdns.write_if_changed(tmp_path, "b\n") and (tmp_path / "hosts").read_text() == "b\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hosts"]
+
+
+def test_kubelets_point_pods_at_the_cluster_dns(tmp_path: Path) -> None:
+    lay = Layout(tmp_path, nodes=2)
+    kubelet = realconf.kubelet_argv(Path("/b"), lay, 1)
+    assert "--cluster-dns=10.250.0.1" in kubelet and "--cluster-domain=cluster.local" in kubelet
+    dnsmasq = realconf.dnsmasq_argv(lay)
+    assert "--listen-address=10.250.0.1" in dnsmasq and f"--hostsdir={lay.dns_dir}" in dnsmasq
+    assert "--conf-file=/dev/null" in dnsmasq and "--no-resolv" in dnsmasq
+    feeder = realconf.clusterdns_argv("python3", lay)
+    assert Path(feeder[1]).is_file() and f"--out={lay.dns_dir}" in feeder
