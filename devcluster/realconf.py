@@ -4,14 +4,16 @@ Nothing here touches the machine, so the rules can be read (and unit-tested) in 
 
 Network layout, all of it inside network namespaces this tool creates (the host gets nothing):
 
-    netns <p>-fabric   bridge fab0 10.250.0.1/24: etcd, the API server, controller-manager, scheduler
+    netns <p>-fabric   bridge fab0 10.250.0.1/24: etcd, the API server, controller-manager, scheduler,
+                       cluster DNS (dnsmasq on 10.250.0.1:53, fed by devcluster/clusterdns.py)
        |  veth vn<i> (fabric side, on fab0) <-> eth0 (node side)
     netns <p>-node-<i> eth0 10.250.0.<10+i>/24, bridge cni0 10.244.<i>.1/24 (pods, CNI bridge plugin),
                        containerd, kubelet, kube-proxy; routes: 10.244.<j>.0/24 via node j, default via
                        the fabric (which has no uplink: anything else is unreachable at once)
 
 Services are 10.96.0.0/16 (kube-proxy iptables rules in each node namespace). The fabric routes the
-pod CIDRs to their nodes, so the API server reaches pods (webhooks) and kubelets (logs, exec).
+pod CIDRs to their nodes, so the API server reaches pods (webhooks) and kubelets (logs, exec), and
+pods reach the cluster DNS on 10.250.0.1 (their default route leads to the fabric through their node).
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ FABRIC_BRIDGE = "fab0"
 CLUSTER_CIDR = "10.244.0.0/16"
 SERVICE_CIDR = "10.96.0.0/16"
 API_PORT = 6443
+DNS_IP = FABRIC_IP  # the kubelets' --cluster-dns: every pod's nameserver
+CLUSTER_DOMAIN = "cluster.local"
 PAUSE_IMAGE = "k8s.gcr.io/pause:3.2"
 CNI_BIN = Path("/usr/lib/cni")  # Debian's containernetworking-plugins
 MAX_NODES = 200  # node i is 10.250.0.<10+i> and 10.244.<i>.0/24
@@ -95,6 +99,16 @@ class Layout:
     @property
     def plane_dir(self) -> Path:
         return self.workdir / "plane"
+
+    @property
+    def incluster_kubeconfig(self) -> Path:
+        """The admin kubeconfig for use inside the cluster's namespaces (https://10.250.0.1:6443)."""
+        return self.etc / "admin-fabric.kubeconfig"
+
+    @property
+    def dns_dir(self) -> Path:
+        """The hosts file(s) dnsmasq serves (--hostsdir), written by the clusterdns feeder."""
+        return self.workdir / "dns"
 
     def node_dir(self, i: int) -> Path:
         return self.workdir / "nodes" / self.node_name(i)
@@ -277,6 +291,10 @@ def kubelet_argv(bin_dir: Path, layout: Layout, i: int) -> list[str]:
         f"--hostname-override={layout.node_name(i)}",
         f"--node-ip={layout.node_ip(i)}",
         f"--pod-cidr={layout.pod_cidr(i)}",
+        f"--cluster-dns={DNS_IP}",
+        f"--cluster-domain={CLUSTER_DOMAIN}",
+        # Only for dnsPolicy Default (and hostNetwork) pods, which get the node's resolver: as on most
+        # clusters it knows no cluster names, and (no uplink) it fails every lookup at once.
         f"--resolv-conf={layout.etc / 'resolv.conf'}",
         f"--pod-infra-container-image={PAUSE_IMAGE}",
         "--read-only-port=0",
@@ -292,6 +310,36 @@ def kubelet_argv(bin_dir: Path, layout: Layout, i: int) -> list[str]:
         "--eviction-hard=memory.available<100Mi",
         "--max-pods=50",
         "--v=1",
+    ]
+
+
+def dnsmasq_argv(layout: Layout) -> list[str]:
+    """The cluster DNS: names under cluster.local from the feeder's hosts files, nothing else."""
+    return [
+        "dnsmasq",
+        "--keep-in-foreground",
+        "--conf-file=/dev/null",  # never the host's /etc/dnsmasq.conf
+        "--no-resolv",  # no upstream (there is no uplink): other names are REFUSED at once
+        "--no-hosts",
+        "--bind-interfaces",
+        f"--listen-address={DNS_IP}",
+        f"--local=/{CLUSTER_DOMAIN}/",  # unknown cluster names are NXDOMAIN, never forwarded
+        # Re-read through inotify when the feeder renames a new file in; removed records go too.
+        f"--hostsdir={layout.dns_dir}",
+        "--user=root",  # the workdir may be private to root (pytest's tmp folders are 0700)
+        "--pid-file=",  # none: RealCluster keeps the pid
+        "--log-facility=-",  # stderr, i.e. the cluster's logs/dnsmasq.log
+    ]
+
+
+def clusterdns_argv(python: str, layout: Layout) -> list[str]:
+    """The feeder, as a script (standard library only): the daemons' cwd is not the checkout."""
+    return [
+        python,
+        str(Path(__file__).with_name("clusterdns.py")),
+        f"--kubeconfig={layout.incluster_kubeconfig}",
+        f"--out={layout.dns_dir}",
+        f"--domain={CLUSTER_DOMAIN}",
     ]
 
 

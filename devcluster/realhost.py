@@ -29,8 +29,10 @@ from devcluster.proctree import alive
 log = logging.getLogger("devcluster.realnodes")
 
 CGROUP_V1 = Path("/sys/fs/cgroup")
-APT_PACKAGES = ("containerd", "runc", "containernetworking-plugins", "iptables", "conntrack")
-COMMANDS = ("containerd", "containerd-shim-runc-v2", "ctr", "runc", "iptables", "conntrack", "nsenter", "unshare")
+APT_PACKAGES = ("containerd", "runc", "containernetworking-plugins", "iptables", "conntrack", "dnsmasq-base")
+COMMANDS = (
+    "containerd", "containerd-shim-runc-v2", "ctr", "runc", "iptables", "conntrack", "nsenter", "unshare", "dnsmasq",
+)  # fmt: skip
 CNI_PLUGINS = ("bridge", "host-local", "portmap", "loopback")
 # The kubelet's desired kernel tunables (pkg/kubelet/cm/container_manager_linux.go, v1.20).
 KUBELET_TUNABLES = {
@@ -53,7 +55,7 @@ def missing_host_tools(cni_bin: Path) -> list[str]:
 
 
 def ensure_packages(cni_bin: Path, install: bool = True) -> None:
-    """apt-get install what is missing (containerd, runc, CNI plugins, iptables, conntrack)."""
+    """apt-get install what is missing (containerd, runc, CNI plugins, iptables, conntrack, dnsmasq)."""
     if not missing_host_tools(cni_bin):
         return
     if not install:

@@ -36,6 +36,11 @@ from devcluster.realconf import Layout
 
 log = logging.getLogger("devcluster.realnodes")
 NICE = ["nice", "-n", "19"]
+# One at a time, in this order: an API server whose etcd is gone hangs in its shutdown until SIGKILL,
+# and the DNS feeder would log failed listings once the API server is gone.
+PLANE_STOP_ORDER = (
+    "kube-scheduler", "kube-controller-manager", "clusterdns", "dnsmasq", "nsproxy", "kube-apiserver", "etcd",
+)  # fmt: skip
 NODE_BINARIES = ("kubelet", "kube-proxy", "kube-controller-manager", "kube-scheduler")
 
 
@@ -61,7 +66,7 @@ class RealCluster:
     @property
     def incluster_kubeconfig(self) -> Path:
         """The admin kubeconfig for use inside the cluster's namespaces (https://10.250.0.1:6443)."""
-        return self.layout.etc / "admin-fabric.kubeconfig"
+        return self.layout.incluster_kubeconfig
 
     def kube(self) -> KubeApi:
         return KubeApi(self.kubeconfig)
@@ -150,7 +155,7 @@ class RealCluster:
 
     def _write_files(self) -> None:
         lay = self.layout
-        for d in (lay.etc, lay.logs, lay.plane_dir / "certs"):
+        for d in (lay.etc, lay.logs, lay.plane_dir / "certs", lay.dns_dir):
             d.mkdir(parents=True, exist_ok=True)
         etc = lay.etc
         subprocess.run(["openssl", "genrsa", "-out", str(etc / "sa.key"), "2048"], check=True, capture_output=True)
@@ -166,8 +171,8 @@ class RealCluster:
             _private(etc / f"{name}.kubeconfig", kubeconfig_text(lay.api_server, user, tokens[name]))
         _private(self.kubeconfig, kubeconfig_text(f"https://127.0.0.1:{self.api_port}", "admin", tokens["admin"]))
         _private(self.incluster_kubeconfig, kubeconfig_text(lay.api_server, "admin", tokens["admin"]))
-        # Pods resolve only /etc/hosts names (no cluster DNS yet); a DNS query to the pod's own
-        # loopback fails at once instead of waiting for a server that is not there.
+        # The node's resolver, for dnsPolicy Default pods: a query to their own loopback fails at
+        # once instead of waiting for a server that is not there.
         (etc / "resolv.conf").write_text("nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")
         self.created += [str(p) for p in (Path("/var/lib/cni"),) if realhost.ensure_mountpoint(p)]
         for i in range(lay.nodes):
@@ -211,6 +216,8 @@ class RealCluster:
         self._spawn("kube-apiserver", realconf.apiserver_argv(bin_dir, lay), [*fab, *NICE])
         self._wait(self._api_ready, timeout, "the API server")
         self._mark("api ready")
+        self._spawn("dnsmasq", realconf.dnsmasq_argv(lay), [*fab, *NICE])
+        self._spawn("clusterdns", realconf.clusterdns_argv(sys.executable, lay), [*fab, *NICE])
         self._spawn("kube-controller-manager", realconf.controller_manager_argv(bin_dir, lay), [*fab, *NICE])
         self._spawn("kube-scheduler", realconf.scheduler_argv(bin_dir, lay), [*fab, *NICE])
 
@@ -293,8 +300,7 @@ class RealCluster:
         realhost.kill_cgroup(lay.cgroup_root)  # the containers
         self._terminate([f"{n}.containerd" for n in nodes], 15)
         log.info("nodes stopped after %.1f s", time.monotonic() - t0)
-        # One at a time: an API server whose etcd is gone hangs in its shutdown until SIGKILL.
-        for name in ("kube-scheduler", "kube-controller-manager", "nsproxy", "kube-apiserver", "etcd"):
+        for name in PLANE_STOP_ORDER:
             self._terminate([name], 15)
         log.info("control plane stopped after %.1f s", time.monotonic() - t0)
         # Whatever is left in our namespaces: containerd shims, the holders, anything stuck.

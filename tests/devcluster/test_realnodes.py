@@ -134,6 +134,79 @@ def test_pods_on_two_nodes_talk_directly_through_a_service_and_to_the_api(real_c
     real_cluster.kubectl("delete", "namespace", ns, "--wait=false")
 
 
+DNS_CLIENT = """
+import json, socket, sys, time
+ns = sys.argv[1]
+
+def resolve(name, wait):
+    # The feeder lists every 0.5 s and an endpoint appears once its pod runs: retry cluster names.
+    t0 = time.monotonic()
+    while True:
+        t = time.monotonic()
+        try:
+            ips = sorted({a[4][0] for a in socket.getaddrinfo(name, 80, socket.AF_INET, socket.SOCK_STREAM)})
+            return {"ips": ips, "s": round(time.monotonic() - t, 3), "waited": round(t - t0, 1)}
+        except socket.gaierror as err:
+            if time.monotonic() - t0 > wait:
+                return {"error": str(err), "s": round(time.monotonic() - t, 3), "waited": round(t - t0, 1)}
+        time.sleep(0.2)
+
+out = {"resolv.conf": open("/etc/resolv.conf").read()}
+names = ["web", f"web.{ns}", f"web.{ns}.svc", f"web.{ns}.svc.cluster.local", f"quick.{ns}",
+         f"quick-rdzv.quick.{ns}.svc", "kubernetes.default", "kubernetes.default.svc.cluster.local"]
+for name in names:
+    out[name] = resolve(name, 60)
+for name in ("example.com", "nothing-here"):
+    out[name] = resolve(name, 0)
+print(json.dumps(out), flush=True)
+print("waiting for late", flush=True)
+print(json.dumps({"late": resolve(f"late.{ns}", 60), "at": time.time()}), flush=True)
+"""
+
+
+def test_pods_resolve_services_and_pods_through_the_cluster_dns(real_cluster: RealCluster) -> None:
+    kube: KubeApi = real_cluster.kube()
+    ns = new_namespace(kube, "dns")
+    _apply(real_cluster, ns, _service("quick", {"app": "quick"}, 29400, headless=True))
+    _apply(real_cluster, ns, _service("web", {"app": "quick"}, 80))
+    sleep = ["python3", "-c", "import time; time.sleep(3600)"]
+    _apply(real_cluster, ns, _pod("quick-rdzv", "node-0", sleep, labels={"app": "quick"}, subdomain="quick"))
+    t0 = time.monotonic()
+    _apply(real_cluster, ns, _pod("client", "node-1", ["python3", "-c", DNS_CLIENT, ns]))
+    logs = wait_for(lambda: _logs_with(real_cluster, ns, "client", "waiting for late"), 120, "the client's lookups")
+    TIMINGS["dns client create -> lookups done (s)"] = round(time.monotonic() - t0, 1)
+    created = time.time()
+    _apply(real_cluster, ns, _service("late", {"app": "none"}, 80))
+    done = wait_for(lambda: phase_in(kube, ns, "client", "Succeeded", "Failed"), 90, "the late Service's lookup")
+    logs = real_cluster.kubectl("logs", "-n", ns, "client").stdout
+    assert done["status"]["phase"] == "Succeeded", logs
+    found = json.loads(logs.splitlines()[0])
+    TIMINGS["dns lookups (s, waited)"] = {k: [v.get("s"), v.get("waited")] for k, v in found.items() if k[0] != "r"}
+    assert "nameserver 10.250.0.1" in found["resolv.conf"] and f"search {ns}.svc.cluster.local" in found["resolv.conf"]
+    svc = kube.get(f"/api/v1/namespaces/{ns}/services/web")["spec"]["clusterIP"]
+    rdzv = kube.get(pod_path(ns, "quick-rdzv"))["status"]["podIP"]
+    assert rdzv.startswith("10.244.0."), rdzv  # on node-0, the client on node-1
+    for name in ("web", f"web.{ns}", f"web.{ns}.svc", f"web.{ns}.svc.cluster.local"):
+        assert found[name].get("ips") == [svc], (name, found)
+    for name in (f"quick.{ns}", f"quick-rdzv.quick.{ns}.svc"):
+        assert found[name].get("ips") == [rdzv], (name, found)
+    api = kube.get("/api/v1/namespaces/default/services/kubernetes")["spec"]["clusterIP"]
+    assert found["kubernetes.default"].get("ips") == found["kubernetes.default.svc.cluster.local"].get("ips") == [api]
+    for name in ("example.com", "nothing-here"):  # no uplink: an error at once, never a timeout
+        assert "error" in found[name] and found[name]["s"] < 0.5, (name, found)
+    late = json.loads(logs.splitlines()[2])
+    late_ip = kube.get(f"/api/v1/namespaces/{ns}/services/late")["spec"]["clusterIP"]
+    assert late["late"].get("ips") == [late_ip], late
+    TIMINGS["dns: Service created -> resolved in a pod (s)"] = round(late["at"] - created, 2)
+    assert late["at"] - created < 5, late
+    real_cluster.kubectl("delete", "namespace", ns, "--wait=false")
+
+
+def _logs_with(cluster: RealCluster, ns: str, pod: str, text: str) -> str | None:
+    logs = cluster.kubectl("logs", "-n", ns, pod, check=False).stdout
+    return logs if text in logs else None
+
+
 def test_project_images_run_on_the_nodes(real_cluster: RealCluster) -> None:
     """The Dockerfile's two targets, built with buildah (cached by their sources), run as pods."""
     builder = ImageBuilder()
@@ -163,21 +236,27 @@ def _pod(
     labels: dict[str, str] | None = None,
     ready_port: int | None = None,
     restart: str = "Never",
+    subdomain: str | None = None,
 ) -> dict[str, object]:
     container: dict[str, object] = {"name": "main", "image": image, "imagePullPolicy": "Never", "command": command}
     if ready_port:
         container["readinessProbe"] = {"tcpSocket": {"port": ready_port}, "periodSeconds": 1}
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": name, "labels": labels or {}},
-        "spec": {
-            "nodeSelector": {"kubernetes.io/hostname": node},
-            "restartPolicy": restart,
-            "terminationGracePeriodSeconds": 2,
-            "containers": [container],
-        },
+    spec: dict[str, object] = {
+        "nodeSelector": {"kubernetes.io/hostname": node},
+        "restartPolicy": restart,
+        "terminationGracePeriodSeconds": 2,
+        "containers": [container],
     }
+    if subdomain:  # <name>.<subdomain>.<ns>.svc names the pod, through a headless Service <subdomain>
+        spec.update(hostname=name, subdomain=subdomain)
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": labels or {}}, "spec": spec}
+
+
+def _service(name: str, selector: dict[str, str], port: int, *, headless: bool = False) -> dict[str, object]:
+    spec: dict[str, object] = {"selector": selector, "ports": [{"port": port}]}
+    if headless:  # as the operator's: the rendezvous pod is named before it is ready
+        spec.update(clusterIP="None", publishNotReadyAddresses=True)
+    return {"apiVersion": "v1", "kind": "Service", "metadata": {"name": name}, "spec": spec}
 
 
 def _apply(cluster: RealCluster, ns: str, obj: dict[str, object]) -> None:
