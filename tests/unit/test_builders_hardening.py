@@ -25,7 +25,12 @@ def _pods(template_spec: dict[str, Any] | None = None) -> list[dict[str, Any]]:
 
 
 def test_default_pods_are_restricted_and_have_no_api_access() -> None:
-    for pod in _pods():
+    worker, rdzv = _pods()
+    # A non-root trainer reads the control token (a root-owned 0400 file) through the volume's group;
+    # without it /control stays disabled and no mode switch ever reaches the workers.
+    assert worker["securityContext"].pop("fsGroup") == 10001 and "fsGroup" not in rdzv["securityContext"]
+    assert _pods({"securityContext": {"fsGroup": 2000}})[0]["securityContext"]["fsGroup"] == 2000
+    for pod in (worker, rdzv):
         sc = pod["containers"][0]["securityContext"]
         assert pod["securityContext"] == {"seccompProfile": {"type": "RuntimeDefault"}, "runAsNonRoot": True}
         assert sc == {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
@@ -58,6 +63,7 @@ def test_the_template_wins_where_it_speaks() -> None:
     assert worker["securityContext"] == {
         "runAsUser": 0,
         "seccompProfile": {"type": "Unconfined"},
+        "fsGroup": 10001,
     }  # no runAsNonRoot against runAsUser 0
     assert worker["automountServiceAccountToken"] is True
     sc = worker["containers"][0]["securityContext"]

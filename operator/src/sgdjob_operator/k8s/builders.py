@@ -44,6 +44,7 @@ ROLE_WORKER = "worker"
 ROLE_RDZV = "rendezvous"
 CONTAINER = "trainer"
 RDZV_PORT = 29400
+TOKEN_GROUP = 10001  # the trainer image's group (Dockerfile: useradd --uid 10001)
 CONFIG_DIR = "/etc/sgdjob/config"
 CONFIG_FILE = "run-config.json"
 TOKEN_DIR = "/etc/sgdjob/control"
@@ -311,6 +312,10 @@ def build_worker_pod(
     # would overwrite torchrun's and the trainer's environment contract.
     pod_spec.setdefault("enableServiceLinks", False)
     harden(pod_spec, main, non_root=main["image"] == default_image)
+    # The control token's file is mode 0400 and root's: a trainer running as a non-root user (the
+    # project's image: 10001) reads it only through the group the kubelet gives the volume (fsGroup,
+    # which the container's processes get as a supplementary group), else /control stays disabled.
+    pod_spec["securityContext"].setdefault("fsGroup", TOKEN_GROUP)
     pod_spec.update(group_fields)
     pod_spec["hostname"] = name
     pod_spec["subdomain"] = job.service
