@@ -1,7 +1,8 @@
 """Monitoring on real nodes as a cluster user sets it up: Debian's Prometheus, inside the cluster's network
-(the fabric namespace, which routes to every pod), discovers the operator and the worker pods through the
-Kubernetes API by the `prometheus.io/*` annotations the chart and the operator put on them, scrapes them
-over the pod network, and evaluates the chart's PrometheusRule alerts. A job with a persistent emulated
+(the fabric namespace, which routes to every pod), finds the operator and the worker pods by the
+`prometheus.io/*` annotations the chart and the operator put on them (file-based discovery fed from the
+API: Debian builds Prometheus without its Kubernetes discovery), scrapes them over the pod network, and
+evaluates the chart's PrometheusRule alerts. A job with a persistent emulated
 straggler (the policy may not act) must show up as a straggler and as its mode, from the operator's and
 from the workers' own series.
 """
@@ -12,6 +13,7 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
@@ -35,28 +37,28 @@ JOB = "watched"
 PROM_PORT = 9091  # on the fabric namespace's loopback
 
 
-def _annotated_pods(kubeconfig: Path) -> dict[str, Any]:
-    """The usual annotation-driven pod job (as in Prometheus's example Kubernetes configuration), plus
-    the labels the chart's PodMonitor adds, which the dashboard and the alert rules select on."""
-    return {
-        "job_name": "kubernetes-pods",
-        "scrape_interval": "2s",
-        "kubernetes_sd_configs": [{"role": "pod", "kubeconfig_file": str(kubeconfig)}],
-        "relabel_configs": [
-            {"source_labels": ["__meta_kubernetes_pod_annotation_prometheus_io_scrape"], "action": "keep",
-             "regex": "true"},
-            {"source_labels": ["__meta_kubernetes_pod_annotation_prometheus_io_path"], "target_label":
-             "__metrics_path__", "regex": "(.+)"},
-            {"source_labels": ["__address__", "__meta_kubernetes_pod_annotation_prometheus_io_port"],
-             "regex": r"([^:]+)(?::\d+)?;(\d+)", "replacement": "$1:$2", "target_label": "__address__"},
-            {"source_labels": ["__meta_kubernetes_namespace"], "target_label": "namespace"},
-            {"source_labels": ["__meta_kubernetes_pod_name"], "target_label": "pod"},
-            {"source_labels": ["__meta_kubernetes_pod_label_sgdjob_dev_job_name"], "regex": "(.+)",
-             "target_label": "sgdjob_job"},
-            {"source_labels": ["__meta_kubernetes_pod_label_sgdjob_dev_job_name", "__meta_kubernetes_namespace"],
-             "regex": "(.+);(.+)", "replacement": "$2", "target_label": "sgdjob_namespace"},
-        ],
-    }  # fmt: skip
+def annotated_targets(pods: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """file_sd target groups from pods, by the rules of the usual annotation-driven pod job (Prometheus's
+    example Kubernetes configuration: `prometheus.io/scrape`, `/port`, `/path`) plus the labels the
+    chart's PodMonitor adds to worker series (sgdjob_namespace, sgdjob_job), which the dashboard and
+    the alert rules select on. Debian's Prometheus is built without Kubernetes service discovery, so
+    the test lists the pods itself and hands Prometheus the result as a file, as the SD would."""
+    groups = []
+    for pod in pods:
+        meta, status = pod["metadata"], pod.get("status") or {}
+        notes = meta.get("annotations") or {}
+        if notes.get("prometheus.io/scrape") != "true" or not status.get("podIP") or status.get("phase") != "Running":
+            continue
+        labels = {
+            "__metrics_path__": notes.get("prometheus.io/path", "/metrics"),
+            "namespace": meta["namespace"],
+            "pod": meta["name"],
+        }
+        job = (meta.get("labels") or {}).get("sgdjob.dev/job-name")
+        if job:
+            labels |= {"sgdjob_namespace": meta["namespace"], "sgdjob_job": job}
+        groups.append({"targets": [f"{status['podIP']}:{notes['prometheus.io/port']}"], "labels": labels})
+    return sorted(groups, key=lambda g: str(g["targets"]))
 
 
 class Prometheus:
@@ -71,8 +73,15 @@ class Prometheus:
         config = {
             "global": {"scrape_interval": "2s", "evaluation_interval": "2s"},
             "rule_files": ["rules.yaml"],
-            "scrape_configs": [_annotated_pods(cluster.incluster_kubeconfig)],
+            "scrape_configs": [
+                {
+                    "job_name": "kubernetes-pods",
+                    "file_sd_configs": [{"files": ["targets.json"], "refresh_interval": "2s"}],
+                }
+            ],
         }
+        self.kube, self.targets, self.discovered = cluster.kube(), folder / "targets.json", 0.0
+        self.discover()
         (folder / "prometheus.yml").write_text(yaml.safe_dump(config))
         fabric = str(realnet.ns_path(cluster.layout.fabric_ns))
         argv = [*realnet.enter(cluster.layout.fabric_ns), binary, "--config.file=prometheus.yml"]
@@ -88,6 +97,15 @@ class Prometheus:
         )  # fmt: skip
         self.base = f"http://127.0.0.1:{port}"
 
+    def discover(self) -> None:
+        """One pass of discovery: the file is replaced only when the targets changed."""
+        self.discovered = time.monotonic()
+        text = json.dumps(annotated_targets(self.kube.get("/api/v1/pods")["items"]), indent=1)
+        if not self.targets.exists() or self.targets.read_text() != text:
+            tmp = self.targets.with_suffix(".tmp")
+            tmp.write_text(text)
+            tmp.replace(self.targets)
+
     def ready(self) -> bool:
         if self.proc.poll() is not None:
             raise RuntimeError(f"prometheus exited with {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
@@ -98,6 +116,8 @@ class Prometheus:
             return False
 
     def query(self, promql: str) -> list[dict[str, Any]]:
+        if time.monotonic() - self.discovered > 1.0:  # the tests poll through here: discovery goes on
+            self.discover()
         url = f"{self.base}/api/v1/query?" + urllib.parse.urlencode({"query": promql})
         with urllib.request.urlopen(url, timeout=5) as resp:
             body = json.loads(resp.read())

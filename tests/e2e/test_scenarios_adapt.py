@@ -51,6 +51,14 @@ def env(
         yield e
 
 
+@pytest.fixture(autouse=True)
+def _nothing_left(env: Env) -> Iterator[None]:
+    """A scenario that fails midway still frees the nodes' GPUs for the next one."""
+    yield
+    env.kubectl("delete", "sgdjobs", "--all", "-n", env.ns, "--wait=false", check=False)
+    wait_for(lambda: not env.kube.get(f"/api/v1/namespaces/{env.ns}/pods")["items"], 90, f"pods in {env.ns} gone")
+
+
 def live_workers(e: Env, job: str, n: int) -> list[Obj] | None:
     pods = [p for p in worker_pods(e.kube, e.ns, job) if not p["metadata"].get("deletionTimestamp")]
     return (
