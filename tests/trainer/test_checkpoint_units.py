@@ -243,3 +243,41 @@ def test_a_checkpoint_dir_belongs_to_one_job(tmp_path: Path) -> None:
     ):
         claim_dir(root, "resnet-b", rank=0)
     assert json.loads((root / "job.json").read_text()) == {"job": "resnet-a"}
+
+
+def _shared_child(rank: int, port: int, roots: list[str], out: str) -> None:
+    import torch.distributed as dist
+
+    from bench.trainer_modes import spawned_rank_env
+    from sgdjob_trainer.checkpoint import CheckpointDirNotShared, check_shared
+
+    spawned_rank_env(rank, 3, port)
+    dist.init_process_group("gloo", rank=rank, world_size=3)
+    try:
+        check_shared(Path(roots[rank]), "life-1", rank, 3)
+        result = ""
+    except CheckpointDirNotShared as err:
+        result = str(err)
+    (Path(out) / f"{rank}.txt").write_text(result)
+    dist.destroy_process_group()
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("shared", [True, False])
+def test_a_checkpoint_dir_that_the_ranks_do_not_share_is_refused_naming_the_field(tmp_path: Path, shared: bool) -> None:
+    """Per-pod disks (each rank its own folder) would stall every checkpoint for completeTimeoutSeconds:
+    every rank fails at start instead, naming the ranks that cannot see rank 0's files and the fix."""
+    import torch.multiprocessing as mp
+
+    from bench.trainer_modes import free_port_base
+
+    roots = [str(tmp_path / "shared")] * 3 if shared else [str(tmp_path / "shared")] * 2 + [str(tmp_path / "own")]
+    mp.spawn(_shared_child, args=(free_port_base(1), roots, str(tmp_path)), nprocs=3, join=True)
+    results = [(tmp_path / f"{r}.txt").read_text() for r in range(3)]
+    if shared:
+        assert results == ["", "", ""]
+        assert not list((tmp_path / "shared").glob(".visible-*")), "the marker is removed"
+    else:
+        for text in results:
+            assert text.startswith("training.checkpoint.dir ") and "rank(s) [2]" in text, text
+            assert "ReadWriteMany" in text

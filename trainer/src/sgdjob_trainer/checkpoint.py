@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from sgdjob_trainer.config import Checkpoint
 
@@ -75,6 +76,10 @@ class CheckpointDirInUse(CheckpointError):
     """The checkpoint directory holds another job's checkpoints."""
 
 
+class CheckpointDirNotShared(CheckpointError):
+    """Some ranks do not see the others' checkpoint directory (each pod's own disk)."""
+
+
 def claim_dir(root: Path, job: str, rank: int) -> None:
     """Make `root` this job's checkpoint directory, or refuse: resuming another job's checkpoints
     would silently continue that job's model and data position under this job's name. The same
@@ -96,6 +101,35 @@ def claim_dir(root: Path, job: str, rank: int) -> None:
     if owner is None and rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         write_atomic(owner_file, json.dumps({"job": job}).encode())
+
+
+def check_shared(root: Path, life: str, rank: int, world_size: int, group: Any = None) -> None:
+    """Every rank must see one and the same directory: rank 0 finalises a checkpoint only once every
+    rank's part is there, so on per-pod disks it would wait `completeTimeoutSeconds` at every
+    checkpoint and training would stall behind it. Rank 0 writes a marker named by this life; the
+    ranks that cannot see it are named in the error (collective: every rank raises)."""
+    marker = root / f".visible-{life}"
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        write_atomic(marker, life.encode())
+    dist.barrier(group=group)
+    missing = torch.zeros(world_size, dtype=torch.int64)
+    try:
+        missing[rank] = int(marker.read_text() != life)
+    except OSError:
+        missing[rank] = 1
+    dist.all_reduce(missing, group=group)
+    dist.barrier(group=group)
+    if rank == 0:
+        marker.unlink(missing_ok=True)
+    blind = [r for r in range(world_size) if missing[r]]
+    if blind:
+        raise CheckpointDirNotShared(
+            f"training.checkpoint.dir {root} is not one directory shared by every worker: rank(s) "
+            f"{blind} do not see rank 0's files there (each pod writes to its own disk). Mount one volume "
+            "that every worker shares (a ReadWriteMany PersistentVolumeClaim, NFS) at this path in "
+            "spec.template, or leave out training.checkpoint to train without checkpoints"
+        )
 
 
 def step_dir(root: Path, step: int) -> Path:

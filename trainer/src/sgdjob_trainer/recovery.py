@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from sgdjob_trainer.checkpoint import Checkpointer, Snapshot, claim_dir, read_progress
+from sgdjob_trainer.checkpoint import Checkpointer, Snapshot, check_shared, claim_dir, read_progress
 from sgdjob_trainer.config import FaultKind, SyncMode
 from sgdjob_trainer.resume import load_latest
 from sgdjob_trainer.strategies import Context, StepResult, Strategy
@@ -72,6 +72,7 @@ class Recovery:
         cfg = ctx.training.checkpoint
         if cfg.dir is not None:
             claim_dir(Path(cfg.dir), job_name, info.rank)
+            check_shared(Path(cfg.dir), self.life, info.rank, info.world_size, ctl)
         self.ckpt = Checkpointer(cfg, info.rank, self.life) if cfg.dir is not None else None
         telemetry.restart_count = info.restart_count
         if self.ckpt is not None:
