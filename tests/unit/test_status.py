@@ -158,7 +158,13 @@ def test_failures_count_once_and_infrastructure_is_free() -> None:
         spec, again.status, [pod(0, "Failed", uid="b", reason="Evicted"), pod(1), rdzv()], generation=1, now=T0 + 2
     )
     assert evicted.status.restarts == 1 and evicted.status.phase is not Phase.FAILED
-    final = plan_reconcile(spec, evicted.status, [pod(0, "Failed", uid="c"), pod(1), rdzv()], generation=1, now=T0 + 3)
+    # Deleted while running (kubectl delete, a drain): stopped on request, not a failure of its own.
+    deleted = plan_reconcile(
+        spec, evicted.status, [pod(0, "Failed", uid="d", deleting=True), pod(1), rdzv()], generation=1, now=T0 + 2
+    )
+    assert deleted.status.restarts == 1 and deleted.status.phase is not Phase.FAILED
+    assert any("not counted: deleted while running" in e.message for e in deleted.events if e.reason == "WorkerFailed")
+    final = plan_reconcile(spec, deleted.status, [pod(0, "Failed", uid="c"), pod(1), rdzv()], generation=1, now=T0 + 3)
     assert final.status.phase is Phase.FAILED and final.status.restarts == 2
     failed = {c.type: c for c in final.status.conditions}["Failed"]
     assert failed.reason == "BackoffLimitExceeded" and "j-worker-0" in failed.message

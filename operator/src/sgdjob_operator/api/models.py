@@ -157,7 +157,15 @@ class RunPolicy(CamelModel):
     """Job lifecycle, as in Kubeflow's RunPolicy."""
 
     backoff_limit: Annotated[
-        int, Field(ge=0, le=1000, description="Worker restarts allowed before the job is marked Failed.")
+        int,
+        Field(
+            ge=0,
+            le=1000,
+            description=(
+                "Worker failures allowed before the job is marked Failed; a pod evicted, preempted, lost with "
+                "its node or deleted while it ran does not count."
+            ),
+        ),
     ] = 3
     active_deadline_seconds: Annotated[
         int | None, Field(ge=1, le=31_536_000, description="Seconds the job may run before it is marked Failed.")

@@ -77,7 +77,10 @@ def _count_failures(plan: Plan, spec: SGDJobSpec, ws: Sequence[PodView], now: fl
             continue
         if pod.uid not in ctl.counted_failures:
             ctl.counted_failures = [*ctl.counted_failures, pod.uid][-MAX_COUNTED:]
-            infra = pod.reason in INFRA_REASONS
+            # A pod deleted while it ran (`kubectl delete`, a drain's eviction, a controller) was asked to
+            # stop; torchrun exits non-zero on SIGTERM even after the trainer's final checkpoint. That is
+            # no failure of the job's own, so like infrastructure it does not spend the backoff budget.
+            infra = pod.reason in INFRA_REASONS or pod.deleting
             if not infra:
                 st.restarts += 1
             detail = (
@@ -85,7 +88,7 @@ def _count_failures(plan: Plan, spec: SGDJobSpec, ws: Sequence[PodView], now: fl
                 f"{': ' + pod.message if pod.message else ''}"
             )
             budget = (
-                "not counted: infrastructure"
+                ("not counted: deleted while running" if pod.deleting else "not counted: infrastructure")
                 if infra
                 else f"restart {st.restarts} of backoffLimit {spec.run_policy.backoff_limit}"
             )
