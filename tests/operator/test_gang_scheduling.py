@@ -87,7 +87,8 @@ def test_volcano_pod_group_comes_first_and_follows_rescales(
         assert pod.metadata.annotations["scheduling.k8s.io/group-name"] == "vg"
         assert pod.spec.scheduler_name == "volcano" and pod.spec.priority_class_name == PRIORITY
         assert pod.spec.priority == 1000  # the API server resolved the class: the pods can be admitted
-    assert "PodGroupCreated" in cluster.reasons("vg")
+    # The Event follows the PodGroup's creation; the pods can be listed before it is (CI race).
+    wait_for("PodGroupCreated event", lambda: "PodGroupCreated" in cluster.reasons("vg"))
 
     cluster.plane.kubectl("scale", "sgdjob/vg", "-n", cluster.ns, "--replicas=2")
     _min_member(cluster, VOLCANO, "vg", 2)  # a group of 3 could never be complete with 2 pods
