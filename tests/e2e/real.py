@@ -28,7 +28,8 @@ from devcluster.kube import KubeApi, KubeError
 from devcluster.realnodes import RealCluster
 from devcluster.testing import Obj, new_namespace, wait_for
 from tests.e2e.helpers import Env, sgdjob_manifest
-from tests.packaging.test_chart import CHART, _helm
+from tests.packaging.test_chart import CHART
+from tests.packaging.test_helm_install import _helm_kc
 from tests.packaging.test_webhook import make_certs
 
 RELEASE, OPERATOR_NS = "sgdjob-operator", "sgdjob-system"  # fullname = the release name
@@ -49,18 +50,6 @@ def advertise_gpus(kube: KubeApi, nodes: list[str], count: int = GPUS_PER_NODE) 
         60,
         "nvidia.com/gpu allocatable on every node",
     )
-
-
-def helm(cluster: RealCluster, *args: str, timeout: float = 400) -> subprocess.CompletedProcess[str]:
-    result = subprocess.run(
-        [_helm(), "--kubeconfig", str(cluster.kubeconfig), *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
-    assert result.returncode == 0, f"helm {' '.join(args[:2])}: {result.stdout}\n{result.stderr}"
-    return result
 
 
 @dataclass
@@ -148,10 +137,10 @@ def install_operator(cluster: RealCluster, workdir: Path, resync_s: int = 3) -> 
         },
     }
     (workdir / "values.json").write_text(json.dumps(values))
-    helm(
+    _helm_kc(
         cluster, "install", RELEASE, str(CHART), "-n", OPERATOR_NS,
         "-f", str(DEV_VALUES), "-f", str(workdir / "values.json"),
-        "--wait", "--timeout", "5m",
+        "--wait", "--timeout", "5m", timeout=400,
     )  # fmt: skip
     op = RealOperator(cluster, kube, timings)
     wait_for(op.pod, 120, "the operator pod ready")

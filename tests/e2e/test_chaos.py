@@ -243,9 +243,7 @@ def test_c_operator_killed_mid_switch_finishes_the_switch(env: ProcessEnv, chaos
         wait_for(lambda: job_status(env.kube, env.ns, chaos).get("targetMode") == "async", 30, "the switch under way")
         t0 = time.monotonic()
         mid = job_status(env.kube, env.ns, chaos).get("mode") != "async"
-        env.operator.kill()
-        time.sleep(2)
-        env.operator.start()
+        env.crash_operator(down_s=2)
         wait_for(lambda: job_status(env.kube, env.ns, chaos).get("mode") == "async", RECOVER_TIMEOUT, "mode async")
         at = step(env)
         wait_for(lambda: step(env) > at, 60, "training in async mode")

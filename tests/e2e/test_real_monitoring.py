@@ -30,6 +30,7 @@ from devcluster.testing import wait_for
 from tests.e2e.helpers import assert_children_gone, job_status
 from tests.e2e.real import RealEnv, RealOperator, real_scenario_env
 from tests.packaging.test_chart import _render
+from tests.promql import query, ready
 
 pytestmark = [pytest.mark.k8s, pytest.mark.multiproc, pytest.mark.realnode]
 
@@ -107,23 +108,12 @@ class Prometheus:
             tmp.replace(self.targets)
 
     def ready(self) -> bool:
-        if self.proc.poll() is not None:
-            raise RuntimeError(f"prometheus exited with {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(f"{self.base}/-/ready", timeout=5) as resp:
-                return bool(resp.status == 200)
-        except OSError:
-            return False
+        return ready(self.proc, self.base, self.log)
 
     def query(self, promql: str) -> list[dict[str, Any]]:
         if time.monotonic() - self.discovered > 1.0:  # the tests poll through here: discovery goes on
             self.discover()
-        url = f"{self.base}/api/v1/query?" + urllib.parse.urlencode({"query": promql})
-        with urllib.request.urlopen(url, timeout=5) as resp:
-            body = json.loads(resp.read())
-        assert body["status"] == "success", body
-        result: list[dict[str, Any]] = body["data"]["result"]
-        return result
+        return query(self.base, promql)
 
     def rules(self) -> list[dict[str, Any]]:
         with urllib.request.urlopen(f"{self.base}/api/v1/rules", timeout=5) as resp:

@@ -26,6 +26,8 @@ from sgdjob_operator.policy.state import PolicyState
 from tests.operator.conftest import GROUP, PLURAL, VERSION, Cluster, Operator, wait_for
 from tests.operator.test_adaptation import BATCH, FakeWorker, _free_port
 from tests.packaging.test_chart import _render
+from tests.promql import query
+from tests.promql import ready as prometheus_ready
 
 pytestmark = pytest.mark.k8s
 POLICY = {"intervalSeconds": 1, "persistenceIntervals": 2, "allowedActions": ["switchMode"]}
@@ -146,27 +148,6 @@ def test_an_older_operators_policy_state_in_status_is_moved_out_and_resumed_from
             w.stop()
 
 
-def _query(base: str, promql: str) -> list[dict[str, Any]]:
-    url = f"{base}/api/v1/query?" + urllib.parse.urlencode({"query": promql})
-    with urllib.request.urlopen(url, timeout=5) as resp:
-        body = json.loads(resp.read())
-    assert body["status"] == "success", body
-    result: list[dict[str, Any]] = body["data"]["result"]
-    return result
-
-
-def _prometheus_ready(proc: subprocess.Popen[bytes], base: str, log: Path) -> bool:
-    """Prometheus answers /-/ready once its storage is open; on a fresh machine that can take longer
-    than the job takes to report steps. An exited process fails at once, with its log."""
-    if proc.poll() is not None:
-        raise RuntimeError(f"prometheus exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-    try:
-        with urllib.request.urlopen(f"{base}/-/ready", timeout=5) as resp:
-            return bool(resp.status == 200)
-    except OSError:  # refused while it starts, 503 while it replays its storage
-        return False
-
-
 def test_prometheus_scrapes_the_operator_and_the_workers_and_the_charts_rules_evaluate(
     cluster: Cluster, operator: Operator, tmp_path: Path
 ) -> None:
@@ -208,20 +189,20 @@ def test_prometheus_scrapes_the_operator_and_the_workers_and_the_charts_rules_ev
         for i, host in enumerate(hosts):
             cluster.run_pod(f"prom-worker-{i}", host, node=f"node-{i}")
         wait_for("Running with steps", lambda: cluster.status("prom").get("step", 0) > 0, timeout=60)
-        wait_for("prometheus ready", lambda: _prometheus_ready(proc, base, tmp_path / "prometheus.log"), timeout=60)
-        modes = wait_for("the mode series", lambda: _query(base, f"sgdjob_operator_job_mode{{{job}}} == 1"), timeout=60)
+        wait_for("prometheus ready", lambda: prometheus_ready(proc, base, tmp_path / "prometheus.log"), timeout=60)
+        modes = wait_for("the mode series", lambda: query(base, f"sgdjob_operator_job_mode{{{job}}} == 1"), timeout=60)
         assert [m["metric"]["mode"] for m in modes] == ["sync"]
-        stragglers = _query(base, f"sgdjob_operator_job_stragglers{{{job}}}")
+        stragglers = query(base, f"sgdjob_operator_job_stragglers{{{job}}}")
         assert [float(s["value"][1]) for s in stragglers] == [0.0]
         # Each target is scraped on its own 1 s schedule: both workers' series come within a few.
         workers_modes = wait_for(
             "both workers' mode series",
-            lambda: len(found := _query(base, f"sgdjob_mode{{{job}}} == 1")) == 2 and found,
+            lambda: len(found := query(base, f"sgdjob_mode{{{job}}} == 1")) == 2 and found,
             timeout=30,
         )
         assert [m["metric"]["mode"] for m in workers_modes] == ["sync", "sync"]
         rate = wait_for(
-            "the recording rule", lambda: _query(base, f"sgdjob:samples_per_second:rate2m{{{job}}} > 0"), timeout=60
+            "the recording rule", lambda: query(base, f"sgdjob:samples_per_second:rate2m{{{job}}} > 0"), timeout=60
         )
         assert float(rate[0]["value"][1]) > 0
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import pytest
 import yaml
@@ -42,12 +42,18 @@ def chart_permissions(*options: str) -> set[tuple[str, str, str]]:
     return perms
 
 
-def _helm_kc(cluster: LocalCluster, *args: str) -> subprocess.CompletedProcess[str]:
+class HasKubeconfig(Protocol):
+    @property
+    def kubeconfig(self) -> Path: ...
+
+
+def _helm_kc(cluster: HasKubeconfig, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """`helm` against a local cluster, the process-node one or the real-node one; fails with its output."""
     result = subprocess.run(
         [_helm(), "--kubeconfig", str(cluster.kubeconfig), *args],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=timeout,
         check=False,
     )
     assert result.returncode == 0, f"helm {' '.join(args[:2])}: {result.stdout}\n{result.stderr}"
