@@ -36,3 +36,28 @@ def cluster_crd(cluster: LocalCluster) -> LocalCluster:
     """The local cluster with the SGDJob CRD installed and established."""
     install_crd(cluster.plane)
     return cluster
+
+
+_SPENT: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Add each phase's time (setup, call, teardown) to its module's total, for the tier summary."""
+    module = report.nodeid.split("::", 1)[0]
+    _SPENT[module] = _SPENT.get(module, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """What each tier (tests/<dir>) and its costliest modules cost, so CI's budget can be read off the log."""
+    if not _SPENT:
+        return
+    tiers: dict[str, float] = {}
+    for module, spent in _SPENT.items():
+        tier = "/".join(module.split("/")[:2])
+        tiers[tier] = tiers.get(tier, 0.0) + spent
+    terminalreporter.section("time per tier (setup + call + teardown)")
+    for tier, spent in sorted(tiers.items(), key=lambda kv: -kv[1]):
+        terminalreporter.write_line(f"{spent:8.1f}s  {tier}")
+    terminalreporter.section("costliest modules")
+    for module, spent in sorted(_SPENT.items(), key=lambda kv: -kv[1])[:25]:
+        terminalreporter.write_line(f"{spent:8.1f}s  {module}")

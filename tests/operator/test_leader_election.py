@@ -59,7 +59,12 @@ def pair(cluster: Cluster, tmp_path: Path) -> Iterator[tuple[Operator, Operator]
         a.start()
         wait_for("op-a holds the lease", lambda: _holder(cluster).startswith("op-a_"), timeout=60)
         b.start()
-        wait_for("op-b healthy as a standby", lambda: _health(b).get("role") == "standby", timeout=60)
+        # Its first answer may come before its first read of the Lease (leader still unknown).
+        wait_for(
+            "op-b a healthy standby that knows the leader",
+            lambda: (h := _health(b)).get("role") == "standby" and h.get("leader", "").startswith("op-a_"),
+            timeout=60,
+        )
         yield a, b
     finally:
         for op in (a, b):
