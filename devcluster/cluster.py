@@ -260,7 +260,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     real.add_argument("--real-nodes", type=int, default=0, help="up: this many real kubelet nodes instead")
     real.add_argument("--workdir", default=str(realcli.DEFAULT_WORKDIR), help="up: the real cluster's folder")
     real.add_argument("--images", default="", help="up: also import these images, e.g. operator,trainer")
-    real.add_argument("--only", default="operator,trainer", help="images: which (pause,python,torch,operator,trainer)")
+    real.add_argument(
+        "--only", default="operator,trainer", help="images: which (pause,python,torch,operator,trainer,charlm)"
+    )
     real.add_argument("--rebuild", action="store_true", help="images: build even when the cache is current")
     args = parser.parse_args(argv)
     if args.real_nodes and args.timeout == 120.0:

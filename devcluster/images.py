@@ -7,6 +7,8 @@ and kept as OCI archives that every node's containerd imports.
     torch      docker.io/sgdjob/devcluster-torch:2.13.0      python + the CPU torch wheel (TRAINER_BASE)
     operator   docker.io/sgdjob/operator:dev                 Dockerfile --target operator
     trainer    docker.io/sgdjob/trainer:dev                  Dockerfile --target trainer (FROM torch)
+    charlm     docker.io/sgdjob/charlm-trainer:dev           examples/custom-task/Dockerfile (FROM trainer):
+                                                             a user's own training code in an image
 
 Each image has a key: a hash of what it is made from (its recipe, the Dockerfile and every file the
 Dockerfile COPYs, the key of its base). An archive whose key file matches is used as it is, so
@@ -45,7 +47,9 @@ REFS = {
     "torch": "docker.io/sgdjob/devcluster-torch:2.13.0",
     "operator": "docker.io/sgdjob/operator:dev",
     "trainer": "docker.io/sgdjob/trainer:dev",
+    "charlm": "docker.io/sgdjob/charlm-trainer:dev",
 }
+EXAMPLES = {"charlm": ROOT / "examples" / "custom-task"}  # image name -> the example folder (its build context)
 SKIP_NAMES = ("__pycache__", ".pyc", ".egg-info")  # as in .dockerignore: not part of any image
 
 
@@ -148,9 +152,8 @@ class ImageBuilder:
         t0 = time.monotonic()
         cached = img.archive.is_file() and keyfile.is_file() and keyfile.read_text().strip() == key
         if cached and not self.rebuild:
-            if in_buildah and not _buildah_has(img.ref):  # a base for later builds: restore it from the archive
-                image_id = _run(["buildah", "pull", "-q", f"oci-archive:{img.archive}"]).split()[-1]
-                _run(["buildah", "tag", image_id, img.ref])
+            if in_buildah:  # a base for later builds
+                _restore(img)
             self.timings[name] = round(time.monotonic() - t0, 2)
             log.info("image %s: cached (%s)", name, key)
             return img
@@ -249,15 +252,36 @@ class ImageBuilder:
 
         return self._ensure(target, source_key(target, base.key, self.context), build)
 
+    def example(self, name: str) -> Image:
+        """An example's own image, as its README builds it: its Dockerfile FROM the trainer image."""
+        base = self.project("trainer")
+        context = EXAMPLES[name]
+
+        def build() -> None:
+            _restore(base)  # the trainer may have come from the archive cache
+            _run([*SLOW, "buildah", "bud", "--layers", "--pull=never", "--network=none",
+                  "--build-arg", f"TRAINER_IMAGE={base.ref}", "-t", REFS[name], str(context)])  # fmt: skip
+
+        return self._ensure(name, source_key(name, base.key, context), build)
+
     def get(self, name: str) -> Image:
         if name in ("operator", "trainer"):
             return self.project(name)
+        if name in EXAMPLES:
+            return self.example(name)
         return {"pause": self.pause, "python": self.python, "torch": self.torch}[name]()
 
 
 def _dpkg_installed(package: str) -> bool:
     result = subprocess.run(["dpkg-query", "-W", "-f=${Status}", package], capture_output=True, text=True, check=False)
     return "install ok installed" in result.stdout
+
+
+def _restore(img: Image) -> None:
+    """Put an image into buildah's storage from its archive (a base to build on), unless it is there."""
+    if not _buildah_has(img.ref):
+        image_id = _run(["buildah", "pull", "-q", f"oci-archive:{img.archive}"]).split()[-1]
+        _run(["buildah", "tag", image_id, img.ref])
 
 
 def _buildah_has(ref: str) -> bool:

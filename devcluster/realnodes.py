@@ -223,24 +223,96 @@ class RealCluster:
 
     def _start_nodes(self, bin_dir: Path, timeout: float) -> None:
         lay = self.layout
-        holders = {}
         for i in range(lay.nodes):
             d = lay.node_dir(i)
             argv = ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", realhost.holder_script(d)]
-            holders[i] = self._spawn(f"{lay.node_name(i)}.holder", argv, realnet.enter(lay.node_ns(i)))
+            self._spawn(f"{lay.node_name(i)}.holder", argv, realnet.enter(lay.node_ns(i)))
         for i in range(lay.nodes):
             ready = lay.node_dir(i) / "holder.ready"
             self._wait(ready.exists, 30, f"{lay.node_name(i)}'s mount namespace")
-            into = ["nsenter", "-t", str(holders[i]), "-n", "-m", "--", *NICE]
-            toml = lay.node_dir(i) / "containerd.toml"
-            self._spawn(f"{lay.node_name(i)}.containerd", ["containerd", "--config", str(toml)], into)
+            self._spawn(f"{lay.node_name(i)}.containerd", *self._containerd_argv(i))
         for i in range(lay.nodes):
-            sock = lay.containerd_socket(i)
-            self._wait(lambda s=sock: _containerd_up(s), timeout, f"{lay.node_name(i)}'s containerd")  # type: ignore[misc]
-            into = ["nsenter", "-t", str(holders[i]), "-n", "-m", "--", *NICE]
-            self._spawn(f"{lay.node_name(i)}.kubelet", realconf.kubelet_argv(bin_dir, lay, i), into)
-            self._spawn(f"{lay.node_name(i)}.kube-proxy", realconf.kube_proxy_argv(bin_dir, lay, i), into)
+            self._start_kubelet(bin_dir, i, timeout)
         self._mark("nodes started")
+
+    def _into_node(self, i: int) -> list[str]:
+        """The prefix that runs a daemon in node i's network and mount namespaces (its holder's)."""
+        holder = self.pids[f"{self.layout.node_name(i)}.holder"]
+        return ["nsenter", "-t", str(holder), "-n", "-m", "--", *NICE]
+
+    def _containerd_argv(self, i: int) -> tuple[list[str], list[str]]:
+        return ["containerd", "--config", str(self.layout.node_dir(i) / "containerd.toml")], self._into_node(i)
+
+    def _start_kubelet(self, bin_dir: Path, i: int, timeout: float) -> None:
+        """kubelet and kube-proxy of node i, once its containerd answers."""
+        lay = self.layout
+        sock = lay.containerd_socket(i)
+        self._wait(lambda: _containerd_up(sock), timeout, f"{lay.node_name(i)}'s containerd")
+        self._spawn(f"{lay.node_name(i)}.kubelet", realconf.kubelet_argv(bin_dir, lay, i), self._into_node(i))
+        self._spawn(f"{lay.node_name(i)}.kube-proxy", realconf.kube_proxy_argv(bin_dir, lay, i), self._into_node(i))
+
+    # --- faults (the chaos suite) ---
+    def _node_index(self, name: str) -> int:
+        if name not in self.node_names():
+            raise ValueError(f"no node {name!r} in this cluster (nodes: {', '.join(self.node_names())})")
+        return self.node_names().index(name)
+
+    def fail_node(self, name: str) -> int:
+        """Lose a node as a power cut would: SIGKILL its kubelet, kube-proxy, containerd, the shims and
+        every container, with no clean-up and nothing reported to the API server (the Node object stays
+        as it was until the node controller's grace runs out). Only the namespace holder survives, so
+        the node can come back (`recover_node`). Returns how many processes were killed."""
+        i = self._node_index(name)
+        holder = self.pids[f"{name}.holder"]
+        killed = realhost.kill_cgroup(self.layout.node_cgroup(i))  # the containers first: no one reports
+        deadline = time.monotonic() + 15
+        while (pids := [p for p in realnet.pids_in([self.layout.node_ns(i)]) if p != holder]) and (
+            time.monotonic() < deadline
+        ):
+            for pid in pids:
+                _signal(pid, signal.SIGKILL)
+            killed += len(pids)
+            self._reap()
+            time.sleep(0.1)
+        for daemon in ("containerd", "kubelet", "kube-proxy"):
+            self.pids.pop(f"{name}.{daemon}", None)
+            if (proc := self._procs.pop(f"{name}.{daemon}", None)) is not None:
+                proc.wait(timeout=10)  # reaped here: `_wait` takes an exited daemon for a crash
+        self._save()
+        log.warning("node %s failed: %d processes killed", name, killed)
+        return killed
+
+    def recover_node(self, name: str, timeout: float = 120.0) -> None:
+        """The failed node boots again: containerd, kubelet and kube-proxy start in its namespaces as at
+        `start`; returns once the node is Ready (its pods are then the kubelet's business, as after a
+        reboot: containers that died are reported as such)."""
+        i = self._node_index(name)
+        self._spawn(f"{name}.containerd", *self._containerd_argv(i))
+        self._start_kubelet(assets_dir(), i, timeout)
+        self._wait(self._nodes_schedulable, timeout, f"{name} Ready again")
+
+    def restart_apiserver(self, down_s: float = 0.0, timeout: float = 60.0) -> None:
+        """Stop the API server (SIGTERM, SIGKILL after 15 s), leave it down `down_s`, start it again with
+        the same flags and etcd; returns once it answers. Nodes and clients reconnect by themselves."""
+        self._terminate(["kube-apiserver"], 15)
+        self._procs.pop("kube-apiserver", None)
+        time.sleep(down_s)
+        lay = self.layout
+        self._spawn(
+            "kube-apiserver", realconf.apiserver_argv(assets_dir(), lay), [*realnet.enter(lay.fabric_ns), *NICE]
+        )
+        self._wait(self._api_ready, timeout, "the API server after its restart")
+
+    def pod_logs(self, namespace: str, prefix: str) -> dict[str, str]:
+        """Every log file the nodes hold of containers of pods in `namespace` whose name starts with
+        `prefix` (current and earlier containers, while the kubelet keeps them), by path."""
+        found = {}
+        for i in range(self.layout.nodes):
+            pods = self.layout.node_dir(i) / "log" / "pods"
+            for path in sorted(pods.glob(f"{namespace}_{prefix}*/*/*.log")):
+                with contextlib.suppress(OSError):
+                    found[str(path)] = path.read_text(errors="replace")
+        return found
 
     def import_images(self, images: Sequence[Image]) -> dict[str, float]:
         """Import image archives into every node's containerd (skipped where the same one is there);

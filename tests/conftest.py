@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from devcluster.controlplane import ControlPlane
+from tests.figures import FIGURES
 
 if TYPE_CHECKING:  # the plugin imports it in the fixture: unit-test runs need not load the Kubernetes client
     from devcluster.cluster import LocalCluster
@@ -48,7 +49,10 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    """What each tier (tests/<dir>) and its costliest modules cost, so CI's budget can be read off the log."""
+    """Measured figures, then what each tier (tests/<dir>) and its costliest modules cost (CI's budget)."""
+    for title, text in FIGURES.items():
+        terminalreporter.section(title)
+        terminalreporter.write_line(text)
     if not _SPENT:
         return
     tiers: dict[str, float] = {}

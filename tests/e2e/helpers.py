@@ -3,20 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
-import sys
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from devcluster.cluster import LocalCluster
 from devcluster.kube import KubeApi
-from devcluster.testing import Obj, new_namespace, wait_for
+from devcluster.testing import Obj, wait_for
 
 SGDJOBS = "/apis/sgdjob.dev/v1alpha1/namespaces/{ns}/sgdjobs"
 LABEL_JOB = "sgdjob.dev/job-name"
@@ -108,19 +100,6 @@ def kubectl_table(env: Env, *args: str) -> list[dict[str, str]]:
     return rows
 
 
-def http_json(url: str, timeout: float = 3.0) -> Obj | None:
-    """GET a JSON document (a worker's /status); None when it does not answer."""
-    import urllib.error
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:  # loopback pod IPs only
-            doc = json.loads(resp.read())
-            return doc if isinstance(doc, dict) else None
-    except (OSError, ValueError, urllib.error.URLError):
-        return None
-
-
 def assert_children_gone(kube: KubeApi, ns: str, job: str, timeout: float = 90) -> None:
     """Pods (by label), Service, Secret and ConfigMaps of `job` all deleted (the operator and the GC)."""
 
@@ -143,61 +122,10 @@ def assert_children_gone(kube: KubeApi, ns: str, job: str, timeout: float = 90) 
     assert get_job(kube, ns, job) is None
 
 
-class OperatorProcess:
-    """`sgdjob operator` as a subprocess watching one namespace; `kill()` is a crash (SIGKILL, no
-    clean-up), `stop()` a clean shutdown. Its own session, so no pod process is its child."""
-
-    def __init__(self, kubeconfig: Path, namespace: str, log: Path) -> None:
-        self.kubeconfig, self.namespace, self.log = kubeconfig, namespace, log
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> OperatorProcess:
-        argv = [
-            str(Path(sys.executable).parent / "sgdjob"),
-            "operator",
-            "--namespace",
-            self.namespace,
-            "--kubeconfig",
-            str(self.kubeconfig),
-            "--resync",
-            "3",
-        ]
-        with open(self.log, "ab") as out:  # the child keeps its own descriptor
-            self.proc = subprocess.Popen(
-                argv,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                start_new_session=True,
-            )
-        return self
-
-    def _signal(self, sig: signal.Signals, wait: float) -> None:
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, sig)
-        try:
-            self.proc.wait(timeout=wait)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=10)
-        self.proc = None
-
-    def stop(self) -> None:
-        self._signal(signal.SIGTERM, 20)
-
-    def kill(self) -> None:
-        self._signal(signal.SIGKILL, 10)
-
-    def tail(self, n: int = 80) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:]) if self.log.exists() else ""
-
-
 class Env:
     """One scenario module's world: a namespace of its own on a cluster with an operator watching it.
-    What differs between the process-node cluster (ProcessEnv) and real nodes (tests/e2e/real.py:
-    RealEnv) is behind these methods, so one scenario reads the same on both."""
+    What a scenario needs of the cluster is behind these methods (on real nodes: tests/e2e/real.py's
+    RealEnv), so a scenario reads as a user's steps."""
 
     kube: KubeApi
     ns: str
@@ -227,54 +155,3 @@ class Env:
         """SIGKILL the operator (no clean-up), leave the jobs without it for `down_s`, and return once
         an operator runs again."""
         raise NotImplementedError
-
-
-@dataclass
-class ProcessEnv(Env):
-    """The process-node cluster (devcluster/cluster.py) with `sgdjob operator` as a host process."""
-
-    cluster: LocalCluster
-    kube: KubeApi
-    ns: str
-    operator: OperatorProcess
-    tmp: Path
-
-    def kubectl(
-        self, *args: str, check: bool = True, input_text: str | None = None
-    ) -> subprocess.CompletedProcess[str]:
-        return self.cluster.plane.kubectl(*args, check=check, input_text=input_text)
-
-    def logs(self, pod: str) -> str:
-        return self.cluster.agent.logs(self.ns, pod)
-
-    def pod_json(self, pod: Obj, port: int, path: str) -> Obj | None:
-        return http_json(f"http://{pod['status']['podIP']}:{port}{path}")
-
-    def crash_operator(self, down_s: float = 3.0) -> None:
-        self.operator.kill()
-        time.sleep(down_s)
-        self.operator.start()
-
-
-@contextmanager
-def scenario_env(cluster: LocalCluster, prefix: str, tmp: Path) -> Iterator[ProcessEnv]:
-    with operator_namespace(cluster, prefix, tmp) as (ns, op):
-        yield ProcessEnv(cluster, cluster.kube(), ns, op, tmp)
-
-
-@contextmanager
-def operator_namespace(cluster: LocalCluster, prefix: str, workdir: Path) -> Iterator[tuple[str, OperatorProcess]]:
-    """A fresh namespace with an operator watching it; on exit every SGDJob in it is deleted and its
-    pods are waited out before the operator stops (so no trainer outlives the module)."""
-    kube = cluster.kube()
-    ns = new_namespace(kube, prefix)
-    op = OperatorProcess(cluster.kubeconfig, ns, workdir / "operator.log").start()
-    try:
-        yield ns, op
-    finally:
-        cluster.plane.kubectl("delete", "sgdjobs", "--all", "-n", ns, "--wait=false", check=False)
-        try:
-            wait_for(lambda: not kube.get(f"/api/v1/namespaces/{ns}/pods")["items"], 60, f"pods in {ns} gone")
-        finally:
-            op.stop()
-            print(f"--- operator log tail ---\n{op.tail()}")

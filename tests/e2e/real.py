@@ -206,6 +206,23 @@ class RealEnv(Env):
     def crash_operator(self, down_s: float = 3.0) -> None:
         self.operator.crash(down_s)
 
+    def job_logs(self, job: str) -> dict[str, str]:
+        """Every worker container's log the nodes still hold (each life is a file), by path."""
+        return self.cluster.pod_logs(self.ns, f"{job}-worker-")
+
+    def fail_node(self, node: str) -> None:
+        self.cluster.fail_node(node)
+
+    def recover_node(self, node: str) -> None:
+        self.cluster.recover_node(node)
+        # The kubelet keeps extended resources it did not make across its restart (its device
+        # checkpoint survives); advertising again makes sure the node takes one-GPU pods at once.
+        advertise_gpus(self.kube, self.cluster.node_names())
+
+    def operator_node(self) -> str:
+        pod = wait_for(self.operator.pod, 120, "a ready operator pod")
+        return str(pod["spec"].get("nodeName"))
+
 
 @contextmanager
 def real_scenario_env(cluster: RealCluster, operator: RealOperator, prefix: str, tmp: Path) -> Iterator[RealEnv]:

@@ -1,5 +1,5 @@
-"""The chaos suite (issue #18 items 7 and 3): faults a production cluster meets, on the local cluster with
-the operator running as `sgdjob operator`, each measured.
+"""The chaos suite (issue #18 items 7 and 3): faults a production cluster meets, on real kubelet nodes
+(devcluster/realnodes.py) with the operator installed by Helm (tests/e2e/real.py), each measured.
 
 Per case: the outcome (phase and reason), the recovery seconds (from the fault to training past the step
 it had reached), the lost steps (from the resumed rank 0's restart record: reached step - resumed-from
@@ -11,9 +11,9 @@ waiting for a full world again before its fault; e and f run on jobs of their ow
   a) worker-0's pod deleted (kubectl delete: SIGTERM) -> final checkpoint, 0 steps lost (graceful).
   a2) a node drained (kubectl drain: cordon, then the eviction API, SIGTERM) -> the same, and the
      worker comes back on another node.
-  b) a node lost: its kubelet stops and every process of its pods is SIGKILLed (devcluster runs all
-     nodes in one agent process, so "its agent killed" is `fail_node`; the node then comes back) ->
-     the survivors go on from the last checkpoint: at most one interval lost.
+  b) a node lost: its kubelet, kube-proxy, containerd, the shims and every container SIGKILLed at once
+     (`RealCluster.fail_node`, a power cut; the node then boots again) -> the survivors go on from the
+     last checkpoint: at most one interval lost.
   c) the operator killed (SIGKILL) in the middle of a mode switch -> restarted, it finishes the switch
      with the same pods.
   d) the API server restarted -> training goes on, the same pods.
@@ -33,11 +33,13 @@ from typing import Any
 
 import pytest
 
-from devcluster.cluster import LocalCluster
-from devcluster.testing import Obj, apply, wait_for
-from tests.e2e.helpers import ProcessEnv, job_events, job_status, scenario_env, sgdjob_manifest, worker_pods
+from devcluster.realnodes import RealCluster
+from devcluster.testing import Obj, wait_for
+from tests.e2e.helpers import job_events, job_status, worker_pods
+from tests.e2e.real import RealEnv, RealOperator, real_scenario_env
+from tests.figures import FIGURES
 
-pytestmark = [pytest.mark.k8s, pytest.mark.multiproc]
+pytestmark = [pytest.mark.k8s, pytest.mark.multiproc, pytest.mark.realnode]
 
 JOB = "chaos"
 INTERVAL = 20  # checkpoint.intervalSteps
@@ -48,12 +50,14 @@ NO_GPU = {"spec": {"containers": [{"name": "trainer"}]}}  # e and f may schedule
 
 
 class PodWatch:
-    """Polls a job's worker pods in the background: the most live pods per worker index and in all."""
+    """Polls a job's worker pods in the background: the most live pods per worker index and in all, and
+    every worker log seen (the kubelet removes a deleted pod's logs; each life is kept here)."""
 
-    def __init__(self, env: ProcessEnv, job: str) -> None:
-        self.kube, self.ns, self.job = env.cluster.kube(), env.ns, job
+    def __init__(self, env: RealEnv, job: str) -> None:
+        self.env, self.kube, self.ns, self.job = env, env.kube, env.ns, job
         self.per_index = 0
         self.total = 0
+        self.logs: dict[str, str] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -78,6 +82,7 @@ class PodWatch:
                 counts[index] = counts.get(index, 0) + 1
             self.per_index = max(self.per_index, *counts.values(), 0)
             self.total = max(self.total, len(live))
+            self.logs.update(self.env.job_logs(self.job))
 
 
 RESULTS: dict[str, dict[str, Any]] = {}
@@ -94,8 +99,10 @@ def record(case: str, outcome: str, watch: PodWatch, recovery_s: float | None, l
 
 
 @pytest.fixture(scope="module")
-def env(cluster_crd: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProcessEnv]:
-    with scenario_env(cluster_crd, "chaos", tmp_path_factory.mktemp("chaos")) as e:
+def env(
+    real_cluster: RealCluster, real_operator: RealOperator, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RealEnv]:
+    with real_scenario_env(real_cluster, real_operator, "chaos", tmp_path_factory.mktemp("chaos")) as e:
         yield e
     lines = [f"{'case':<34} {'outcome':<34} {'recovery_s':>10} {'lost_steps':>10} {'dup_pods':>8} {'max_pods':>8}"]
     for case, r in RESULTS.items():
@@ -103,23 +110,23 @@ def env(cluster_crd: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> 
             f"{case:<34} {r['outcome']:<34} {r['recovery_s']!s:>10} {r['lost_steps']!s:>10} "
             f"{r['dup_pods']:>8} {r['max_pods']:>8}"
         )
-    print("\n--- chaos suite figures (emulated compute) ---\n" + "\n".join(lines))
+    FIGURES["chaos suite on real nodes (emulated compute)"] = "\n".join(lines)
 
 
-def step(e: ProcessEnv, job: str = JOB) -> int:
+def step(e: RealEnv, job: str = JOB) -> int:
     try:
         return int(job_status(e.kube, e.ns, job).get("step") or 0)
     except Exception:  # the API server may be restarting (case d)
         return 0
 
 
-def outcome(e: ProcessEnv, job: str = JOB) -> str:
+def outcome(e: RealEnv, job: str = JOB) -> str:
     st = job_status(e.kube, e.ns, job)
     failed = [c for c in st.get("conditions") or [] if c["type"] == st.get("phase") and c.get("reason")]
     return f"{st.get('phase')}" + (f" ({failed[0]['reason']})" if failed else "")
 
 
-def live(e: ProcessEnv, job: str = JOB) -> list[Obj]:
+def live(e: RealEnv, job: str = JOB) -> list[Obj]:
     return [p for p in worker_pods(e.kube, e.ns, job) if not p["metadata"].get("deletionTimestamp")]
 
 
@@ -127,25 +134,21 @@ def uids(pods: list[Obj]) -> dict[str, str]:
     return {str(p["metadata"]["name"]): str(p["metadata"]["uid"]) for p in pods}
 
 
-def full_world(e: ProcessEnv, n: int = 3) -> list[Obj] | None:
+def full_world(e: RealEnv, n: int = 3) -> list[Obj] | None:
     pods = live(e)
     ok = len(pods) == n and all(p["status"].get("phase") == "Running" for p in pods)
     return pods if ok and job_status(e.kube, e.ns, JOB).get("readyReplicas") == n else None
 
 
-def restarts(e: ProcessEnv, job: str = JOB) -> list[tuple[int, int, int]]:
-    """Every restart record (lost, reached, resumed-at) the job's live pods logged so far."""
+def restarts(e: RealEnv, job: str = JOB) -> list[tuple[int, int, int]]:
+    """Every restart record (lost, reached, resumed-at) in the worker logs the nodes hold so far."""
     found: list[tuple[int, int, int]] = []
-    for pod in worker_pods(e.kube, e.ns, job):
-        try:
-            text = e.cluster.agent.logs(e.ns, str(pod["metadata"]["name"]))
-        except KeyError:  # a replacement the node agent has not started yet: no log so far
-            continue
+    for text in e.job_logs(job).values():
         found += [(int(a), int(b), int(c)) for a, b, c in RESTART_RE.findall(text)]
     return found
 
 
-def recovered(e: ProcessEnv, before: list[tuple[int, int, int]], t0: float, job: str = JOB) -> tuple[float, int]:
+def recovered(e: RealEnv, before: list[tuple[int, int, int]], t0: float, job: str = JOB) -> tuple[float, int]:
     """Waits for a new restart record and then training past the step it had reached; returns the
     seconds from `t0` and the lost steps."""
     fresh = wait_for(lambda: [r for r in restarts(e, job) if r not in before], RECOVER_TIMEOUT, "a restart record")
@@ -154,7 +157,15 @@ def recovered(e: ProcessEnv, before: list[tuple[int, int, int]], t0: float, job:
     return time.monotonic() - t0, lost
 
 
-def ready_for_fault(e: ProcessEnv) -> tuple[list[Obj], int]:
+def spared_worker(e: RealEnv, pods: list[Obj]) -> Obj:
+    """A worker whose node holds neither the rendezvous store nor, where it can be, the operator: the
+    fault is meant for a worker, not the store every rank needs (or the operator's restart)."""
+    rdzv = e.kube.get(f"/api/v1/namespaces/{e.ns}/pods/{JOB}-rdzv")["spec"].get("nodeName")
+    candidates = [p for p in reversed(pods) if p["spec"]["nodeName"] != rdzv]
+    return next((p for p in candidates if p["spec"]["nodeName"] != e.operator_node()), candidates[0])
+
+
+def ready_for_fault(e: RealEnv) -> tuple[list[Obj], int]:
     pods = wait_for(lambda: full_world(e), RECOVER_TIMEOUT, "3 running, ready workers")
     at = step(e)
     wait_for(lambda: step(e) > at + INTERVAL, 120, "a fresh checkpoint and steps")
@@ -162,28 +173,26 @@ def ready_for_fault(e: ProcessEnv) -> tuple[list[Obj], int]:
 
 
 @pytest.fixture(scope="module")
-def chaos(env: ProcessEnv) -> str:
-    apply(
-        env.cluster,
-        env.ns,
-        sgdjob_manifest(
+def chaos(env: RealEnv) -> str:
+    env.apply(
+        env.manifest(
             JOB,
             steps=1_000_000,
             checkpoint_dir=str(env.tmp / "ckpt"),
             mode="sync",
             training={"checkpoint": {"dir": str(env.tmp / "ckpt"), "intervalSteps": INTERVAL, "onStop": True}},
-        ),
+        )
     )
     wait_for(lambda: step(env) > 0, START_TIMEOUT, "chaos Running with steps")
     return JOB
 
 
-def test_a_worker_0_deleted_gracefully_loses_no_step(env: ProcessEnv, chaos: str) -> None:
+def test_a_worker_0_deleted_gracefully_loses_no_step(env: RealEnv, chaos: str) -> None:
     old, _ = ready_for_fault(env)
     before = restarts(env)
     with PodWatch(env, chaos) as watch:
         t0 = time.monotonic()
-        env.cluster.plane.kubectl("delete", "pod", f"{chaos}-worker-0", "-n", env.ns, "--wait=false")
+        env.kubectl("delete", "pod", f"{chaos}-worker-0", "-n", env.ns, "--wait=false")
         seconds, lost = recovered(env, before, t0)
         wait_for(lambda: full_world(env), RECOVER_TIMEOUT, "worker-0 back")
     record("a worker-0 pod deleted (SIGTERM)", outcome(env), watch, seconds, lost)
@@ -192,22 +201,21 @@ def test_a_worker_0_deleted_gracefully_loses_no_step(env: ProcessEnv, chaos: str
     assert watch.per_index == 1 and watch.total <= 3
 
 
-def test_a2_node_drain_loses_no_step_and_moves_the_worker(env: ProcessEnv, chaos: str) -> None:
+def test_a2_node_drain_loses_no_step_and_moves_the_worker(env: RealEnv, chaos: str) -> None:
     pods, _ = ready_for_fault(env)
-    rdzv_node = env.kube.get(f"/api/v1/namespaces/{env.ns}/pods/{chaos}-rdzv")["spec"].get("nodeName")
-    victim = next(p for p in reversed(pods) if p["spec"]["nodeName"] != rdzv_node)  # drain a worker, not the store
+    victim = spared_worker(env, pods)
     node, name = victim["spec"]["nodeName"], victim["metadata"]["name"]
     before = restarts(env)
     with PodWatch(env, chaos) as watch:
         t0 = time.monotonic()
         try:
-            drained = env.cluster.plane.kubectl(
+            drained = env.kubectl(
                 "drain", node, "--ignore-daemonsets", "--force", "--delete-emptydir-data", "--timeout=120s"
             )
             seconds, lost = recovered(env, before, t0)
             back = wait_for(lambda: full_world(env), RECOVER_TIMEOUT, f"{name} back elsewhere")
         finally:
-            env.cluster.plane.kubectl("uncordon", node)
+            env.kubectl("uncordon", node)
     record(f"a2 node drained ({name})", outcome(env), watch, seconds, lost)
     assert f"pod/{name} evicted" in drained.stdout, drained.stdout
     assert next(p["spec"]["nodeName"] for p in back if p["metadata"]["name"] == name) != node
@@ -215,17 +223,17 @@ def test_a2_node_drain_loses_no_step_and_moves_the_worker(env: ProcessEnv, chaos
     assert watch.per_index == 1 and watch.total <= 3
 
 
-def test_b_a_lost_node_costs_at_most_one_interval(env: ProcessEnv, chaos: str) -> None:
+def test_b_a_lost_node_costs_at_most_one_interval(env: RealEnv, chaos: str) -> None:
     pods, _ = ready_for_fault(env)
-    node = next(p["spec"]["nodeName"] for p in pods if p["metadata"]["name"] == f"{chaos}-worker-1")
+    node = spared_worker(env, pods)["spec"]["nodeName"]
     before = restarts(env)
     with PodWatch(env, chaos) as watch:
         t0 = time.monotonic()
-        env.cluster.agent.fail_node(node)
+        env.fail_node(node)
         try:
             seconds, lost = recovered(env, before, t0)
         finally:
-            env.cluster.agent.recover_node(node)  # the node comes back; its pod's processes rerun
+            env.recover_node(node)  # the node boots again; the kubelet reports its dead containers
         wait_for(lambda: full_world(env), RECOVER_TIMEOUT, "a world of 3 after the node is back")
     record(f"b node lost ({node})", outcome(env), watch, seconds, lost)
     # Checkpoints are written in the background: a loss during a write falls back to the one before.
@@ -233,13 +241,11 @@ def test_b_a_lost_node_costs_at_most_one_interval(env: ProcessEnv, chaos: str) -
     assert watch.per_index == 1 and watch.total <= 3
 
 
-def test_c_operator_killed_mid_switch_finishes_the_switch(env: ProcessEnv, chaos: str) -> None:
+def test_c_operator_killed_mid_switch_finishes_the_switch(env: RealEnv, chaos: str) -> None:
     pods, _ = ready_for_fault(env)
     before = restarts(env)
     with PodWatch(env, chaos) as watch:
-        env.cluster.plane.kubectl(
-            "patch", "sgdjob", chaos, "-n", env.ns, "--type=merge", "-p", '{"spec":{"mode":"async"}}'
-        )
+        env.kubectl("patch", "sgdjob", chaos, "-n", env.ns, "--type=merge", "-p", '{"spec":{"mode":"async"}}')
         wait_for(lambda: job_status(env.kube, env.ns, chaos).get("targetMode") == "async", 30, "the switch under way")
         t0 = time.monotonic()
         mid = job_status(env.kube, env.ns, chaos).get("mode") != "async"
@@ -256,12 +262,12 @@ def test_c_operator_killed_mid_switch_finishes_the_switch(env: ProcessEnv, chaos
     assert switches, "the switch is recorded as an event"
 
 
-def test_d_api_server_restart_keeps_training(env: ProcessEnv, chaos: str) -> None:
+def test_d_api_server_restart_keeps_training(env: RealEnv, chaos: str) -> None:
     pods, at = ready_for_fault(env)
     before = restarts(env)
     with PodWatch(env, chaos) as watch:
         t0 = time.monotonic()
-        env.cluster.plane.restart_apiserver(down_s=3.0)
+        env.cluster.restart_apiserver(down_s=3.0)
         wait_for(lambda: step(env) > at + 10, RECOVER_TIMEOUT, "status progress after the restart")
         seconds = time.monotonic() - t0
     lost = sum(r[0] for r in restarts(env) if r not in before)
@@ -269,14 +275,14 @@ def test_d_api_server_restart_keeps_training(env: ProcessEnv, chaos: str) -> Non
     assert uids(live(env)) == uids(pods), "the same pods: the workers never needed the API server"
     assert lost == 0 and job_status(env.kube, env.ns, chaos)["phase"] == "Running"
     assert watch.per_index == 1 and watch.total <= 3
-    env.cluster.plane.kubectl("delete", "sgdjob", chaos, "-n", env.ns, "--wait=false")
+    env.kubectl("delete", "sgdjob", chaos, "-n", env.ns, "--wait=false")
     wait_for(lambda: not worker_pods(env.kube, env.ns, chaos), 90, "the chaos job's pods gone")
 
 
-def test_e_crash_loop_fails_at_the_backoff_limit(env: ProcessEnv) -> None:
+def test_e_crash_loop_fails_at_the_backoff_limit(env: RealEnv) -> None:
     job = "crashloop"
     fault = {"kind": "crash", "rank": 1, "atStep": 5, "everyLife": True}
-    manifest = sgdjob_manifest(
+    manifest = env.manifest(
         job, steps=500, checkpoint_dir=str(env.tmp / "ckpt-e"), mode="sync", replicas=2, min_replicas=2,
         max_replicas=2, template=NO_GPU, training={"faults": [fault]},
     )  # fmt: skip
@@ -284,7 +290,7 @@ def test_e_crash_loop_fails_at_the_backoff_limit(env: ProcessEnv) -> None:
     doc["spec"]["runPolicy"] = {"backoffLimit": 1}
     manifest = json.dumps(doc)
     with PodWatch(env, job) as watch:
-        apply(env.cluster, env.ns, manifest)
+        env.apply(manifest)
         t0 = time.monotonic()
         st = wait_for(
             lambda: (s := job_status(env.kube, env.ns, job)).get("phase") == "Failed" and s, 300, f"{job} Failed"
@@ -295,16 +301,15 @@ def test_e_crash_loop_fails_at_the_backoff_limit(env: ProcessEnv) -> None:
     assert failed["reason"] == "BackoffLimitExceeded" and "backoffLimit 1" in failed["message"], failed
     assert int(st.get("step") or 0) < 500
     # Every life of every pod, replaced ones included (a failed pod is recreated until the limit).
-    lives = sorted((env.cluster.agent.workdir / "pods").glob(f"{env.ns}_{job}-worker-*/logs/*.log"))
-    logs = "".join(path.read_text(errors="replace") for path in lives)
+    logs = "".join({**watch.logs, **env.job_logs(job)}.values())
     assert logs.count("EMULATED FAULT: rank 1 exits abruptly") >= 2, "the fault fires in every life: a crash loop"
     assert watch.per_index == 1 and watch.total <= 2
-    env.cluster.plane.kubectl("delete", "sgdjob", job, "-n", env.ns, "--wait=false")
+    env.kubectl("delete", "sgdjob", job, "-n", env.ns, "--wait=false")
 
 
-def test_f_hung_worker_is_replaced_and_the_job_succeeds(env: ProcessEnv) -> None:
+def test_f_hung_worker_is_replaced_and_the_job_succeeds(env: RealEnv) -> None:
     job, hang_at = "hung", 30
-    manifest = sgdjob_manifest(
+    manifest = env.manifest(
         job, steps=150, checkpoint_dir=str(env.tmp / "ckpt-f"), mode="sync", replicas=2, min_replicas=2,
         max_replicas=2, template=NO_GPU,
         training={"checkpoint": {"dir": str(env.tmp / "ckpt-f"), "intervalSteps": INTERVAL},
@@ -312,7 +317,7 @@ def test_f_hung_worker_is_replaced_and_the_job_succeeds(env: ProcessEnv) -> None
         policy={"intervalSeconds": 1, "hangTimeoutSeconds": 6, "allowedActions": ["replaceWorker"]},
     )  # fmt: skip
     with PodWatch(env, job) as watch:
-        apply(env.cluster, env.ns, manifest)
+        env.apply(manifest)
         wait_for(lambda: step(env, job) >= hang_at, START_TIMEOUT, f"{job} at the hang step")
         t0 = time.monotonic()
         hung = wait_for(

@@ -1,8 +1,9 @@
-"""Training code of the user's own on the local cluster: an AdamW digits job that the user moves
-through every mode with `kubectl patch` (sync -> async -> hierarchical -> auto) and that ends at its
-accuracy target, with AdamW's state carried through every switch (the loss never jumps back); and the
-character-level transformer example (examples/custom-task) through every mode too, its module on the pods'
-PYTHONPATH as its image would carry it. Compute is emulated (CPU-only machine)."""
+"""Training code of the user's own on real nodes: an AdamW digits job that the user moves through every
+mode with `kubectl patch` (sync -> async -> hierarchical -> auto) and that ends at its accuracy target,
+with AdamW's state carried through every switch (the loss never jumps back); and the character-level
+transformer example (examples/custom-task) through every mode too, from the image its README builds
+(its Dockerfile on top of the trainer image, built here with buildah and imported into every node).
+Compute is emulated (CPU-only machine)."""
 
 from __future__ import annotations
 
@@ -13,12 +14,14 @@ from collections.abc import Iterator
 import pytest
 import yaml
 
-from devcluster.cluster import LocalCluster
-from devcluster.testing import Obj, apply, wait_for
-from tests.e2e.helpers import ProcessEnv, job_events, job_status, scenario_env, sgdjob_manifest
+from devcluster.images import ImageBuilder
+from devcluster.realnodes import RealCluster
+from devcluster.testing import Obj, wait_for
+from tests.e2e.helpers import job_events, job_status
+from tests.e2e.real import RealEnv, RealOperator, real_scenario_env
 from tests.local.example_runs import REPO
 
-pytestmark = [pytest.mark.k8s, pytest.mark.multiproc]
+pytestmark = [pytest.mark.k8s, pytest.mark.multiproc, pytest.mark.realnode]
 
 START_TIMEOUT = 240.0
 # Bits per character after 300 steps on 3 workers (measured here: 3.29; a uniform guess is 7).
@@ -26,26 +29,36 @@ CHARLM_BITS_AT_300 = 3.6
 
 
 @pytest.fixture(scope="module")
-def env(cluster_crd: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProcessEnv]:
-    with scenario_env(cluster_crd, "owncode", tmp_path_factory.mktemp("owncode")) as e:
+def env(
+    real_cluster: RealCluster, real_operator: RealOperator, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RealEnv]:
+    with real_scenario_env(real_cluster, real_operator, "owncode", tmp_path_factory.mktemp("owncode")) as e:
         yield e
 
 
-def _patch_mode(e: ProcessEnv, job: str, mode: str) -> None:
+@pytest.fixture(scope="module")
+def charlm_image(real_cluster: RealCluster) -> str:
+    """The example's image (`sgdjob/charlm-trainer:dev`), built as its README says and in every node."""
+    image = ImageBuilder().example("charlm")
+    real_cluster.import_images([image])
+    return image.ref
+
+
+def _patch_mode(e: RealEnv, job: str, mode: str) -> None:
     patch = json.dumps({"spec": {"mode": mode}})
-    e.cluster.plane.kubectl("patch", "sgdjob", job, "-n", e.ns, "--type", "merge", "-p", patch)
+    e.kubectl("patch", "sgdjob", job, "-n", e.ns, "--type", "merge", "-p", patch)
 
 
-def _finished(e: ProcessEnv, job: str) -> Obj | None:
+def _finished(e: RealEnv, job: str) -> Obj | None:
     st = job_status(e.kube, e.ns, job)
     return st if st.get("phase") in ("Succeeded", "Failed") else None
 
 
-def _validation_loss(e: ProcessEnv, job: str) -> float:
+def _validation_loss(e: RealEnv, job: str) -> float:
     return float(job_status(e.kube, e.ns, job).get("validationLoss") or "inf")
 
 
-def walk_modes(e: ProcessEnv, job: str, steps_each: int) -> list[float]:
+def walk_modes(e: RealEnv, job: str, steps_each: int) -> list[float]:
     """As a user would: `kubectl patch` the job from sync through async and hierarchical to auto,
     each mode for `steps_each` steps once the workers run it; the validation loss at each change."""
     wait_for(lambda: job_status(e.kube, e.ns, job).get("step", 0) > 2 * steps_each, START_TIMEOUT, f"{job} training")
@@ -64,7 +77,7 @@ def walk_modes(e: ProcessEnv, job: str, steps_each: int) -> list[float]:
     return losses
 
 
-def test_9_an_adamw_job_runs_in_every_mode_and_reaches_its_target(env: ProcessEnv) -> None:
+def test_9_an_adamw_job_runs_in_every_mode_and_reaches_its_target(env: RealEnv) -> None:
     job = "adamw"
     training = {
         "model": "digits-mlp",
@@ -75,7 +88,7 @@ def test_9_an_adamw_job_runs_in_every_mode_and_reaches_its_target(env: ProcessEn
         "evaluation": {"everySteps": 20, "samples": 200},
         "target": {"metric": "accuracy", "value": 0.95},
     }
-    manifest = sgdjob_manifest(
+    manifest = env.manifest(
         job,
         steps=20_000,
         checkpoint_dir=str(env.tmp / job),
@@ -83,7 +96,7 @@ def test_9_an_adamw_job_runs_in_every_mode_and_reaches_its_target(env: ProcessEn
         emulation={"computeSeconds": 0.03},
         training=training,
     )
-    apply(env.cluster, env.ns, manifest)
+    env.apply(manifest)
     losses = walk_modes(env, job, steps_each=20)
     st = wait_for(lambda: _finished(env, job), 300, f"{job} finished")
     assert st["phase"] == "Succeeded", st.get("conditions")
@@ -96,7 +109,7 @@ def test_9_an_adamw_job_runs_in_every_mode_and_reaches_its_target(env: ProcessEn
     assert all(b < a * 1.25 for a, b in itertools.pairwise(losses)), losses
 
 
-def test_10_the_transformer_example_runs_in_every_mode(env: ProcessEnv) -> None:
+def test_10_the_transformer_example_runs_in_every_mode(env: RealEnv, charlm_image: str) -> None:
     """The example's job as it ships (task, AdamW, schedule, metric, policy), shortened to 300 steps
     on 3 workers with the third 3x slower, walked through sync, async, hierarchical and auto; bits
     per character must fall well below the 7 of a uniform guess (the full 1000-step run's bound is
@@ -111,14 +124,13 @@ def test_10_the_transformer_example_runs_in_every_mode(env: ProcessEnv) -> None:
             "containers": [
                 {
                     "name": "trainer",
-                    # What the example's image does (its Dockerfile): the module on the Python path.
-                    "env": [{"name": "PYTHONPATH", "value": str(example)}],
+                    "image": charlm_image,  # the module comes with the image, nothing from the host
                     "resources": {"limits": {"nvidia.com/gpu": 1}},
                 }
             ]
         }
     }
-    manifest = sgdjob_manifest(
+    manifest = env.manifest(
         job,
         steps=300,
         checkpoint_dir=str(env.tmp / job),
@@ -128,7 +140,7 @@ def test_10_the_transformer_example_runs_in_every_mode(env: ProcessEnv) -> None:
         policy=spec["policy"],
         template=template,
     )
-    apply(env.cluster, env.ns, manifest)
+    env.apply(manifest)
     walk_modes(env, job, steps_each=30)
     st = wait_for(lambda: _finished(env, job), 600, f"{job} finished")
     assert st["phase"] == "Succeeded", st.get("conditions")
