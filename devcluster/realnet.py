@@ -121,9 +121,10 @@ def pids_in(names: Iterable[str]) -> list[int]:
     return found
 
 
-def kill_all_in(names: Iterable[str]) -> list[int]:
-    """SIGKILL every process in the named namespaces; returns the pids."""
-    pids = pids_in(list(names))
+def kill_all_in(names: Iterable[str], keep: Iterable[int] = ()) -> list[int]:
+    """SIGKILL every process in the named namespaces but those in `keep`; returns the pids."""
+    spared = set(keep)
+    pids = [p for p in pids_in(list(names)) if p not in spared]
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)

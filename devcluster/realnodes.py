@@ -213,13 +213,17 @@ class RealCluster:
             [],
         )  # fmt: skip
         self._spawn("etcd", realconf.etcd_argv(bin_dir, lay), [*fab, *NICE])
-        self._spawn("kube-apiserver", realconf.apiserver_argv(bin_dir, lay), [*fab, *NICE])
-        self._wait(self._api_ready, timeout, "the API server")
+        self._start_apiserver(bin_dir, timeout)
         self._mark("api ready")
         self._spawn("dnsmasq", realconf.dnsmasq_argv(lay), [*fab, *NICE])
         self._spawn("clusterdns", realconf.clusterdns_argv(sys.executable, lay), [*fab, *NICE])
         self._spawn("kube-controller-manager", realconf.controller_manager_argv(bin_dir, lay), [*fab, *NICE])
         self._spawn("kube-scheduler", realconf.scheduler_argv(bin_dir, lay), [*fab, *NICE])
+
+    def _start_apiserver(self, bin_dir: Path, timeout: float) -> None:
+        lay = self.layout
+        self._spawn("kube-apiserver", realconf.apiserver_argv(bin_dir, lay), [*realnet.enter(lay.fabric_ns), *NICE])
+        self._wait(self._api_ready, timeout, "the API server")
 
     def _start_nodes(self, bin_dir: Path, timeout: float) -> None:
         lay = self.layout
@@ -265,15 +269,7 @@ class RealCluster:
         i = self._node_index(name)
         holder = self.pids[f"{name}.holder"]
         killed = realhost.kill_cgroup(self.layout.node_cgroup(i))  # the containers first: no one reports
-        deadline = time.monotonic() + 15
-        while (pids := [p for p in realnet.pids_in([self.layout.node_ns(i)]) if p != holder]) and (
-            time.monotonic() < deadline
-        ):
-            for pid in pids:
-                _signal(pid, signal.SIGKILL)
-            killed += len(pids)
-            self._reap()
-            time.sleep(0.1)
+        killed += self._sweep([self.layout.node_ns(i)], keep=[holder])
         for daemon in ("containerd", "kubelet", "kube-proxy"):
             self.pids.pop(f"{name}.{daemon}", None)
             if (proc := self._procs.pop(f"{name}.{daemon}", None)) is not None:
@@ -297,11 +293,7 @@ class RealCluster:
         self._terminate(["kube-apiserver"], 15)
         self._procs.pop("kube-apiserver", None)
         time.sleep(down_s)
-        lay = self.layout
-        self._spawn(
-            "kube-apiserver", realconf.apiserver_argv(assets_dir(), lay), [*realnet.enter(lay.fabric_ns), *NICE]
-        )
-        self._wait(self._api_ready, timeout, "the API server after its restart")
+        self._start_apiserver(assets_dir(), timeout)
 
     def pod_logs(self, namespace: str, prefix: str) -> dict[str, str]:
         """Every log file the nodes hold of containers of pods in `namespace` whose name starts with
@@ -377,10 +369,7 @@ class RealCluster:
         log.info("control plane stopped after %.1f s", time.monotonic() - t0)
         # Whatever is left in our namespaces: containerd shims, the holders, anything stuck.
         names = [lay.fabric_ns, *(lay.node_ns(i) for i in range(lay.nodes))]
-        deadline = time.monotonic() + 15
-        while realnet.kill_all_in(names) and time.monotonic() < deadline:
-            self._reap()
-            time.sleep(0.1)
+        self._sweep(names)
         log.info("namespaces swept after %.1f s", time.monotonic() - t0)
         realhost.kill_cgroup(lay.cgroup_root)
         for proc in self._procs.values():
@@ -414,6 +403,17 @@ class RealCluster:
             if alive(pid):
                 _signal(pid, signal.SIGKILL)
         self._reap()
+
+    def _sweep(self, namespaces: list[str], keep: Sequence[int] = (), timeout: float = 15) -> int:
+        """SIGKILL whatever runs in the network namespaces (but `keep`) until nothing is left or
+        `timeout` passes; returns how many processes were killed."""
+        killed: set[int] = set()
+        deadline = time.monotonic() + timeout
+        while (pids := realnet.kill_all_in(namespaces, keep)) and time.monotonic() < deadline:
+            killed.update(pids)
+            self._reap()
+            time.sleep(0.1)
+        return len(killed)
 
     def _ours(self, name: str) -> bool:
         pid = self.pids[name]

@@ -162,7 +162,8 @@ def spared_worker(e: RealEnv, pods: list[Obj]) -> Obj:
     fault is meant for a worker, not the store every rank needs (or the operator's restart)."""
     rdzv = e.kube.get(f"/api/v1/namespaces/{e.ns}/pods/{JOB}-rdzv")["spec"].get("nodeName")
     candidates = [p for p in reversed(pods) if p["spec"]["nodeName"] != rdzv]
-    return next((p for p in candidates if p["spec"]["nodeName"] != e.operator_node()), candidates[0])
+    operator = e.operator_node()
+    return next((p for p in candidates if p["spec"]["nodeName"] != operator), candidates[0])
 
 
 def ready_for_fault(e: RealEnv) -> tuple[list[Obj], int]:
