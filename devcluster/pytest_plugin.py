@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import os
 import signal
+import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
@@ -101,40 +102,119 @@ def _real_unavailable(reason: str) -> None:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Real-node tests run last, one after another (in their collected order): the session's real
-    cluster (~1 GB, some CPU while up) then never idles through the other tiers."""
+    """Real-node tests run last, one after another (in their collected order); their cluster is started
+    in the background meanwhile (`pytest_collection_finish`)."""
     items.sort(key=lambda item: item.get_closest_marker("realnode") is not None)
+
+
+def _real_blocker() -> str | None:
+    """Why real nodes cannot run here, or None."""
+    from devcluster.realnodes import NODE_BINARIES
+
+    if os.geteuid() != 0:
+        return "needs root (network namespaces, containerd, cgroups)"
+    try:
+        missing = [b for b in NODE_BINARIES if not (assets_dir() / b).is_file()]
+    except AssetsMissing as err:
+        return str(err)
+    if missing:
+        return f"KUBEBUILDER_ASSETS lacks {', '.join(missing)} (../shared/k8s/install.sh provides them)"
+    return None
+
+
+class RealClusterStart:
+    """The session's real cluster, started in a thread of its own: control plane, REAL_NODES nodes, and
+    the images the selected tests name in `@pytest.mark.realnode(images=[...])` (plus pause and python)
+    built and imported into every node. Started when collection ends, it overlaps the ~25 minutes of
+    tiers that run before the real-node tests (every daemon, build and import runs at nice 19, so
+    those tiers keep their CPUs); the `real_cluster` fixture waits for it."""
+
+    def __init__(self, images: Sequence[str]) -> None:
+        self.images = ["pause", "python", *(i for i in images if i not in ("pause", "python"))]
+        self.cluster: RealCluster | None = None
+        self.error: BaseException | None = None
+        self.handed_out = False
+        self._thread = threading.Thread(target=self._run, name="real-cluster-start", daemon=True)
+
+    def start(self) -> RealClusterStart:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        from devcluster.images import ImageBuilder
+        from devcluster.realnodes import RealCluster
+
+        try:
+            t0 = time.monotonic()
+            builder = ImageBuilder()
+            built = [builder.get(name) for name in self.images]
+            build_s = round(time.monotonic() - t0, 1)
+            workdir = Path(tempfile.mkdtemp(prefix=f"{REAL_PREFIX}-"))
+            self.cluster = RealCluster(workdir, nodes=REAL_NODES, prefix=REAL_PREFIX)
+            self.cluster.start(built)
+            self.cluster.timings["image builds"] = build_s
+        except BaseException as err:  # handed to the fixture, which skips or fails saying why
+            self.error = err
+            self.cluster = None
+
+    def wait(self) -> RealCluster:
+        self._thread.join()
+        self.handed_out = True
+        if self.error is not None:
+            raise self.error
+        assert self.cluster is not None
+        return self.cluster
+
+
+_START = pytest.StashKey[RealClusterStart]()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    marks = [m for item in session.items for m in item.iter_markers("realnode")]
+    if not marks or session.config.option.collectonly or _real_blocker() is not None:
+        return
+    images = sorted({name for m in marks for name in m.kwargs.get("images", ())})
+    session.config.stash[_START] = RealClusterStart(images).start()
+    # The cluster now lives through the whole session: SIGTERM (CI cancelling a run) becomes
+    # KeyboardInterrupt, so pytest still reaches the teardown that stops it.
+    if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _interrupt)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Stop a cluster that was started but never handed to a test (a run cut short, or its tests skipped)."""
+    start = session.config.stash.get(_START, None)
+    if start is None or start.handed_out:
+        return
+    try:
+        cluster = start.wait()
+    except BaseException:  # start() cleaned up after itself
+        return
+    cluster.stop()
 
 
 # Session scope: several modules use it (the cluster's own tests, the end-to-end scenarios), and
 # the collection hook above runs them together at the end.
 @pytest.fixture(scope="session")
-def real_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealCluster]:
+def real_cluster(request: pytest.FixtureRequest) -> Iterator[RealCluster]:
     """Control plane + REAL_NODES real kubelet nodes (devcluster/realnodes.py) with the pause and python images
-    (`python:3.11-slim-bookworm`, imagePullPolicy Never) in every node. Root only: otherwise the tests
-    skip saying why (fail with SGDJOB_REQUIRE_K8S=1). Teardown fails if anything of it is left:
-    processes, network namespaces, cgroups, mounts or its folder. `timings` holds up's phases."""
-    from devcluster.images import ImageBuilder
+    (`python:3.11-slim-bookworm`, imagePullPolicy Never) and those the tests name in every node. Root
+    only: otherwise the tests skip saying why (fail with SGDJOB_REQUIRE_K8S=1). Teardown fails if
+    anything of it is left: processes, network namespaces, cgroups, mounts or its folder. `timings`
+    holds up's phases."""
     from devcluster.realhost import HostNotReady, cgroup_pids
     from devcluster.realnet import exists
-    from devcluster.realnodes import NODE_BINARIES, RealCluster
 
-    if os.geteuid() != 0:
-        _real_unavailable("needs root (network namespaces, containerd, cgroups)")
+    blocker = _real_blocker()
+    if blocker is not None:
+        _real_unavailable(blocker)
+    start = request.config.stash.get(_START, None)
+    if start is None:  # a test asked for the cluster without the marker
+        start = request.config.stash[_START] = RealClusterStart([]).start()
     try:
-        missing = [b for b in NODE_BINARIES if not (assets_dir() / b).is_file()]
-    except AssetsMissing as err:
-        _real_unavailable(str(err))
-    if missing:
-        _real_unavailable(f"KUBEBUILDER_ASSETS lacks {', '.join(missing)} (../shared/k8s/install.sh provides them)")
-    builder = ImageBuilder()
-    images = [builder.pause(), builder.python()]
-    cluster = RealCluster(tmp_path_factory.mktemp("realnodes"), nodes=REAL_NODES, prefix=REAL_PREFIX)
-    try:
-        cluster.start(images)
+        cluster = start.wait()
     except HostNotReady as err:
         _real_unavailable(str(err))
-    cluster.timings["base images"] = sum(builder.timings.values())
     try:
         yield cluster
     finally:

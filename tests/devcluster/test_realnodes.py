@@ -26,7 +26,7 @@ from devcluster.pytest_plugin import REAL_NODES
 from devcluster.realnodes import RealCluster
 from devcluster.testing import new_namespace, phase_in, wait_for
 
-pytestmark = pytest.mark.realnode
+pytestmark = pytest.mark.realnode(images=["operator", "trainer"])
 IMAGE = "python:3.11-slim-bookworm"  # the small base image, imported into every node
 TIMINGS: dict[str, object] = {}
 

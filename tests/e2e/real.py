@@ -34,6 +34,9 @@ from tests.packaging.test_webhook import make_certs
 
 RELEASE, OPERATOR_NS = "sgdjob-operator", "sgdjob-system"  # fullname = the release name
 OPERATOR_LABELS = f"app.kubernetes.io/instance={RELEASE}"
+# What install_operator puts on the nodes; modules name them in their realnode marker, so the session's
+# cluster has them imported before the first real-node test (devcluster/pytest_plugin.py).
+OPERATOR_IMAGES = ["operator", "trainer"]
 GPUS_PER_NODE = 1
 DEV_VALUES = Path(__file__).resolve().parents[2] / "devcluster" / "helm-values.yaml"
 
@@ -111,7 +114,7 @@ def install_operator(cluster: RealCluster, workdir: Path, resync_s: int = 3) -> 
     timings: dict[str, float] = {}
     t0 = time.monotonic()
     builder = ImageBuilder()
-    images = [builder.project("operator"), builder.project("trainer")]
+    images = [builder.get(name) for name in OPERATOR_IMAGES]
     timings["image builds"] = round(time.monotonic() - t0, 1)
     t1 = time.monotonic()
     cluster.import_images(images)

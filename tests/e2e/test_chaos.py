@@ -36,10 +36,10 @@ import pytest
 from devcluster.realnodes import RealCluster
 from devcluster.testing import Obj, wait_for
 from tests.e2e.helpers import job_events, job_status, worker_pods
-from tests.e2e.real import RealEnv, RealOperator, real_scenario_env
+from tests.e2e.real import OPERATOR_IMAGES, RealEnv, RealOperator, real_scenario_env
 from tests.figures import FIGURES
 
-pytestmark = [pytest.mark.k8s, pytest.mark.multiproc, pytest.mark.realnode]
+pytestmark = [pytest.mark.k8s, pytest.mark.multiproc, pytest.mark.realnode(images=OPERATOR_IMAGES)]
 
 JOB = "chaos"
 INTERVAL = 20  # checkpoint.intervalSteps

@@ -28,11 +28,11 @@ from devcluster.controlplane import free_port
 from devcluster.realnodes import RealCluster
 from devcluster.testing import wait_for
 from tests.e2e.helpers import assert_children_gone, job_status
-from tests.e2e.real import RealEnv, RealOperator, real_scenario_env
+from tests.e2e.real import OPERATOR_IMAGES, RealEnv, RealOperator, real_scenario_env
 from tests.packaging.test_chart import _render
 from tests.promql import query, ready
 
-pytestmark = [pytest.mark.k8s, pytest.mark.multiproc, pytest.mark.realnode]
+pytestmark = [pytest.mark.k8s, pytest.mark.multiproc, pytest.mark.realnode(images=OPERATOR_IMAGES)]
 
 JOB = "watched"
 PROM_PORT = 9091  # on the fabric namespace's loopback

@@ -29,9 +29,9 @@ from tests.e2e.helpers import (
     kubectl_table,
     worker_pods,
 )
-from tests.e2e.real import OPERATOR_NS, RELEASE, RealEnv, RealOperator, real_scenario_env
+from tests.e2e.real import OPERATOR_IMAGES, OPERATOR_NS, RELEASE, RealEnv, RealOperator, real_scenario_env
 
-pytestmark = [pytest.mark.k8s, pytest.mark.multiproc, pytest.mark.realnode]
+pytestmark = [pytest.mark.k8s, pytest.mark.multiproc, pytest.mark.realnode(images=OPERATOR_IMAGES)]
 
 JOB = "quick"
 STEPS = 900

@@ -26,9 +26,9 @@ from tests.e2e.helpers import (
     job_status,
     worker_pods,
 )
-from tests.e2e.real import RealOperator, real_scenario_env
+from tests.e2e.real import OPERATOR_IMAGES, RealOperator, real_scenario_env
 
-pytestmark = [pytest.mark.k8s, pytest.mark.multiproc, pytest.mark.realnode]
+pytestmark = [pytest.mark.k8s, pytest.mark.multiproc, pytest.mark.realnode(images=OPERATOR_IMAGES)]
 
 START_TIMEOUT = 240.0
 RECOVER_TIMEOUT = 240.0

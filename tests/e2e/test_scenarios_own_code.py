@@ -18,10 +18,10 @@ from devcluster.images import ImageBuilder
 from devcluster.realnodes import RealCluster
 from devcluster.testing import Obj, wait_for
 from tests.e2e.helpers import job_events, job_status
-from tests.e2e.real import RealEnv, RealOperator, real_scenario_env
+from tests.e2e.real import OPERATOR_IMAGES, RealEnv, RealOperator, real_scenario_env
 from tests.local.example_runs import REPO
 
-pytestmark = [pytest.mark.k8s, pytest.mark.multiproc, pytest.mark.realnode]
+pytestmark = [pytest.mark.k8s, pytest.mark.multiproc, pytest.mark.realnode(images=[*OPERATOR_IMAGES, "charlm"])]
 
 START_TIMEOUT = 240.0
 # Bits per character after 300 steps on 3 workers (measured here: 3.29; a uniform guess is 7).
@@ -112,7 +112,7 @@ def test_9_an_adamw_job_runs_in_every_mode_and_reaches_its_target(env: RealEnv) 
 def test_10_the_transformer_example_runs_in_every_mode(env: RealEnv, charlm_image: str) -> None:
     """The example's job as it ships (task, AdamW, schedule, metric, policy), shortened to 300 steps
     on 3 workers with the third 3x slower, walked through sync, async, hierarchical and auto; bits
-    per character must fall well below the 7 of a uniform guess (the full 1000-step run's bound is
+    per character must fall well below the 7 of a uniform guess (the full run's bound is
     in the example's README)."""
     example = REPO / "examples" / "custom-task"
     job = "charlm"
