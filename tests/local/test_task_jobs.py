@@ -107,7 +107,7 @@ def test_a_task_that_cannot_be_imported_fails_the_run_naming_the_field(tmp_path:
 @pytest.mark.parametrize("mode", ["async"])
 def test_the_transformer_example_learns_with_stale_gradients(tmp_path: Path, mode: str) -> None:
     """examples/custom-task as it ships (its module found beside its job file), shortened: 2 workers,
-    150 steps, async (the mode whose stale updates could keep it from learning); the full 1000 steps
+    150 steps, async (the mode whose stale updates could keep it from learning); the full 600 steps
     are tests/trainer/test_charlm_task.py's, every mode on the cluster tests/e2e/test_scenarios_own_code.py's."""
     example = REPO / "examples" / "custom-task"
     job = yaml.safe_load((example / "job.yaml").read_text())
