@@ -223,10 +223,13 @@ def test_gpu_check_without_cuda_exits_zero_and_says_why(tmp_path: Path) -> None:
     assert result.stdout.startswith("no CUDA device: ") and not (tmp_path / "out").exists()
 
 
-def _readme_bound() -> float:
-    """The bits/char the README promises for `sgdjob run examples/custom-task/job.yaml`."""
-    (bound,) = re.findall(r"falls below ([0-9.]+) bits per character", (TASK_DIR / "README.md").read_text())
-    return float(bound)
+def _readme_bounds() -> tuple[float, float]:
+    """The bits/char the README promises for `sgdjob run examples/custom-task/job.yaml`: when `auto`
+    keeps sync, and when it moves to a mode with stale gradients."""
+    text = (TASK_DIR / "README.md").read_text()
+    (sync,) = re.findall(r"falls below ([0-9.]+) bits per character", text)
+    (stale,) = re.findall(r"switches to async or hierarchical, below ([0-9.]+)", text)
+    return float(sync), float(stale)
 
 
 @pytest.mark.multiproc
@@ -253,4 +256,7 @@ def test_sgdjob_run_of_the_example_reaches_the_validation_bits_per_char_the_read
     print(f"validation bits/char by step: {[(p['step'], round(p['metric'], 3)) for p in report['validation_curve']]}")
     shipped = yaml.safe_load((TASK_DIR / "job.yaml").read_text())["spec"]["training"]["steps"]
     assert report["steps"] == shipped and curve[0] > START_MIN_BITS
-    assert report["validation"]["metric"] < _readme_bound(), curve
+    modes = {entry["mode"] for entry in report["mode_timeline"]}
+    sync_bound, stale_bound = _readme_bounds()
+    bound = sync_bound if modes == {"sync"} else stale_bound
+    assert report["validation"]["metric"] < bound, (modes, curve)
