@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 export KUBEBUILDER_ASSETS ?= $(shell ../shared/k8s/install.sh 2>/dev/null)
 
-.PHONY: venv demo test lint unit crd
+.PHONY: venv demo test lint ruff unit crd
 venv: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -20,16 +20,16 @@ demo: venv
 
 TYPED := operator/src trainer/src devcluster tests/devcluster tests/e2e bench
 
-lint: venv
+ruff: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+
+lint: ruff
 	$(BIN)/mypy $(TYPED)
 
 # As `lint` then pytest, but mypy (about a minute of one core on a cold cache) checks the types beside
 # the test run, at nice 19; its verdict and output come at the end, and a type error fails the target.
-test: venv
-	$(BIN)/ruff check .
-	$(BIN)/ruff format --check .
+test: ruff
 	@nice -n 19 $(BIN)/mypy $(TYPED) > $(VENV)/mypy.log 2>&1 & types=$$!; \
 	$(BIN)/pytest -q; tests=$$?; \
 	wait $$types; typed=$$?; echo "mypy:"; cat $(VENV)/mypy.log; \

@@ -107,21 +107,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: item.get_closest_marker("realnode") is not None)
 
 
-def _real_blocker() -> str | None:
-    """Why real nodes cannot run here, or None."""
-    from devcluster.realnodes import NODE_BINARIES
-
-    if os.geteuid() != 0:
-        return "needs root (network namespaces, containerd, cgroups)"
-    try:
-        missing = [b for b in NODE_BINARIES if not (assets_dir() / b).is_file()]
-    except AssetsMissing as err:
-        return str(err)
-    if missing:
-        return f"KUBEBUILDER_ASSETS lacks {', '.join(missing)} (../shared/k8s/install.sh provides them)"
-    return None
-
-
 class RealClusterStart:
     """The session's real cluster, started in a thread of its own: control plane, REAL_NODES nodes, and
     the images the selected tests name in `@pytest.mark.realnode(images=[...])` (plus pause and python)
@@ -169,9 +154,15 @@ class RealClusterStart:
 _START = pytest.StashKey[RealClusterStart]()
 
 
+def _host_unavailable() -> str | None:
+    from devcluster.realnodes import unavailable  # loaded only where real-node tests are collected
+
+    return unavailable()
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     marks = [m for item in session.items for m in item.iter_markers("realnode")]
-    if not marks or session.config.option.collectonly or _real_blocker() is not None:
+    if not marks or session.config.option.collectonly or _host_unavailable() is not None:
         return
     images = sorted({name for m in marks for name in m.kwargs.get("images", ())})
     session.config.stash[_START] = RealClusterStart(images).start()
@@ -205,9 +196,9 @@ def real_cluster(request: pytest.FixtureRequest) -> Iterator[RealCluster]:
     from devcluster.realhost import HostNotReady, cgroup_pids
     from devcluster.realnet import exists
 
-    blocker = _real_blocker()
-    if blocker is not None:
-        _real_unavailable(blocker)
+    reason = _host_unavailable()
+    if reason is not None:
+        _real_unavailable(reason)
     start = request.config.stash.get(_START, None)
     if start is None:  # a test asked for the cluster without the marker
         start = request.config.stash[_START] = RealClusterStart([]).start()

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from devcluster import realconf, realhost, realnet
-from devcluster.controlplane import assets_dir, free_port, kubeconfig_text, run_kubectl
+from devcluster.controlplane import AssetsMissing, assets_dir, free_port, kubeconfig_text, run_kubectl
 from devcluster.images import Image, import_image
 from devcluster.kube import KubeApi, KubeError
 from devcluster.proctree import alive
@@ -120,12 +120,10 @@ class RealCluster:
     # --- start ---
     def start(self, images: Sequence[Image] = (), timeout: float = 300.0, install: bool = True) -> RealCluster:
         """Bring the cluster up and import `images` into every node; returns once every node is Ready."""
-        if os.geteuid() != 0:
-            raise realhost.HostNotReady("real nodes need root (network namespaces, containerd, cgroups)")
+        reason = unavailable()
+        if reason is not None:
+            raise realhost.HostNotReady(reason)
         bin_dir = assets_dir()
-        missing = [b for b in NODE_BINARIES if not (bin_dir / b).is_file()]
-        if missing:
-            raise realhost.HostNotReady(f"KUBEBUILDER_ASSETS={bin_dir} lacks {', '.join(missing)}")
         realhost.ensure_packages(realconf.CNI_BIN, install)
         lay = self.layout
         if realnet.exists(lay.fabric_ns):
@@ -426,6 +424,20 @@ class RealCluster:
     def _reap(self) -> None:
         for proc in self._procs.values():
             proc.poll()
+
+
+def unavailable() -> str | None:
+    """Why real nodes cannot run on this host (root, the node binaries), or None."""
+    if os.geteuid() != 0:
+        return "real nodes need root (network namespaces, containerd, cgroups)"
+    try:
+        bin_dir = assets_dir()
+    except AssetsMissing as err:
+        return str(err)
+    missing = [b for b in NODE_BINARIES if not (bin_dir / b).is_file()]
+    if missing:
+        return f"KUBEBUILDER_ASSETS={bin_dir} lacks {', '.join(missing)} (../shared/k8s/install.sh provides them)"
+    return None
 
 
 def _containerd_up(sock: Path) -> bool:
