@@ -27,13 +27,10 @@ ruff: venv
 lint: ruff
 	$(BIN)/mypy $(TYPED)
 
-# As `lint` then pytest, but mypy (about a minute of one core on a cold cache) checks the types beside
-# the test run, at nice 19; its verdict and output come at the end, and a type error fails the target.
+# As `lint` then pytest and mypy: tests/run-all.sh runs the real-node tests and the others side by side,
+# with mypy beside them at nice 19; any failure or type error fails the target.
 test: ruff
-	@nice -n 19 $(BIN)/mypy $(TYPED) > $(VENV)/mypy.log 2>&1 & types=$$!; \
-	$(BIN)/pytest -q; tests=$$?; \
-	wait $$types; typed=$$?; echo "mypy:"; cat $(VENV)/mypy.log; \
-	if [ $$typed -ne 0 ]; then echo "mypy found type errors (above)"; exit 1; fi; exit $$tests
+	BIN=$(BIN) LOGS=$(VENV) TYPED="$(TYPED)" tests/run-all.sh
 
 unit: venv
 	$(BIN)/pytest -q tests/unit

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# `make test`'s pytest and mypy: the real-node tests (marker `realnode`: tests/e2e and
+# tests/devcluster/test_realnodes.py) in one pytest, every other test in another, side by side, and
+# mypy beside both at nice 19. Why side by side: both halves spend most of their time waiting (on
+# kubelets and containers, on torchrun start-ups and emulated compute), so on two cores they take
+# about as long together as the longer one alone. The real-node half writes to $LOGS/realnode.log
+# (follow it with `tail -f`), printed here when both are done; so is mypy's output. Any failure in
+# either half, or a type error, fails the run.
+# Usage: tests/run-all.sh [pytest options for both halves, e.g. -x]
+set -u
+BIN=${BIN:-.venv/bin}
+LOGS=${LOGS:-.venv}
+TYPED=${TYPED:-operator/src trainer/src devcluster tests/devcluster tests/e2e bench}
+
+# shellcheck disable=SC2086  # TYPED is a list of paths
+nice -n 19 "$BIN/mypy" $TYPED > "$LOGS/mypy.log" 2>&1 &
+types=$!
+"$BIN/pytest" -q -p no:cacheprovider -m realnode "$@" > "$LOGS/realnode.log" 2>&1 &
+real=$!
+# A non-interactive shell's background jobs ignore Ctrl-C: pass it on as SIGTERM, which the real-node
+# pytest turns into a clean teardown of its cluster (devcluster/pytest_plugin.py).
+trap 'kill -TERM "$real" "$types" 2>/dev/null; wait "$real"; exit 130' INT TERM
+echo "real-node tests: pid $real, output in $LOGS/realnode.log; the other tests here:"
+
+"$BIN/pytest" -q -m "not realnode" "$@"
+rest=$?
+echo "==== the other tests: exit $rest; waiting for the real-node tests ($LOGS/realnode.log) ===="
+wait "$real"
+realrc=$?
+cat "$LOGS/realnode.log"
+echo "==== the real-node tests: exit $realrc ===="
+wait "$types"
+typed=$?
+echo "mypy:"
+cat "$LOGS/mypy.log"
+if [ "$typed" -ne 0 ]; then echo "mypy found type errors (above)"; fi
+[ "$rest" -eq 0 ] && [ "$realrc" -eq 0 ] && [ "$typed" -eq 0 ]
