@@ -86,6 +86,13 @@ def test_switch_through_every_pair_over_http(tmp_path: Path) -> None:
             assert post_control(port, body, TOKEN)[1]["ignored"], "a re-push changes nothing"
             docs = wait_status(port, 4, lambda docs, m=mode: all(d["mode"] == m for d in docs), 120, proc)
             assert all(d["controlEpoch"] == epoch for d in docs)
+            if mode == "async":
+                # Async measures its own gradient figures (each worker's consecutive gradients), so
+                # the policy does not judge async by the synchronous figures from before it.
+                docs = wait_status(
+                    port, 4, lambda docs: all(d.get("gradientStatSteps", 0) >= 5 for d in docs), 60, proc
+                )
+                assert all(d["mode"] == "async" and d["gradientSqNorm"] > 0 for d in docs), docs
         assert docs[3]["batchSize"] == 8 and docs[2]["batchSize"] == 16
         assert proc.wait(timeout=300) == 0
     finally:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -51,14 +52,66 @@ def test_a_stale_gradient_is_worth_the_measured_correlation_per_step_of_age() ->
     assert Efficiency(0.02, "sqrt").async_update(1.0, 4) == pytest.approx(0.98), "the prior ignores it"
 
 
+def test_an_adaptive_optimizers_smaller_updates_count_less_by_the_measured_noise_scale() -> None:
+    """Adam divides its step by the gradients' RMS, sqrt(|G|^2 + tr(S)/b) for b samples: an update over
+    a quarter of sync's batch is worth sqrt((1 + Bn/B)/(1 + Bn/b)) per sample."""
+    adam = Efficiency(0.02, noise_scale=128.0, correlation=0.99, adaptive=True, reference_batch=128)
+    assert adam.batch_worth(32) == pytest.approx(math.sqrt(2 / 5))
+    assert adam.batch_worth(128) == 1.0 and adam.batch_worth(256) == 1.0, "never a promised gain"
+    quiet = Efficiency(0.02, noise_scale=1.0, correlation=0.99, adaptive=True, reference_batch=128)
+    assert quiet.batch_worth(32) == pytest.approx(1.0, abs=0.02), "little noise: Adam's step barely changes"
+    lost = Efficiency(0.02, noise_scale=math.inf, adaptive=True, reference_batch=128)
+    assert lost.batch_worth(32) == pytest.approx(0.5), "noise-dominated: sqrt(b/B)"
+    sgd = Efficiency(0.02, noise_scale=128.0, correlation=0.99, reference_batch=128)
+    assert sgd.batch_worth(32) == 1.0, "SGD's step scales with its learning rate per sample"
+    assert adam.async_update(1.0, 4, 32) == pytest.approx(0.99**0.75 * math.sqrt(2 / 5))
+    # The ranks' flag reaches the estimate, with sync's global batch as the reference.
+    samples = [
+        dataclasses.replace(_sample(r, GradientSignal(40, 1.0, 128.0, 0.99)), adaptive_optimizer=r == 0)
+        for r in range(2)
+    ]
+    eff = estimate(samples, 0.02, global_batch=128)
+    assert eff.adaptive and eff.reference_batch == 128 and eff.batch_worth(32) == pytest.approx(math.sqrt(2 / 5))
+    assert "adaptive optimizer: smaller updates count less" in eff.describe()
+
+
+def test_a_noisy_adam_job_keeps_sync_where_the_same_sgd_job_goes_async() -> None:
+    """The transformer example's case: gradients that barely turn (correlation 0.98) but are noisy
+    (Bn about two global batches) under AdamW. Async wins for SGD and not for Adam."""
+    sgd = _first_change(_straggler_job(0.98, variance=250.0))
+    assert isinstance(sgd, SwitchMode) and sgd.mode == "async", sgd.reason
+    adam = _first_change(_straggler_job(0.98, adaptive=True, variance=250.0))
+    assert not (isinstance(adam, SwitchMode) and adam.mode == "async"), adam.reason
+    assert "adaptive optimizer" in adam.reason and "correlation 0.980" in adam.reason
+
+
+def test_an_async_job_whose_measured_gradients_start_to_turn_goes_back_to_sync() -> None:
+    """The trainers measure the correlation while async runs (gradient_stats): once the gradient turns
+    (0.2 per step, as the transformer example's did after its first hundred steps) async's stale
+    updates are worth little, and the job goes back to synchronous SGD."""
+    d = _first_change(_straggler_job(0.2, start_mode="async"))
+    assert isinstance(d, SwitchMode) and d.mode == "sync", d.reason
+    assert "correlation 0.200" in d.reason
+    steady = _straggler_job(0.999, start_mode="async")
+    for _ in range(8):
+        decision = steady.step().decision
+        assert not isinstance(decision, SwitchMode), decision.reason
+
+
 @pytest.mark.parametrize("rule, ratio", [("linear", 1.0), ("sqrt", math.sqrt(4 / 3)), ("none", 4 / 3)])
 def test_dropping_a_worker_changes_the_per_sample_learning_rate_by_the_jobs_rule(rule: str, ratio: float) -> None:
     spec = SGDJobSpec.model_validate({"replicas": 4, "minReplicas": 3, "training": {"lrScaling": rule}})
     assert job_view(spec).lr_ratio(3) == pytest.approx(ratio)
 
 
-def _straggler_job(correlation: float | None, async_capable: bool | None = None) -> Harness:
-    gradient = None if correlation is None else GradientSignal(50, 1.0, 100.0, correlation)
+def _straggler_job(
+    correlation: float | None,
+    async_capable: bool | None = None,
+    adaptive: bool | None = None,
+    variance: float = 100.0,
+    start_mode: str | None = None,
+) -> Harness:
+    gradient = None if correlation is None else GradientSignal(50, 1.0, variance, correlation)
     return Harness(
         [FAST, FAST, FAST, SLOW],
         jitter=0.4,
@@ -66,6 +119,8 @@ def _straggler_job(correlation: float | None, async_capable: bool | None = None)
         training={"async": {"stalenessLr": "none"}},
         gradient=gradient,
         async_capable=async_capable,
+        adaptive_optimizer=adaptive,
+        start_mode=start_mode,
     )
 
 

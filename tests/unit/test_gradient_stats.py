@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from sgdjob_trainer.gradient_stats import GradientStats
+from sgdjob_trainer.gradient_stats import GradientFigures, GradientStats
 
 DIM = 400
 
@@ -60,3 +60,55 @@ def test_a_switch_breaks_the_lag_and_a_single_rank_measures_nothing() -> None:
     assert stats.figures().steps == 2 and stats.figures().lag_dot is None, "no pair of consecutive steps yet"
     stats.observe(g, 8, g * float("nan"), 16)
     assert stats.figures().steps == 2, "a non-finite average is skipped"
+
+
+def _async_run(rho: float, sigma: float, batch: int, steps: int, seed: int) -> GradientStats:
+    """One async worker's gradients: a true gradient of norm 1 that keeps `rho` of itself from one of
+    the worker's steps to the next (the rest a fresh direction), plus per-sample noise of `sigma`."""
+    gen = torch.Generator().manual_seed(seed)
+    stats = GradientStats()
+    true = torch.randn(DIM, generator=gen)
+    true /= true.norm()
+    for _ in range(steps):
+        fresh = torch.randn(DIM, generator=gen)
+        fresh -= torch.dot(fresh, true) * true
+        true = rho * true + math.sqrt(1 - rho**2) * fresh / fresh.norm()
+        stats.observe_async(true + torch.randn(DIM, generator=gen) * sigma / math.sqrt(batch), batch)
+    return stats
+
+
+def test_async_steps_measure_the_correlation_and_noise_from_one_workers_consecutive_gradients() -> None:
+    """The controller's worth of a stale gradient stays current while the job runs async: a gradient
+    that keeps turning reads as one, where the synchronous figures before it would not."""
+    for rho in (0.95, 0.5):
+        errors = []
+        for seed in range(4):
+            f = _async_run(rho, sigma=0.5, batch=32, steps=300, seed=seed).figures()
+            assert f.sq_norm is not None and f.variance is not None and f.lag_dot is not None
+            errors.append(f.lag_dot / f.sq_norm - rho)
+        assert abs(sum(errors) / len(errors)) < 0.12, (rho, errors)
+    steady = _async_run(0.95, sigma=0.5, batch=32, steps=300, seed=9).figures()
+    assert steady.steps == 298 and steady.sq_norm is not None and steady.variance is not None
+    assert abs(steady.sq_norm - 1.0) < 0.3 and abs(steady.variance - DIM * 0.25) < 40  # tr(S) = DIM sigma^2
+    # A gradient that decorrelates at once: the correlation reads near zero (async is then worth little).
+    lost = _async_run(0.0, sigma=0.5, batch=32, steps=300, seed=3).figures()
+    assert lost.sq_norm is not None and lost.lag_dot is not None and lost.lag_dot / lost.sq_norm < 0.15
+
+
+def test_each_stay_in_async_measures_afresh_and_a_synchronous_step_reports_its_own_figures() -> None:
+    stats = _async_run(0.9, sigma=0.1, batch=16, steps=50, seed=0)
+    assert stats.figures().steps == 48
+    g = torch.ones(DIM)
+    stats.observe(g, 8, g, 16)
+    assert stats.figures().steps == 1 and stats.figures().lag_dot is None, "back in sync: the sync figures"
+    stats.enter_async()
+    assert stats.figures() == GradientFigures(0, None, None, None), "async: nothing measured yet"
+    stats.observe(g, 8, g, 16)
+    stats.observe_async(g, 16)
+    stats.observe_async(g, 16)
+    assert stats.figures().steps == 0 and stats.figures().sq_norm is None, "a new stay: nothing measured yet"
+    stats.interrupt()
+    stats.observe_async(g, 16)
+    stats.observe_async(g * float("nan"), 16)
+    stats.observe_async(g, 16)
+    assert stats.figures().steps == 0, "a switch or a non-finite gradient breaks the chain of consecutive steps"

@@ -47,6 +47,7 @@ class Harness:
     gradient: GradientSignal | None = None
     # What every rank says of its optimizer: False when it cannot be sharded for async mode.
     async_capable: bool | None = None
+    adaptive_optimizer: bool | None = None
 
     def __post_init__(self) -> None:
         nodes = len(self.speeds) // self.nproc
@@ -108,6 +109,7 @@ class Harness:
                 staleness=1.0 if self.active == "async" else 0.0,
                 gradient=self.gradient,
                 async_capable=self.async_capable,
+                adaptive_optimizer=self.adaptive_optimizer,
             )
             for r, k in enumerate(self.counters)
         ]

@@ -59,6 +59,7 @@ def test_the_trainers_metrics_give_the_policy_every_field_it_reads() -> None:
     for step in (1, 2, 3):
         telemetry.record_step(step, samples=16, compute_s=0.5, wait_s=0.25, step_s=0.8, loss=0.75, staleness=2.0)
     telemetry.set_gradient_figures(GradientFigures(12, sq_norm=0.5, variance=40.0, lag_dot=0.25))
+    telemetry.adaptive = True  # an Adam-family optimizer
     endpoint = Endpoint("http://10.0.0.9:9401", pod="job-worker-0", rank=7, node="hint")
     before = telemetry.training_seconds()
     sample = parse_metrics(telemetry.render_metrics().decode(), time=50.0, endpoint=endpoint)
@@ -84,6 +85,7 @@ def test_the_trainers_metrics_give_the_policy_every_field_it_reads() -> None:
         stalled_seconds=sample.stalled_seconds,
         computing=False,
         async_capable=True,
+        adaptive_optimizer=True,
     )
     assert sample.stalled_seconds is not None and 0 <= sample.stalled_seconds <= after
     assert sample == expected

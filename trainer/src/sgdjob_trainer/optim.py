@@ -96,6 +96,22 @@ ELEMENTWISE = (
     torch.optim.Rprop,
 )
 
+# Optimizers that divide each step by a running root-mean-square of the gradients (the state keys they
+# keep it under, for an optimizer SGDJob does not know). Their step does not grow with the gradient, so
+# a smaller or noisier update's step is not smaller the way SGD's is: see wire.metric_names.ADAPTIVE.
+ADAPTIVE = (
+    *(c for c in ELEMENTWISE if c not in (torch.optim.SGD, torch.optim.Rprop)),  # Rprop: full-batch sign steps
+    torch.optim.Adadelta,
+)
+SECOND_MOMENT_KEYS = frozenset({"exp_avg_sq", "square_avg", "sum", "exp_inf"})
+
+
+def adaptive(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the optimizer normalises its steps by the gradients' running magnitude (module above)."""
+    if isinstance(optimizer, ADAPTIVE):
+        return True
+    return any(SECOND_MOMENT_KEYS & set(state) for state in optimizer.state.values())
+
 
 def async_obstacle(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> str | None:
     """Why async mode cannot run this optimizer, or None. A known elementwise optimizer can; any

@@ -142,6 +142,11 @@ class Telemetry:
             wm.ASYNC_CAPABLE, "0 when the optimizer's state cannot be sharded for async mode, else 1.", registry=r
         )
         self.m_async_capable.set_function(lambda: 1.0 if self.async_capable else 0.0)
+        self.adaptive = False  # see wire.metric_names.ADAPTIVE
+        self.m_adaptive = Gauge(
+            wm.ADAPTIVE, "1 when the optimizer normalises its steps by the gradients' running RMS, else 0.", registry=r
+        )
+        self.m_adaptive.set_function(lambda: 1.0 if self.adaptive else 0.0)
         self.m_info = Gauge(wm.WORKER_INFO, "Identity of this process.", list(wm.WORKER_INFO_LABELS), registry=r)
         self.m_switches = Counter(wm.SWITCHES, "Mode switches done.", registry=r)
         self.m_pause = Counter(wm.SWITCH_PAUSE_SECONDS, "Seconds spent paused in mode switches.", registry=r)
@@ -335,6 +340,7 @@ class Telemetry:
                 gradient_stat_steps=self.gradient.steps,
                 computing=self.computing,
                 async_capable=self.async_capable,
+                adaptive_optimizer=self.adaptive,
                 switches=list(self.switches),
                 done=self.done,
                 time=time.time(),

@@ -44,7 +44,7 @@ from sgdjob_trainer.config import Precision, SyncMode, TargetMetric, TrainingCon
 from sgdjob_trainer.data import DataPosition
 from sgdjob_trainer.emulation import ComputeEmulator
 from sgdjob_trainer.levers import LossScaler
-from sgdjob_trainer.optim import OptimizerTemplate, async_obstacle
+from sgdjob_trainer.optim import OptimizerTemplate, adaptive, async_obstacle
 from sgdjob_trainer.recovery import Recovery
 from sgdjob_trainer.runtime import WorldInfo, choose_device, init_distributed, setup_logging, shutdown_distributed
 from sgdjob_trainer.server import ControlInbox, TrainerServer
@@ -120,6 +120,7 @@ class Trainer:
         self.trainable = [p for p in model.parameters() if p.requires_grad]
         # Whether async mode can shard this optimizer: told to the policy (sgdjob_async_capable).
         self.telemetry.async_capable = async_obstacle(optimizer, self.trainable) is None
+        self.telemetry.adaptive = adaptive(optimizer)  # sgdjob_optimizer_adaptive
         self.async_checked = False
         self.target_hit = False  # rank 0: its validation reached training.target
         numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -192,6 +193,8 @@ class Trainer:
     def _make(self) -> Strategy:
         strategy = STRATEGIES[self.state.mode](self.ctx)
         self.ctx.grad_stats.interrupt()
+        if self.state.mode == SyncMode.ASYNC:
+            self.ctx.grad_stats.enter_async()
         strategy.enter()
         return strategy
 
@@ -223,6 +226,7 @@ class Trainer:
                     # An optimizer SGDJob does not know is judged by its state, which exists now.
                     self.async_checked = True
                     telemetry.async_capable = async_obstacle(state.optimizer, self.trainable) is None
+                    telemetry.adaptive = adaptive(state.optimizer)
                 if not math.isfinite(result.loss):
                     # Fail loudly (torchrun then stops every worker) rather than train on NaNs.
                     raise FloatingPointError(f"loss is {result.loss} at step {state.step} in {state.mode.value} mode")

@@ -61,7 +61,9 @@ def predict_sync(
         return Prediction(label, 0.0, 0.0, 1.0)
     slowest = max(batches[r] / speeds[r] for r in speeds)
     step = slowest * _noise(ci, n) + ci.comm.allreduce_s(n)
-    return Prediction(label, sum(batches[r] for r in speeds) / step, 0.0, ci.efficiency.per_sample(lr_ratio))
+    total = sum(batches[r] for r in speeds)
+    worth = ci.efficiency.per_sample(lr_ratio) * ci.efficiency.batch_worth(total)
+    return Prediction(label, total / step, 0.0, worth)
 
 
 def predict_hierarchical(
@@ -91,7 +93,11 @@ def predict_hierarchical(
     # steps late; weight that age by the share of the world outside the rank's group.
     age = s * h + (h - 1) / 2
     staleness = sum(len(g) / n * age * (n - len(g)) / max(1, n - 1) for g in groups)
-    return Prediction(label, throughput, staleness, ci.efficiency.stale(staleness))
+    # Each group steps its optimizer on its own batch: an adaptive optimizer's worth per group batch,
+    # weighed by the group's share of the samples.
+    group_batches = [sum(batches[r] for r in g) for g in groups]
+    sized = sum(b * ci.efficiency.batch_worth(b) for b in group_batches) / max(1, sum(group_batches))
+    return Prediction(label, throughput, staleness, ci.efficiency.stale(staleness) * sized)
 
 
 def predict_async(
@@ -124,6 +130,6 @@ def predict_async(
         weighted += batches[r] * rate * stale
         # Each update is over one worker's batch, at its own staleness (or what the workers report).
         age = known if known is not None else stale
-        worth += batches[r] * rate * ci.efficiency.async_update(age, n)
+        worth += batches[r] * rate * ci.efficiency.async_update(age, n, batches[r])
     staleness = known if known is not None else (weighted / applied if applied > 0 else 0.0)
     return Prediction(label, applied, staleness, worth / applied if applied > 0 else 1.0)

@@ -51,3 +51,5 @@ class WorkerSample:
     computing: bool | None = None
     # False when the process's optimizer cannot run in async mode (None: not said).
     async_capable: bool | None = None
+    # True when the process's optimizer normalises its steps by the gradients' RMS (None: not said).
+    adaptive_optimizer: bool | None = None

@@ -41,6 +41,11 @@ COMPUTING = "sgdjob_computing"
 # 0 when the job's optimizer keeps state async mode cannot shard (optim.async_obstacle): the policy
 # then never proposes async. 1 otherwise (as far as is known yet).
 ASYNC_CAPABLE = "sgdjob_async_capable"
+# 1 when the job's optimizer normalises its steps by the gradients' running root-mean-square (Adam,
+# RMSprop, Adagrad; optim.adaptive). Its step then shrinks as an update's gradient gets noisier, so
+# the policy weighs an update over fewer samples (one async worker's, one group's) by the measured
+# gradient noise scale as well as by its staleness (policy.efficiency).
+ADAPTIVE = "sgdjob_optimizer_adaptive"
 MODE = "sgdjob_mode"  # one series per mode, labelled LABEL_MODE: 1 for the active one
 VALIDATION_LOSS = "sgdjob_validation_loss"  # rank 0: loss on the held-out split at the last validation
 VALIDATION_ACCURACY = "sgdjob_validation_accuracy"  # rank 0, classification only: fraction right (0..1)
