@@ -121,10 +121,12 @@ def test_while_the_node_is_gone_the_others_go_on_from_the_checkpoint(tmp_path: P
 
 
 def test_a_node_whose_agent_keeps_dying_is_replaced_under_a_new_name(tmp_path: Path) -> None:
-    outcome = run_job(tmp_path, at_step_then_each_comeback(30, times=2), steps=200, crash_loop_deaths=2)
+    # 600 steps: the replacement agent (a fresh process importing torch, ~15 s on a loaded 2-core
+    # machine) must join before the three others finish; with 200 they once ended first.
+    outcome = run_job(tmp_path, at_step_then_each_comeback(30, times=2), steps=600, crash_loop_deaths=2)
     report = outcome.report
     assert outcome.exit_code == 0 and report is not None, outcome.message
-    assert report["ok"] and report["steps"] == 200, report
+    assert report["ok"] and report["steps"] == 600, report
     first, second = report["agent_deaths"]
     assert first["node"] == second["node"] == "local-3" and first["action"] == "restart", report["agent_deaths"]
     assert second["action"] == "replace" and second["replaced_by"] == "local-4"
