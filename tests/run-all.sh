@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# `make test`'s pytest and mypy, in two halves side by side with mypy beside them at nice 19:
+# `make test-split`: `make test`'s pytest and mypy, in two halves side by side, mypy beside them at nice 19:
 # - in the background, the real-node tests (marker `realnode`: tests/e2e and
 #   tests/devcluster/test_realnodes.py);
 # - here, every other test.
@@ -7,7 +7,7 @@
 # run at nice 19, stretches most under load, and it became the longer one in two CI runs of three.)
 # Why side by side: both halves spend most of their time waiting (on kubelets and containers, on
 # torchrun start-ups and emulated compute), so on two cores they take about as long together as the
-# longer one alone (CI on the 2-core VM: 32 minutes instead of 43). The background half writes to
+# longer one alone (CI-like runs on the 2-core VM: 32-38 minutes instead of 44-48). The background half writes to
 # $LOGS/realnode.log (follow it with `tail -f`), printed here when both are done; so is mypy's
 # output. Any failure in either half, or a type error, fails the run.
 # Usage: tests/run-all.sh [pytest options for both halves, e.g. -x]

@@ -118,7 +118,8 @@ def test_status_columns_scale_and_success(cluster: Cluster, operator: Operator) 
     cluster.end_pod("life-worker-0", 0)
     status = _phase(cluster, "life", "Succeeded")
     assert status["completionTime"] and {c["type"]: c["status"] for c in status["conditions"]}["Succeeded"] == "True"
-    assert "WorkersSucceeded" in cluster.reasons("life")
+    # The Event is posted beside the status write, not before it: wait for it as a user's `describe` would.
+    wait_for("the WorkersSucceeded event", lambda: "WorkersSucceeded" in cluster.reasons("life"))
     wait_for(
         "cleanPodPolicy All removes the pods",
         lambda: not cluster.pods("life") and not cluster.pods("life", role="rendezvous"),
