@@ -121,15 +121,13 @@ class GradientStats:
         self._async_own.add(float(torch.dot(g, g)))
         self._async_batch.add(float(batch))
         recent = self._recent
+        # Two gradients of memory, kept only while the job runs async; the oldest buffer is reused.
         if len(recent) == 2 and recent[0].shape == g.shape:
             self._async_lag1.add(float(torch.dot(g, recent[1])))
             self._async_lag2.add(float(torch.dot(g, recent[0])))
             self._async_steps += 1
-        # Two gradients of memory, kept only while the job runs async; the oldest buffer is reused.
-        if len(recent) == 2 and recent[0].shape == g.shape:
             oldest = recent.pop(0)
-            oldest.copy_(g)
-            recent.append(oldest)
+            recent.append(oldest.copy_(g))
         else:
             self._recent = [*recent[-1:], g.clone()]
 

@@ -3,7 +3,7 @@
 Throughput counts samples; a stale gradient or an update at a damped learning rate moves the model
 less per sample. The cost model multiplies each configuration's samples/s by this worth, estimated
 from the job's own gradients (`GradientSignal`, measured by the trainers on every whole-world
-synchronous step):
+synchronous step, and in async from each worker's consecutive gradients: trainer gradient_stats):
 
 - rho = <G_t, G_t-1>/|G|^2, the correlation of consecutive true gradients: how far the gradient
   field turns in one synchronous step. A gradient computed `a` synchronous steps before it is
@@ -25,10 +25,9 @@ synchronous step):
   of one over sync's global batch B per sample, at the same learning rate per sample: 1 while the
   noise is small against b, down to sqrt(b/B) when it dominates (async on 4 equal workers: 1/2).
   Here Bn does change the worth. Capped at 1: the first-order model is not trusted to promise a
-  gain from a larger batch. Measured on the transformer example (AdamW): async ended 0.4 bits per
-  character behind sync at the same wall time although its gradient correlation was 0.98.
+  gain from a larger batch.
 
-Until the trainers have averaged MIN_STEPS synchronous steps, or when they do not say, the prior
+Until the trainers have averaged MIN_STEPS steps in their current mode, or when they do not say, the prior
 applies: a gradient s steps stale is worth 1 - stalenessPenalty x s, and nothing else changes the
 worth of a sample. Every decision says which of the two it rested on.
 """
@@ -119,7 +118,6 @@ def estimate(
     penalty: float,
     damping_rule: str = "none",
     global_batch: int = 0,
-    adaptive: bool = False,
 ) -> Efficiency:
     """Average the ranks' gradient statistics (each rank's estimates are unbiased and noisy; their
     mean is less noisy) into the efficiency model; the prior when too few steps are measured.
@@ -130,7 +128,7 @@ def estimate(
     as a gradient that turns at random, and its staleness falls back to the prior."""
     samples = list(samples)
     measured = [s.gradient for s in samples if s.gradient is not None and s.gradient.steps >= MIN_STEPS]
-    adaptive = adaptive or any(s.adaptive_optimizer for s in samples)
+    adaptive = any(s.adaptive_optimizer for s in samples)
     prior = Efficiency(penalty, damping_rule)
     if not measured:
         return prior
