@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 export KUBEBUILDER_ASSETS ?= $(shell ../shared/k8s/install.sh 2>/dev/null)
 
-.PHONY: venv demo test test-split lint ruff unit crd
+.PHONY: venv demo test test-serial lint ruff unit crd
 venv: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -27,20 +27,17 @@ ruff: venv
 lint: ruff
 	$(BIN)/mypy $(TYPED)
 
-# As `lint` then pytest, but mypy (about a minute of one core on a cold cache) checks the types beside
-# the test run, at nice 19; its verdict and output come at the end, and a type error fails the target.
+# As `lint` then every test: tests/run-all.sh runs two pytest sessions side by side (the real-node
+# tests in the background, the rest here) with mypy beside them at nice 19; any failure in either
+# half or a type error fails the target. Both halves mostly wait on processes and containers, so on
+# 2 cores the whole run takes about as long as the longer half (CI-like runs: 32-38 min instead of
+# 44-48 one after the other).
 test: ruff
-	@nice -n 19 $(BIN)/mypy $(TYPED) > $(VENV)/mypy.log 2>&1 & types=$$!; \
-	$(BIN)/pytest -q; tests=$$?; \
-	wait $$types; typed=$$?; echo "mypy:"; cat $(VENV)/mypy.log; \
-	if [ $$typed -ne 0 ]; then echo "mypy found type errors (above)"; exit 1; fi; exit $$tests
-
-# The same tests in two pytest sessions side by side (tests/run-all.sh): the real-node tests in the
-# background, the rest in the foreground. 32-38 minutes in CI-like runs instead of 44-48, but in four
-# runs the extra load exposed three timing races in tests (fixed); `test` stays one session until this
-# has run green repeatedly.
-test-split: ruff
 	BIN=$(BIN) LOGS=$(VENV) TYPED="$(TYPED)" tests/run-all.sh
+
+# One pytest session, e.g. to debug with -x or --pdb: `make test-serial PYTEST_ARGS=-x`.
+test-serial: lint
+	$(BIN)/pytest -q $(PYTEST_ARGS)
 
 unit: venv
 	$(BIN)/pytest -q tests/unit

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# `make test-split`: `make test`'s pytest and mypy, in two halves side by side, mypy beside them at nice 19:
+# `make test`: every test in two pytest sessions side by side, mypy beside them at nice 19:
 # - in the background, the real-node tests (marker `realnode`: tests/e2e and
 #   tests/devcluster/test_realnodes.py);
 # - here, every other test.
