@@ -1,7 +1,7 @@
 """Predicted useful throughput of each way to run the job, from per-rank speeds and the network.
 
 useful = samples/s x statistical efficiency (`policy.efficiency`: measured from the job's gradients
-once the trainers have some synchronous steps, else the prior 1 - stalenessPenalty x staleness).
+once the trainers have some steps in their current mode, else the prior 1 - stalenessPenalty x staleness).
 The models follow what the trainer does:
 - sync: every step waits for the slowest rank (plus noise: the slowest *this* step), then an
   allreduce;

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from sgdjob_operator.policy.samples import WorkerSample
 from sgdjob_trainer.config import StalenessLr
 
-# Averages over fewer synchronous steps than this are too noisy to decide on (the trainer's moving
+# Averages over fewer steps than this are too noisy to decide on (the trainer's moving
 # average weighs about its last 20 steps).
 MIN_STEPS = 10
 # The gradient correlation is read only while the noise scale is at most this many global batches
@@ -63,6 +63,8 @@ class Efficiency:
     adaptive: bool = False
     # Sync's global batch (samples per synchronous step): the batch an adaptive optimizer's worth is relative to.
     reference_batch: int = 0
+    # The mode whose steps the figures were measured over (each stay in a mode measures afresh).
+    measured_in: str = "sync"
 
     @property
     def measured(self) -> bool:
@@ -108,7 +110,7 @@ class Efficiency:
         corr = "unknown, staleness assumed" if self.correlation is None else f"{self.correlation:.3f}"
         adaptive = "; adaptive optimizer: smaller updates count less" if self.adaptive else ""
         return (
-            f"statistical efficiency measured over {self.steps} synchronous steps on {self.ranks} ranks "
+            f"statistical efficiency measured over {self.steps} steps in {self.measured_in} on {self.ranks} ranks "
             f"(gradient noise scale {noise}, step-to-step gradient correlation {corr}{adaptive})"
         )
 
@@ -127,7 +129,10 @@ def estimate(
     correlation's error is up to (Bn/B)/sqrt(~40 steps); a job near its noise floor (Bn >> B) reads
     as a gradient that turns at random, and its staleness falls back to the prior."""
     samples = list(samples)
-    measured = [s.gradient for s in samples if s.gradient is not None and s.gradient.steps >= MIN_STEPS]
+    measuring = [s for s in samples if s.gradient is not None and s.gradient.steps >= MIN_STEPS]
+    measured = [s.gradient for s in measuring if s.gradient is not None]
+    modes = sorted({s.mode for s in measuring})
+    mode = modes[0] if len(modes) == 1 else "/".join(modes)
     adaptive = any(s.adaptive_optimizer for s in samples)
     prior = Efficiency(penalty, damping_rule)
     if not measured:
@@ -140,8 +145,8 @@ def estimate(
     if not math.isfinite(sq) or not math.isfinite(var):
         return prior
     if sq <= 0.0:
-        return Efficiency(penalty, damping_rule, math.inf, None, steps, n, adaptive, global_batch)
+        return Efficiency(penalty, damping_rule, math.inf, None, steps, n, adaptive, global_batch, mode)
     noise = var / sq
     trusted = global_batch <= 0 or noise <= TRUSTED_NOISE_RATIO * global_batch
     corr = max(-1.0, min(1.0, sum(lags) / len(lags) / sq)) if lags and trusted else None
-    return Efficiency(penalty, damping_rule, noise, corr, steps, n, adaptive, global_batch)
+    return Efficiency(penalty, damping_rule, noise, corr, steps, n, adaptive, global_batch, mode)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, slots=True)
 class GradientSignal:
-    """A process's moving averages over its synchronous steps (see sgdjob_trainer.gradient_stats):
+    """A process's moving averages over its steps in its current mode (see sgdjob_trainer.gradient_stats):
     |G|^2 of the true gradient, the per-sample gradient variance tr(S), and <G_t, G_t-1> (None
     until two consecutive steps). Estimates: each may come out negative when the noise dominates."""
 
@@ -43,7 +43,7 @@ class WorkerSample:
     # Its counters were all zero at `time - training_seconds`, which dates that zero in the shell's
     # clock without comparing two hosts' clocks.
     training_seconds: float | None = None
-    # Gradient statistics from the process's synchronous steps (None: none yet, or not said).
+    # Gradient statistics from the process's steps in its current mode (None: none yet, or not said).
     gradient: GradientSignal | None = None
     # Seconds since the process last finished a step, and whether it is inside a step's own compute
     # now (None: not said). What tells a hung rank from the ranks waiting for it.
