@@ -265,7 +265,9 @@ def test_straggler_removed_by_rescale_within_bounds(cluster: Cluster, operator: 
     try:
         status = wait_for("rescale decided", lambda: (s := cluster.status("trim")).get("decisions") and s, timeout=90)
         assert status["decisions"][-1]["action"] == "rescale" and status["decisions"][-1]["replicas"] == 3
-        assert cluster.job("trim")["spec"]["replicas"] == 3  # the same knob `kubectl scale` turns
+        # The same knob `kubectl scale` turns; the operator writes status first (it names the pods
+        # that go), then the scale, so the scale may land just after the decision shows.
+        wait_for("spec.replicas 3", lambda: cluster.job("trim")["spec"]["replicas"] == 3, timeout=15)
         wait_for(
             "worker 3 removed", lambda: set(cluster.pods("trim")) == {"trim-worker-0", "trim-worker-1", "trim-worker-2"}
         )
@@ -290,7 +292,7 @@ def test_rescale_removes_the_slow_ranks_pod_and_a_healthy_job_grows_back(cluster
         assert status["decisions"][-1]["action"] == "rescale" and status["decisions"][-1]["replicas"] == 3
         assert status["controller"]["workerIndices"] == [0, 2, 3]
         assert [e["node"] for e in status["controller"]["excludedNodes"]] == ["node-1"]
-        assert cluster.job("mid")["spec"]["replicas"] == 3
+        wait_for("spec.replicas 3", lambda: cluster.job("mid")["spec"]["replicas"] == 3, timeout=15)
         wait_for("the slow rank's pod removed", lambda: set(cluster.pods("mid")) == set(kept))
         event = wait_for("Rescale event", lambda: [e for e in cluster.events("mid") if e.reason == "Rescale"])
         assert "removing mid-worker-1" in event[0].message and "node node-1 excluded" in event[0].message
