@@ -6,6 +6,7 @@ import pytest
 
 from sgdjob_operator.policy import Keep, Rebalance, ReplaceWorker, Rescale, Shape, SwitchMode
 from sgdjob_operator.policy.comm import CommModel
+from sgdjob_operator.policy.engine import MEASURE_WAIT_STEPS
 from tests.unit.test_policy_harness import Harness
 
 FAST, SLOW = 100.0, 33.0
@@ -115,9 +116,15 @@ def test_dispersed_speeds_choose_the_better_of_async_and_rebalanced_sync() -> No
     # Very high message latency: every allreduce (any group size) costs more than a push and
     # pull to the parameter servers, so async wins.
     pricey = Harness(list(speeds), comm=CommModel(latency_s=0.2, gradient_bytes=0, ps_apply_seconds=0.0))
-    run(pricey, 6)
+    run(pricey, 12)
     ev = pricey.changes()[0]
     assert isinstance(ev.decision, SwitchMode) and ev.decision.mode == "async"
+    # These trainers report no gradient statistics: async, a stale mode, waited until the ranks had
+    # made MEASURE_WAIT_STEPS steps (4 per interval here) and then went on the stalenessPenalty prior.
+    first = pricey.history.index(ev)
+    assert first * 4 >= MEASURE_WAIT_STEPS
+    waiting = "stale modes wait for the measured gradient statistics (28 steps so far)"
+    assert any(e.decision.reason.endswith(waiting) for e in pricey.history[:first])
     assert ev.predictions["async"] == max(ev.predictions.values())
 
 

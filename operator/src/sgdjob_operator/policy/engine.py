@@ -6,8 +6,9 @@ has been the best for persistenceIntervals windows in a row, (3) cooldownSeconds
 the last change (not for the way back to plain sync; growing back to the goal replicas waits, see
 `candidates`), and (4) the change pays back its own cost (restart or switch pause) well within
 the time it will stay in force, and before the job's last step when the step is known (the way
-back to plain sync: its pause ends before the job does), and (5) no change is still in flight
-(`JobView.in_flight`). A hang (`policy.hang`) is recovered from at once.
+back to plain sync: its pause ends before the job does), (5) no change is still in flight
+(`JobView.in_flight`), and (6) a configuration with stale gradients waits for the measured
+statistical efficiency (MEASURE_WAIT_STEPS). A hang (`policy.hang`) is recovered from at once.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dataclasses import dataclass, replace
 from sgdjob_operator.policy.candidates import Candidate, DecisionContext, build, predict_current, straggler_node
 from sgdjob_operator.policy.cost import CostInputs, Prediction
 from sgdjob_operator.policy.decisions import Decision, Keep, ReplaceWorker, Rescale
-from sgdjob_operator.policy.efficiency import estimate
+from sgdjob_operator.policy.efficiency import MIN_STEPS, estimate
 from sgdjob_operator.policy.hang import find_hang
 from sgdjob_operator.policy.health import JobHealth, Shape, assess, jitter_coefficient
 from sgdjob_operator.policy.job import JobView
@@ -36,6 +37,12 @@ PREFERENCE_SLACK = 0.03
 # rebalanced, resized): its worth rests on the measured gradient correlation, whose estimation error
 # the fresh one does not carry.
 STALENESS_SLACK = 0.05
+# A configuration with stale gradients (async, hierarchical) is worth what the measured gradient
+# correlation says; the trainers measure it within their first efficiency.MIN_STEPS steps, so until
+# their processes have made this many steps without it, only fresh changes are made (a fast policy
+# interval would otherwise decide on the stalenessPenalty prior). Trainers that never measure get
+# the prior after that.
+MEASURE_WAIT_STEPS = 3 * MIN_STEPS
 # A change must pay for its own pause (a restart costs a minute or more) within this many policy
 # intervals, or the cooldown if longer: long enough for a replacement to be worth it, short enough
 # that a marginal gain never justifies a restart.
@@ -110,9 +117,17 @@ def evaluate(state: PolicyState, samples: Sequence[WorkerSample], job: JobView, 
     candidates = build(ctx)
     predictions = {"current": current.useful, **{c.prediction.label: c.prediction.useful for c in candidates}}
     left = seconds_left(window, job)
+    trained = min((s.steps for s in window.latest.values()), default=0)
+    waiting_for = ""
+    if not efficiency.measured and trained < MEASURE_WAIT_STEPS:
+        fresh = [c for c in candidates if c.prediction.staleness == 0]
+        if len(fresh) < len(candidates):
+            waiting_for = f"; stale modes wait for the measured gradient statistics ({trained} steps so far)"
+        candidates = fresh
     chosen = _choose(candidates, current, job, state.candidate, left)
     if chosen is None:
-        return Evaluation(Keep(_keep_reason(health, current, candidates, job, left)), health, base, predictions)
+        why = _keep_reason(health, current, candidates, job, left) + waiting_for
+        return Evaluation(Keep(why), health, base, predictions)
 
     streak = state.candidate_streak + 1 if chosen.key == state.candidate else 1
     waiting = replace(base, candidate=chosen.key, candidate_streak=streak)
