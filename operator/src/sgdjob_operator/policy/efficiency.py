@@ -131,8 +131,7 @@ def estimate(
     samples = list(samples)
     measuring = [s for s in samples if s.gradient is not None and s.gradient.steps >= MIN_STEPS]
     measured = [s.gradient for s in measuring if s.gradient is not None]
-    modes = sorted({s.mode for s in measuring})
-    mode = modes[0] if len(modes) == 1 else "/".join(modes)
+    mode = "/".join(sorted({s.mode for s in measuring}))
     adaptive = any(s.adaptive_optimizer for s in samples)
     prior = Efficiency(penalty, damping_rule)
     if not measured:
