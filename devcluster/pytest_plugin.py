@@ -101,18 +101,32 @@ def _real_unavailable(reason: str) -> None:
     pytest.skip(f"real nodes cannot run here: {reason}")
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+# What the cluster's start may take beyond pytest's per-test limit: the first real-node test's setup
+# waits for it, and on a fresh machine that is every image built and imported into every node beside
+# the other tests (4-10 minutes measured; CI once needed more than 600 s).
+START_BUDGET_S = 1200
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Real-node tests run last, one after another (in their collected order); their cluster is started
-    in the background meanwhile (`pytest_collection_finish`)."""
+    in the background meanwhile (`pytest_collection_finish`), and the first of them may wait
+    START_BUDGET_S longer for it."""
     items.sort(key=lambda item: item.get_closest_marker("realnode") is not None)
+    first = next((item for item in items if item.get_closest_marker("realnode") is not None), None)
+    if first is None or not config.pluginmanager.hasplugin("timeout"):
+        return
+    marker = first.get_closest_marker("timeout")
+    limit = float(marker.args[0]) if marker is not None and marker.args else float(config.getini("timeout") or 0)
+    if limit > 0:  # 0: no limit at all
+        first.add_marker(pytest.mark.timeout(limit + START_BUDGET_S))
 
 
 class RealClusterStart:
     """The session's real cluster, started in a thread of its own: control plane, REAL_NODES nodes, and
     the images the selected tests name in `@pytest.mark.realnode(images=[...])` (plus pause and python)
     built and imported into every node. Started when collection ends, it overlaps the ~25 minutes of
-    tiers that run before the real-node tests (every daemon, build and import runs at nice 19, so
-    those tiers keep their CPUs); the `real_cluster` fixture waits for it."""
+    tiers that run before the real-node tests (its daemons at nice 19; builds and imports at normal
+    priority, as the real-node tests wait for them); the `real_cluster` fixture waits for it."""
 
     def __init__(self, images: Sequence[str]) -> None:
         self.images = ["pause", "python", *(i for i in images if i not in ("pause", "python"))]

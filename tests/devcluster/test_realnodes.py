@@ -12,10 +12,12 @@ iptables, buildah, debootstrap) are installed with apt-get. Timings are printed 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import textwrap
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,7 +25,7 @@ import pytest
 from devcluster.images import ImageBuilder
 from devcluster.kube import KubeApi, pod_path
 from devcluster.pytest_plugin import REAL_NODES
-from devcluster.realnodes import RealCluster
+from devcluster.realnodes import DAEMON_NICE, RealCluster
 from devcluster.testing import new_namespace, phase_in, wait_for
 
 pytestmark = pytest.mark.realnode(images=["operator", "trainer"])
@@ -51,6 +53,11 @@ def _print_timings() -> Iterator[None]:
     print(f"\nreal-node test timings: {json.dumps(TIMINGS)}")
 
 
+def _nice(pid: int, task: str) -> int:
+    stat = Path(f"/proc/{pid}/task/{task}/stat").read_text()
+    return int(stat.rsplit(")", 1)[1].split()[16])  # field 19; the name in (...) may hold spaces
+
+
 def test_every_node_ready_and_the_host_untouched(real_cluster: RealCluster) -> None:
     TIMINGS["cluster up phases (s)"] = real_cluster.timings
     nodes = {n["metadata"]["name"]: n for n in real_cluster.kube().get("/api/v1/nodes")["items"]}
@@ -62,6 +69,12 @@ def test_every_node_ready_and_the_host_untouched(real_cluster: RealCluster) -> N
     for n in nodes.values():
         info = n["status"]["nodeInfo"]
         assert info["kubeletVersion"] == "v1.20.2" and info["containerRuntimeVersion"].startswith("containerd://")
+    # The imports ran containerd at normal priority; afterwards every thread of it is back at the
+    # daemons' nice, so the containers it starts do not crowd out the rest of the machine.
+    for i in range(REAL_NODES):
+        pid = real_cluster.pids[f"node-{i}.containerd"]
+        nice = {_nice(pid, task) for task in os.listdir(f"/proc/{pid}/task")}
+        assert nice == {DAEMON_NICE}, f"node-{i}'s containerd threads at nice {nice}"
     # Nothing of the cluster on the host: every address lives inside the cluster's namespaces.
     host = _host_network()
     for needle in ("10.250.0.", "10.244.", "10.96.", "cni0", "fab0", "KUBE-"):
