@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -60,6 +61,7 @@ def test_switch_through_every_pair_over_http(tmp_path: Path) -> None:
         },
     }
     proc = launch(config, tmp_path, env={"SGDJOB_CONTROL_TOKEN": TOKEN})
+    in_hierarchical: list[dict[str, Any]] = []
     try:
         wait_status(port, 4, lambda docs: all(d["step"] >= MIN_STEPS + 2 for d in docs), 300, proc)
         metrics = urllib.request.urlopen(f"http://127.0.0.1:{port + 2}/metrics", timeout=5).read().decode()
@@ -86,6 +88,14 @@ def test_switch_through_every_pair_over_http(tmp_path: Path) -> None:
             assert post_control(port, body, TOKEN)[1]["ignored"], "a re-push changes nothing"
             docs = wait_status(port, 4, lambda docs, m=mode: all(d["mode"] == m for d in docs), 120, proc)
             assert all(d["controlEpoch"] == epoch for d in docs)
+            if epoch == 1:
+                # Hierarchical measures too (gradient_stats): the group of three from its group
+                # steps, afresh, so the policy does not judge it by the sync steps' figures.
+                docs = wait_status(
+                    port, 4, lambda docs: all(d.get("gradientStatSteps", 0) >= 5 for d in docs[:3]), 60, proc
+                )
+                assert all(d["mode"] == "hierarchical" and d["gradientSqNorm"] > 0 for d in docs[:3]), docs
+                in_hierarchical = docs
             if mode == "async":
                 # Async measures its own gradient figures (each worker's consecutive gradients), so
                 # the policy does not judge async by the synchronous figures from before it.
@@ -105,6 +115,9 @@ def test_switch_through_every_pair_over_http(tmp_path: Path) -> None:
         assert [m["mode"] for m in r["modeTimeline"]] == ["sync", *SWITCH_SEQUENCE]
         assert r["finalLoss"] < r["initialLoss"] / 5
         assert {"initialLoss", "finalLoss", "lossHistory", "wallSeconds", "speedSamplesPerS", "switches"} <= set(r)
+    entered = reports[0]["switches"][0]["step"]
+    for d in in_hierarchical[:3]:  # measured over hierarchical's own steps only
+        assert d["gradientStatSteps"] <= d["step"] - entered + 1, (entered, d)
     pairs = {(s["fromMode"], s["toMode"]) for s in reports[0]["switches"]}
     assert len(pairs) == 6
     for i in range(len(SWITCH_SEQUENCE)):

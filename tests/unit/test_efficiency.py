@@ -10,6 +10,7 @@ import pytest
 from sgdjob_operator.api.models import SGDJobSpec
 from sgdjob_operator.policy import Rebalance, SwitchMode, WorkerSample, job_view
 from sgdjob_operator.policy.efficiency import MIN_STEPS, Efficiency, estimate
+from sgdjob_operator.policy.engine import MEASURE_WAIT_STEPS
 from sgdjob_operator.policy.samples import GradientSignal
 from tests.unit.test_policy_harness import Harness
 
@@ -110,8 +111,9 @@ def _straggler_job(
     adaptive: bool | None = None,
     variance: float = 100.0,
     start_mode: str | None = None,
+    steps: int = 50,
 ) -> Harness:
-    gradient = None if correlation is None else GradientSignal(50, 1.0, variance, correlation)
+    gradient = None if correlation is None else GradientSignal(steps, 1.0, variance, correlation)
     return Harness(
         [FAST, FAST, FAST, SLOW],
         jitter=0.4,
@@ -136,6 +138,15 @@ def test_where_staleness_costs_nothing_the_straggler_job_goes_async() -> None:
     d = _first_change(_straggler_job(0.999))
     assert isinstance(d, SwitchMode) and d.mode == "async", d.reason
     assert "measured over 50 steps in sync" in d.reason and "correlation 0.999" in d.reason
+
+
+def test_a_correlation_of_the_first_steps_sends_no_job_to_a_stale_mode() -> None:
+    """The first steps' correlation is near 1 while the loss falls steeply, and drops later: measured
+    over fewer than MEASURE_WAIT_STEPS steps it moves no job to async or hierarchical; the fresh
+    change (rebalanced sync) is made meanwhile, and the reason says what the stale modes wait for."""
+    d = _first_change(_straggler_job(0.999, steps=MEASURE_WAIT_STEPS // 2))
+    assert isinstance(d, Rebalance), d.reason
+    assert f"stale modes wait for {MEASURE_WAIT_STEPS} steps of measured gradient statistics (15 so far)" in d.reason
 
 
 def test_an_optimizer_async_cannot_shard_keeps_the_job_out_of_async() -> None:

@@ -67,13 +67,14 @@ def _async_run(rho: float, sigma: float, batch: int, steps: int, seed: int) -> G
     the worker's steps to the next (the rest a fresh direction), plus per-sample noise of `sigma`."""
     gen = torch.Generator().manual_seed(seed)
     stats = GradientStats()
+    stats.enter("async")
     true = torch.randn(DIM, generator=gen)
     true /= true.norm()
     for _ in range(steps):
         fresh = torch.randn(DIM, generator=gen)
         fresh -= torch.dot(fresh, true) * true
         true = rho * true + math.sqrt(1 - rho**2) * fresh / fresh.norm()
-        stats.observe_async(true + torch.randn(DIM, generator=gen) * sigma / math.sqrt(batch), batch)
+        stats.observe_own(true + torch.randn(DIM, generator=gen) * sigma / math.sqrt(batch), batch)
     return stats
 
 
@@ -95,20 +96,50 @@ def test_async_steps_measure_the_correlation_and_noise_from_one_workers_consecut
     assert lost.sq_norm is not None and lost.lag_dot is not None and lost.lag_dot / lost.sq_norm < 0.15
 
 
-def test_each_stay_in_async_measures_afresh_and_a_synchronous_step_reports_its_own_figures() -> None:
+def test_each_stay_in_a_mode_measures_afresh_from_the_steps_it_has() -> None:
     stats = _async_run(0.9, sigma=0.1, batch=16, steps=50, seed=0)
     assert stats.figures().steps == 48
+    stats.enter("async")
+    assert stats.figures().steps == 48, "a restart in the same mode keeps its figures"
     g = torch.ones(DIM)
+    stats.enter("sync")
+    assert stats.figures() == GradientFigures(0, None, None, None), "back in sync: nothing measured yet"
     stats.observe(g, 8, g, 16)
-    assert stats.figures().steps == 1 and stats.figures().lag_dot is None, "back in sync: the sync figures"
-    stats.enter_async()
+    assert stats.figures().steps == 1 and stats.figures().lag_dot is None, "the sync figures"
+    stats.enter("async")
     assert stats.figures() == GradientFigures(0, None, None, None), "async: nothing measured yet"
-    stats.observe(g, 8, g, 16)
-    stats.observe_async(g, 16)
-    stats.observe_async(g, 16)
+    stats.observe_own(g, 16)
+    stats.observe_own(g, 16)
     assert stats.figures().steps == 0 and stats.figures().sq_norm is None, "a new stay: nothing measured yet"
     stats.interrupt()
-    stats.observe_async(g, 16)
-    stats.observe_async(g * float("nan"), 16)
-    stats.observe_async(g, 16)
+    stats.observe_own(g, 16)
+    stats.observe_own(g * float("nan"), 16)
+    stats.observe_own(g, 16)
     assert stats.figures().steps == 0, "a switch or a non-finite gradient breaks the chain of consecutive steps"
+
+
+def test_hierarchical_measures_its_groups_and_a_rank_alone_measures_its_own_gradients() -> None:
+    """A hierarchical group's steps are synchronous pairs, never paired across a cross-group average
+    (`interrupt`); a rank alone in its group reads its own consecutive gradients, as async does."""
+    gen = torch.Generator().manual_seed(4)
+    grouped, alone = GradientStats(), GradientStats()
+    grouped.enter("sync")
+    true = torch.full((DIM,), 0.05)
+    for _ in range(30):
+        _step(grouped, true, 0.5, batch=16, world=4, gen=gen)
+    turned = torch.zeros(DIM)
+    turned[0] = 1.0  # a direction unrelated to the sync steps' gradient: |G|^2 = 1
+    for stats in (grouped, alone):
+        stats.enter("hierarchical")
+        assert stats.figures().steps == 0, "the sync steps' figures are not the hierarchical ones"
+    for t in range(200):
+        _step(grouped, turned, 0.5, batch=16, world=2, gen=gen)
+        alone.observe_own(turned + torch.randn(DIM, generator=gen) * 0.5 / 4, 16)
+        if t % 4 == 3:  # a cross-group model average every 4 steps
+            grouped.interrupt()
+            alone.interrupt()
+    for stats in (grouped, alone):
+        f = stats.figures()
+        assert f.sq_norm is not None and f.lag_dot is not None, stats
+        assert abs(f.sq_norm - 1.0) < 0.3 and abs(f.lag_dot / f.sq_norm - 1.0) < 0.3, f
+    assert grouped.figures().steps == 200 and alone.figures().steps == 100  # 2 of each 4 steps have two before them

@@ -123,7 +123,7 @@ def test_dispersed_speeds_choose_the_better_of_async_and_rebalanced_sync() -> No
     # made MEASURE_WAIT_STEPS steps (4 per interval here) and then went on the stalenessPenalty prior.
     first = pricey.history.index(ev)
     assert first * 4 >= MEASURE_WAIT_STEPS
-    waiting = "stale modes wait for the measured gradient statistics (28 steps so far)"
+    waiting = f"stale modes wait for {MEASURE_WAIT_STEPS} steps of measured gradient statistics (28 so far)"
     assert any(e.decision.reason.endswith(waiting) for e in pricey.history[:first])
     assert ev.predictions["async"] == max(ev.predictions.values())
 

@@ -192,9 +192,7 @@ class Trainer:
 
     def _make(self) -> Strategy:
         strategy = STRATEGIES[self.state.mode](self.ctx)
-        self.ctx.grad_stats.interrupt()
-        if self.state.mode == SyncMode.ASYNC:
-            self.ctx.grad_stats.enter_async()
+        self.ctx.grad_stats.enter(self.state.mode.value)
         strategy.enter()
         return strategy
 

@@ -2,8 +2,9 @@
 
 Throughput counts samples; a stale gradient or an update at a damped learning rate moves the model
 less per sample. The cost model multiplies each configuration's samples/s by this worth, estimated
-from the job's own gradients (`GradientSignal`, measured by the trainers on every whole-world
-synchronous step, and in async from each worker's consecutive gradients: trainer gradient_stats):
+from the job's own gradients (`GradientSignal`, measured by the trainers on every step of the mode they
+are in: synchronous pairs of own and averaged gradients in sync and in hierarchical groups, and each
+worker's consecutive gradients in async and where a hierarchical group is one rank: trainer gradient_stats):
 
 - rho = <G_t, G_t-1>/|G|^2, the correlation of consecutive true gradients: how far the gradient
   field turns in one synchronous step. A gradient computed `a` synchronous steps before it is

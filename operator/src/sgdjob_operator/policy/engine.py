@@ -38,10 +38,11 @@ PREFERENCE_SLACK = 0.03
 # the fresh one does not carry.
 STALENESS_SLACK = 0.05
 # A configuration with stale gradients (async, hierarchical) is worth what the measured gradient
-# correlation says; the trainers measure it within their first efficiency.MIN_STEPS steps, so until
-# their processes have made this many steps without it, only fresh changes are made (a fast policy
-# interval would otherwise decide on the stalenessPenalty prior). Trainers that never measure get
-# the prior after that.
+# correlation says. Until it has been averaged over this many steps in the current mode, only fresh
+# changes are made: a fast policy interval would otherwise decide on the stalenessPenalty prior, or
+# on the first steps' correlation, which is near 1 while the loss falls steeply and then drops
+# (digits-mlp went hierarchical on 1.000 over 19 steps and lost a third of its goodput). Trainers that
+# never measure get the prior once their processes have made this many steps.
 MEASURE_WAIT_STEPS = 3 * MIN_STEPS
 # A change must pay for its own pause (a restart costs a minute or more) within this many policy
 # intervals, or the cooldown if longer: long enough for a replacement to be worth it, short enough
@@ -119,10 +120,13 @@ def evaluate(state: PolicyState, samples: Sequence[WorkerSample], job: JobView, 
     left = seconds_left(window, job)
     trained = min((s.steps for s in window.latest.values()), default=0)
     waiting_for = ""
-    if not efficiency.measured and trained < MEASURE_WAIT_STEPS:
+    evidence = efficiency.steps if efficiency.measured else trained
+    if evidence < MEASURE_WAIT_STEPS:
         fresh = [c for c in candidates if c.prediction.staleness == 0]
         if len(fresh) < len(candidates):
-            waiting_for = f"; stale modes wait for the measured gradient statistics ({trained} steps so far)"
+            waiting_for = (
+                f"; stale modes wait for {MEASURE_WAIT_STEPS} steps of measured gradient statistics ({evidence} so far)"
+            )
         candidates = fresh
     chosen = _choose(candidates, current, job, state.candidate, left)
     if chosen is None:
@@ -134,7 +138,7 @@ def evaluate(state: PolicyState, samples: Sequence[WorkerSample], job: JobView, 
     gain = _gain(chosen.prediction, current)
     what = (
         f"{chosen.prediction.label} predicts {chosen.prediction.useful:.4g} useful samples/s "
-        f"vs {current.useful:.4g} now ({gain:+.0%}); {efficiency.describe()}"
+        f"vs {current.useful:.4g} now ({gain:+.0%}); {efficiency.describe()}{waiting_for}"
     )
     if job.in_flight:
         # Persistence starts over once the change has landed: no cooldown starts, no streak grows.

@@ -60,7 +60,7 @@ class AsyncStrategy(Strategy):
             # fp16 overflow: skip this push (the scale has halved); the model stays as it is.
             return StepResult(loss=loss, samples=0, compute_s=compute, wait_s=0.0, seen_epoch=offered_epoch)
         # What a stale gradient is still worth, measured while async runs (gradient_stats module doc).
-        self.ctx.grad_stats.observe_async(grad, batch_size)
+        self.ctx.grad_stats.observe_own(grad, batch_size)
         stopping = self.ctx.stopping.is_set()
         start = time.perf_counter()
         reply = self.server.exchange(grad, self.ctx.state.step, batch_size, self.fresh, stopping)

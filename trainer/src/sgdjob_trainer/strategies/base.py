@@ -200,9 +200,7 @@ class Strategy(ABC):
         average = summed / float(tail[0])
         scale = self.ctx.state.scaler.scale
         finite = self.ctx.state.scaler.unscale(average)
-        if finite and group is None:
-            # Whole-world steps only: a hierarchical group's consecutive gradients straddle the
-            # cross-group averages, which would read as a gradient field that turns fast.
+        if finite:  # the whole world's step, or a hierarchical group's
             own = flat / scale if scale != 1.0 else flat
             self.ctx.grad_stats.observe(own, samples, average, round(float(tail[0])))
         self.set_grads(average)

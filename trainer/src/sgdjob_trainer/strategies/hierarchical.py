@@ -120,6 +120,8 @@ class HierarchicalStrategy(Strategy):
         else:
             grad = self.flat_grads()
             finite = ctx.state.scaler.unscale(grad)
+            if finite:  # alone in its group: its own consecutive gradients (gradient_stats module doc)
+                ctx.grad_stats.observe_own(grad, samples)
             self.set_grads(grad)
         compute += self.optimizer_step(finite)
         self.local_steps += 1
@@ -162,6 +164,7 @@ class HierarchicalStrategy(Strategy):
         work.wait()
         waited = time.perf_counter() - start
         self.set_params(self.flat_params() + (buf[: self.numel] - snapshot) / (1 + self.staleness))
+        self.ctx.grad_stats.interrupt()  # the next gradient is at parameters that jumped
         return waited, round(float(buf[self.numel])), float(buf[self.numel + 1]) > 0
 
     def leave(self) -> None:

@@ -28,7 +28,7 @@ GRADIENT_BYTES = "sgdjob_gradient_bytes"
 # Seconds this process has trained, on its own clock, as of the scrape (NaN before its first step
 # began). With it a controller dates the counters' zero in its own clock, with no clock shared.
 TRAINING_SECONDS = "sgdjob_training_seconds"
-# Moving averages over the synchronous steps (see sgdjob_trainer.gradient_stats): |G|^2, the
+# Moving averages over the steps of the current mode (see sgdjob_trainer.gradient_stats): |G|^2, the
 # per-sample gradient variance tr(S), <G_t, G_t-1>, and how many steps they average (NaN: not yet).
 GRADIENT_SQ_NORM = "sgdjob_gradient_sq_norm"
 GRADIENT_VARIANCE = "sgdjob_gradient_variance"

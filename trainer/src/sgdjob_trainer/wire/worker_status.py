@@ -95,7 +95,7 @@ class WorkerStatus(WireDocument):
     computing: bool = False
     async_capable: bool = True  # see metric_names.ASYNC_CAPABLE
     adaptive_optimizer: bool = False  # see metric_names.ADAPTIVE
-    # Moving averages over the synchronous steps (sgdjob_trainer.gradient_stats); absent until known.
+    # Moving averages over the steps of the current mode (sgdjob_trainer.gradient_stats); absent until known.
     gradient_stat_steps: int = 0
     gradient_sq_norm: float | None = None
     gradient_variance: float | None = None
