@@ -317,7 +317,9 @@ def test_rescale_removes_the_slow_ranks_pod_and_a_healthy_job_grows_back(cluster
         )
         decision = status["decisions"][-1]
         assert decision["action"] == "rescale" and "grow to 4 nodes" in decision["reason"]
-        assert cluster.job("mid")["spec"]["replicas"] == 4 and "workerIndices" not in status["controller"]
+        assert "workerIndices" not in status["controller"]
+        # The status is written first, then the scale (k8s.reconcile): wait for the second write.
+        wait_for("spec.replicas 4", lambda: cluster.job("mid")["spec"]["replicas"] == 4, timeout=15)
         new = wait_for("worker 1 recreated", lambda: cluster.pods("mid").get("mid-worker-1"))
         assert set(cluster.pods("mid")) == {f"mid-worker-{i}" for i in range(4)}
         (term,) = (
