@@ -145,17 +145,23 @@ def test_actions_not_allowed_are_never_taken() -> None:
     assert "no allowed action" in h.history[-1].decision.reason
 
 
-def test_cooldown_delays_a_second_change() -> None:
-    h = Harness([FAST] * 7 + [SLOW], policy={"cooldownSeconds": 120})
-    run(h, 4)
-    assert isinstance(h.history[3].decision, ReplaceWorker)
+def test_cooldown_delays_a_second_change_but_not_a_new_split_of_the_batch() -> None:
     clusters = [200.0] * 4 + [100.0] * 4
-    for _ in range(14):
-        h.step(clusters)
-    waits = [e.decision.reason for e in h.history[4:] if "cooldown" in e.decision.reason]
-    assert waits, "a qualifying change during cooldown must wait and say so"
-    acted = [e for e in h.history[4:] if e.decision.action != "keep"]
-    assert acted and acted[0].state.last_change is not None and acted[0].state.last_change - 30.0 >= 120
+    for actions, waits in ((["replaceWorker", "switchMode"], True), (["replaceWorker", "rebalance"], False)):
+        h = Harness([FAST] * 7 + [SLOW], policy={"cooldownSeconds": 120, "allowedActions": actions})
+        run(h, 4)
+        assert isinstance(h.history[3].decision, ReplaceWorker)
+        for _ in range(14):
+            h.step(clusters)
+        acted = [e for e in h.history[4:] if e.decision.action != "keep"]
+        assert acted and acted[0].state.last_change is not None
+        waited = [e.decision.reason for e in h.history[4:] if "cooldown" in e.decision.reason]
+        if waits:  # a mode switch pauses the job: it waits out the cooldown and says so
+            assert waited and isinstance(acted[0].decision, SwitchMode)
+            assert acted[0].state.last_change - 30.0 >= 120
+        else:  # a rebalance is applied at a step boundary: it waits only for its persistence
+            assert not waited and isinstance(acted[0].decision, Rebalance)
+            assert acted[0].state.last_change - 30.0 < 120
 
 
 def test_returns_to_plain_sync_when_speeds_equalise() -> None:
@@ -169,7 +175,7 @@ def test_returns_to_plain_sync_when_speeds_equalise() -> None:
     assert isinstance(d2, Rebalance) and set(d2.batch_sizes.values()) == {32}
 
 
-def test_plain_batches_return_once_the_straggler_is_gone_without_waiting_out_the_cooldown() -> None:
+def test_batches_follow_a_straggler_that_goes_and_comes_back_without_waiting_out_the_cooldown() -> None:
     h = Harness([FAST] * 7 + [SLOW], policy={"cooldownSeconds": 600, "allowedActions": ["rebalance"]})
     run(h, 4)
     first = h.changes()
@@ -179,10 +185,14 @@ def test_plain_batches_return_once_the_straggler_is_gone_without_waiting_out_the
     back = h.changes()[1:]
     assert back and isinstance(back[0].decision, Rebalance) and set(back[0].decision.batch_sizes.values()) == {32}
     assert back[0].state.last_change is not None and back[0].state.last_change - 30.0 < 600
-    # A new straggler right after still waits out the cooldown: only the way back is exempt.
+    # A straggler that comes back is rebalanced again at once: a new split of the batch pauses
+    # nothing, so it does not wait out the cooldown either (only its persistence).
     for _ in range(5):
         h.step([FAST] * 7 + [SLOW])
-    assert len(h.changes()) == 2 and "cooldown" in h.history[-1].decision.reason
+    again = h.changes()[2:]
+    assert len(again) == 1 and isinstance(again[0].decision, Rebalance)
+    assert again[0].decision.batch_sizes[7] < again[0].decision.batch_sizes[0]
+    assert again[0].state.last_change is not None and again[0].state.last_change - 30.0 < 600
 
 
 def test_transient_slowdown_never_flips_the_job() -> None:

@@ -88,7 +88,15 @@ class PolicySpec(CamelModel):
         int, Field(ge=1, le=100, description="Intervals a condition must persist before the policy acts on it.")
     ] = 3
     cooldown_seconds: Annotated[
-        float, Field(ge=0.0, le=86_400.0, description="Least seconds between two changes to the job.")
+        float,
+        Field(
+            ge=0.0,
+            le=86_400.0,
+            description=(
+                "Least seconds between two changes to the job. Not waited for by the way back to plain "
+                "sync, nor by a new split of sync's batch (no pause); every change starts it."
+            ),
+        ),
     ] = 60.0
     switch_margin: Annotated[
         float,

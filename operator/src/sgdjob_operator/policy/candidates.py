@@ -54,7 +54,9 @@ class DecisionContext:
 class Candidate:
     """`key` identifies the change across windows (persistence counts windows of the same key);
     `preference` is how far below the best prediction the shape's favourite may be and still be
-    chosen; `restoring` marks the way back to plain sync, which needs no gain, only no loss."""
+    chosen; `restoring` marks the way back to plain sync, which needs no gain, only no loss;
+    `batch_only` a new split of sync's batch, which the trainers apply at a step boundary without
+    leaving sync (no restart, no mode switch)."""
 
     key: str
     make: Make
@@ -63,6 +65,7 @@ class Candidate:
     preference: float = 0.0
     restoring: bool = False
     settle: bool = False  # a restoring change that still waits for the cooldown (it restarts the world)
+    batch_only: bool = False
 
 
 # Replacing a lone slow node wins over re-tuning around it unless it predicts clearly less: the
@@ -122,6 +125,7 @@ def build(ctx: DecisionContext) -> list[Candidate]:
                     predict_sync(ctx.speeds, plain, ctx.ci, "plain sync"),
                     view.switch_seconds,
                     restoring=True,
+                    batch_only=True,
                 )
             )
         elif view.mode != "sync" and switch:
@@ -149,7 +153,7 @@ def build(ctx: DecisionContext) -> list[Candidate]:
             if view.mode == "sync"
             else (lambda why, g: SwitchMode("sync", why, None, b, g))
         )
-        out.append(_candidate("rebalance", make, pred, view.switch_seconds))
+        out.append(_candidate("rebalance", make, pred, view.switch_seconds, batch_only=view.mode == "sync"))
     if switch:
         if view.mode != "sync":
             back = plain if unequal else None
@@ -186,9 +190,15 @@ def build(ctx: DecisionContext) -> list[Candidate]:
 
 
 def _candidate(
-    key: str, make: Make, pred: Prediction, cost: float, preference: float = 0.0, restoring: bool = False
+    key: str,
+    make: Make,
+    pred: Prediction,
+    cost: float,
+    preference: float = 0.0,
+    restoring: bool = False,
+    batch_only: bool = False,
 ) -> Candidate:
-    return Candidate(key, make, pred, cost, preference, restoring)
+    return Candidate(key, make, pred, cost, preference, restoring, batch_only=batch_only)
 
 
 def _grow(ctx: DecisionContext) -> list[Candidate]:
