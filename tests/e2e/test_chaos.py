@@ -274,7 +274,10 @@ def test_d_api_server_restart_keeps_training(env: RealEnv, chaos: str) -> None:
     lost = sum(r[0] for r in restarts(env) if r not in before)
     record("d API server restarted", outcome(env), watch, seconds, lost)
     assert uids(live(env)) == uids(pods), "the same pods: the workers never needed the API server"
-    assert lost == 0 and job_status(env.kube, env.ns, chaos)["phase"] == "Running"
+    assert lost == 0
+    # A worker's readiness may lag the API server's return by a few seconds (the kubelet reports its
+    # probes again), which the job shows as Adapting meanwhile; it must be Running again soon.
+    wait_for(lambda: job_status(env.kube, env.ns, chaos)["phase"] == "Running", 60, "phase Running again")
     assert watch.per_index == 1 and watch.total <= 3
     env.kubectl("delete", "sgdjob", chaos, "-n", env.ns, "--wait=false")
     wait_for(lambda: not worker_pods(env.kube, env.ns, chaos), 90, "the chaos job's pods gone")

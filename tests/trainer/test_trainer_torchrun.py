@@ -91,8 +91,15 @@ def test_switch_through_every_pair_over_http(tmp_path: Path) -> None:
             if epoch == 1:
                 # Hierarchical measures too (gradient_stats): the group of three from its group
                 # steps, afresh, so the policy does not judge it by the sync steps' figures.
+                switched = max(d["step"] for d in docs)
                 docs = wait_status(
-                    port, 4, lambda docs: all(d.get("gradientStatSteps", 0) >= 5 for d in docs[:3]), 60, proc
+                    port,
+                    4,
+                    lambda docs, s=switched: all(
+                        d["step"] > s + 5 and d.get("gradientStatSteps", 0) >= 5 for d in docs[:3]
+                    ),
+                    60,
+                    proc,
                 )
                 assert all(d["mode"] == "hierarchical" and d["gradientSqNorm"] > 0 for d in docs[:3]), docs
                 in_hierarchical = docs

@@ -193,6 +193,8 @@ class Trainer:
     def _make(self) -> Strategy:
         strategy = STRATEGIES[self.state.mode](self.ctx)
         self.ctx.grad_stats.enter(self.state.mode.value)
+        # At once, not after the next step: /status must not pair the new mode with the old figures.
+        self.telemetry.set_gradient_figures(self.ctx.grad_stats.figures())
         strategy.enter()
         return strategy
 
