@@ -152,10 +152,6 @@ class GradientStats:
         self._pairs = _Pairs()
         self._lags = _Lags()
 
-    @property
-    def steps(self) -> int:
-        return self.figures().steps
-
     def enter(self, mode: str) -> None:
         """A mode starts (also on a restart or a new batch in the same mode): a different mode than the
         last one measures afresh, since the figures of another mode's steps have aged meanwhile."""
