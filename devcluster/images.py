@@ -38,7 +38,7 @@ from pathlib import Path
 log = logging.getLogger("devcluster.images")
 ROOT = Path(__file__).resolve().parent.parent
 HERE = Path(__file__).resolve().parent
-BUILD = ["ionice", "-c2", "-n7"]
+LOW_IO = ["ionice", "-c2", "-n7"]
 CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
 BUILD_PACKAGES = ("buildah", "debootstrap", "runc", "gcc", "libc6-dev")
 PY_PACKAGES = ("python3", "python3-venv", "python3-pip", "python-is-python3", "ca-certificates", "procps", "iproute2")
@@ -84,7 +84,7 @@ def import_image(sock: Path, image: Image) -> bool:
     have = {tuple(line.split()[:3:2]) for line in listing.splitlines()[1:] if line.strip()}
     if (image.ref, archive_digest(image.archive)) in have:
         return False
-    argv = [*BUILD, *ctr, "images", "import", "--all-platforms"]
+    argv = [*LOW_IO, *ctr, "images", "import", "--all-platforms"]
     subprocess.run([*argv, str(image.archive)], capture_output=True, check=True)
     return True
 
@@ -164,7 +164,7 @@ class ImageBuilder:
         tmp = img.archive.with_suffix(".tmp")
         tmp.unlink(missing_ok=True)
         # Uncompressed layers: no gzip on the way out, nor in each node's import (2 cores).
-        _run([*BUILD, "buildah", "push", "-q", "--disable-compression", img.ref, f"oci-archive:{tmp}:{img.ref}"])
+        _run([*LOW_IO, "buildah", "push", "-q", "--disable-compression", img.ref, f"oci-archive:{tmp}:{img.ref}"])
         tmp.replace(img.archive)
         keyfile.write_text(key + "\n")
         self.timings[name] = round(time.monotonic() - t0, 2)
@@ -177,7 +177,7 @@ class ImageBuilder:
 
         def build() -> None:
             with tempfile.TemporaryDirectory() as tmp:
-                _run([*BUILD, "gcc", "-Os", "-static", "-o", f"{tmp}/pause", str(source)])
+                _run([*LOW_IO, "gcc", "-Os", "-static", "-o", f"{tmp}/pause", str(source)])
                 ctr = _run(["buildah", "from", "scratch"]).strip()
                 _run(["buildah", "copy", ctr, f"{tmp}/pause", "/pause"])
             _run(["buildah", "config", "--entrypoint", '["/pause"]', "--user", "65535:65535", ctr])
@@ -197,7 +197,7 @@ class ImageBuilder:
             shutil.rmtree(root, ignore_errors=True)
             root.mkdir(parents=True)
             _run(
-                [*BUILD, "debootstrap", "--variant=minbase", f"--include={','.join(PY_PACKAGES)}", SUITE, str(root),
+                [*LOW_IO, "debootstrap", "--variant=minbase", f"--include={','.join(PY_PACKAGES)}", SUITE, str(root),
                  _apt_mirror()]
             )  # fmt: skip
             for pattern in ("var/lib/apt/lists/*", "var/cache/apt/*.bin", "var/cache/apt/archives/*.deb",
@@ -208,10 +208,10 @@ class ImageBuilder:
             (root / "etc" / "resolv.conf").write_text("")
             (root / ".complete").touch()
         with tempfile.NamedTemporaryFile(dir=self.cache, suffix=".tar") as tar:
-            _run([*BUILD, "tar", "--numeric-owner", "-C", str(root), "-cf", tar.name, "--exclude=./.complete",
+            _run([*LOW_IO, "tar", "--numeric-owner", "-C", str(root), "-cf", tar.name, "--exclude=./.complete",
                   "--exclude=./dev/*", "--exclude=./proc/*", "--exclude=./sys/*", "."])  # fmt: skip
             ctr = _run(["buildah", "from", "scratch"]).strip()
-            _run([*BUILD, "buildah", "add", ctr, tar.name, "/"])
+            _run([*LOW_IO, "buildah", "add", ctr, tar.name, "/"])
         path = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
         _run(["buildah", "config", "--env", f"PATH={path}", "--env", "LANG=C.UTF-8", "--cmd", '["python3"]', ctr])
         _run(["buildah", "commit", "-q", "--rm", ctr, REFS["python"]])
@@ -226,11 +226,11 @@ class ImageBuilder:
 
         def build() -> None:
             wheels.mkdir(exist_ok=True)
-            _run([*BUILD, sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+            _run([*LOW_IO, sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
                   "--python-version", "3.11", "-d", str(wheels), spec])  # fmt: skip
             wheel = sorted(wheels.glob(f"{spec.split('==')[0]}-*.whl"))[-1].name
             ctr = _run(["buildah", "from", "--pull=never", base.ref]).strip()
-            _run([*BUILD, "buildah", "run", "--network=host", "-v", f"{CA_BUNDLE}:{CA_BUNDLE}:ro",
+            _run([*LOW_IO, "buildah", "run", "--network=host", "-v", f"{CA_BUNDLE}:{CA_BUNDLE}:ro",
                   "-v", f"{wheels}:/wheels:ro", ctr, "--", "pip", "install", "-q", "--no-cache-dir",
                   f"/wheels/{wheel}"])  # fmt: skip
             _run(["buildah", "commit", "-q", "--rm", ctr, REFS["torch"]])
@@ -244,7 +244,7 @@ class ImageBuilder:
         args = {"PYTHON_BASE": REFS["python"], "TRAINER_BASE": REFS["torch"]}
 
         def build() -> None:
-            argv = [*BUILD, "buildah", "bud", "--layers", "--pull=never", "--network=host",
+            argv = [*LOW_IO, "buildah", "bud", "--layers", "--pull=never", "--network=host",
                     "-v", f"{CA_BUNDLE}:{CA_BUNDLE}:ro", "--target", target, "-t", REFS[target],
                     "-f", str(dockerfile)]  # fmt: skip
             for k, v in args.items():
@@ -260,7 +260,7 @@ class ImageBuilder:
 
         def build() -> None:
             _restore(base)  # the trainer may have come from the archive cache
-            _run([*BUILD, "buildah", "bud", "--layers", "--pull=never", "--network=none",
+            _run([*LOW_IO, "buildah", "bud", "--layers", "--pull=never", "--network=none",
                   "--build-arg", f"TRAINER_IMAGE={base.ref}", "-t", REFS[name], str(context)])  # fmt: skip
 
         return self._ensure(name, source_key(name, base.key, context), build)
