@@ -106,20 +106,27 @@ def _real_unavailable(reason: str) -> None:
 # the other tests (about 5 minutes on an idle machine, 18 in a CI-like run beside the other half; CI once
 # needed more than 600 s).
 START_BUDGET_S = 1800
+# The cluster's stop runs in the last real-node test's teardown, inside that test's timeout: stopping
+# every node and removing the unpacked images took up to 143 s in CI-like runs, and a 591-s last test
+# left it 9 s (stop 26's CI failed so).
+STOP_BUDGET_S = 600
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Real-node tests run last, one after another (in their collected order); their cluster is started
-    in the background meanwhile (`pytest_collection_finish`), and the first of them may wait
-    START_BUDGET_S longer for it."""
+    in the background meanwhile (`pytest_collection_finish`): the first of them may wait START_BUDGET_S
+    longer for it, and the last STOP_BUDGET_S longer for its stop."""
     items.sort(key=lambda item: item.get_closest_marker("realnode") is not None)
-    first = next((item for item in items if item.get_closest_marker("realnode") is not None), None)
-    if first is None or not config.pluginmanager.hasplugin("timeout"):
+    real = [item for item in items if item.get_closest_marker("realnode") is not None]
+    if not real or not config.pluginmanager.hasplugin("timeout"):
         return
-    marker = first.get_closest_marker("timeout")
-    limit = float(marker.args[0]) if marker is not None and marker.args else float(config.getini("timeout") or 0)
-    if limit > 0:  # 0: no limit at all
-        first.add_marker(pytest.mark.timeout(limit + START_BUDGET_S))
+    extra = {id(real[0]): START_BUDGET_S}
+    extra[id(real[-1])] = extra.get(id(real[-1]), 0) + STOP_BUDGET_S
+    for item in {id(real[0]): real[0], id(real[-1]): real[-1]}.values():
+        marker = item.get_closest_marker("timeout")
+        limit = float(marker.args[0]) if marker is not None and marker.args else float(config.getini("timeout") or 0)
+        if limit > 0:  # 0: no limit at all
+            item.add_marker(pytest.mark.timeout(limit + extra[id(item)]), append=False)  # read before any own
 
 
 class RealClusterStart:

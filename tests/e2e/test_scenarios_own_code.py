@@ -109,6 +109,8 @@ def test_9_an_adamw_job_runs_in_every_mode_and_reaches_its_target(env: RealEnv) 
     assert all(b < a * 1.25 for a, b in itertools.pairwise(losses)), losses
 
 
+# Three transformer workers on CI's two cores beside the other tests: 170-590 s (stop 26's CI hit 600).
+@pytest.mark.timeout(1200)
 def test_10_the_transformer_example_runs_in_every_mode(env: RealEnv, charlm_image: str) -> None:
     """The example's job as it ships (task, AdamW, schedule, metric, policy), shortened to 300 steps
     on 3 workers with the third 3x slower, walked through sync, async, hierarchical and auto; bits
@@ -142,6 +144,6 @@ def test_10_the_transformer_example_runs_in_every_mode(env: RealEnv, charlm_imag
     )
     env.apply(manifest)
     walk_modes(env, job, steps_each=30)
-    st = wait_for(lambda: _finished(env, job), 600, f"{job} finished")
+    st = wait_for(lambda: _finished(env, job), 1000, f"{job} finished")
     assert st["phase"] == "Succeeded", st.get("conditions")
     assert float(st["validationMetric"]) < CHARLM_BITS_AT_300, st
