@@ -405,6 +405,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--budget", type=float, help=f"wall-time budget, s since training start (default: the task's; {BUDGET_S:g})"
     )
+    parser.add_argument(
+        "--interval-seconds", type=float, help="override auto's policy.intervalSeconds (default: the task's)"
+    )
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds before one run is stopped")
     args = parser.parse_args(argv)
     overrides = {
@@ -414,6 +417,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     task = TASKS[args.task]
     cfg = replace(task.config, **overrides)
+    if args.interval_seconds is not None:
+        overrides["interval_seconds"] = args.interval_seconds
+        cfg = replace(cfg, policy={**cfg.policy, "intervalSeconds": args.interval_seconds})
     target = args.target if args.target is not None else task.target_accuracy
     budget_s = args.budget if args.budget is not None else task.budget_s
     scenarios = (args.scenarios or ",".join(QUICK_SCENARIOS if args.quick else GOODPUT_SCENARIOS)).split(",")

@@ -45,6 +45,20 @@ PLANE_STOP_ORDER = (
 NODE_BINARIES = ("kubelet", "kube-proxy", "kube-controller-manager", "kube-scheduler")
 
 
+def reclaim_abandoned(lay: Layout) -> bool:
+    """Remove the namespaces and cgroups of a cluster with this layout whose every process is gone (a
+    run killed before its stop: the namespaces outlive their processes); True when removed. A cluster
+    with any process left in its namespaces or cgroups is someone's running cluster: left alone."""
+    every = Layout(lay.workdir, realconf.MAX_NODES, lay.prefix)  # it may have had more nodes than this one
+    names = [n for n in [every.fabric_ns, *(every.node_ns(i) for i in range(every.nodes))] if realnet.exists(n)]
+    if realnet.pids_in(names) or any(alive(p) for p in realhost.cgroup_pids(lay.cgroup_root)):
+        return False
+    removed = realnet.delete(every)
+    left = realhost.remove_cgroups(lay.cgroup_root)
+    log.warning("removed an abandoned cluster's namespaces %s (no process left in them)", ", ".join(removed))
+    return not left and not realnet.exists(lay.fabric_ns)
+
+
 class RealCluster:
     """Control plane in the fabric namespace, `nodes` kubelet nodes, and a forwarder on the host's loopback."""
 
@@ -127,7 +141,7 @@ class RealCluster:
         bin_dir = assets_dir()
         realhost.ensure_packages(realconf.CNI_BIN, install)
         lay = self.layout
-        if realnet.exists(lay.fabric_ns):
+        if realnet.exists(lay.fabric_ns) and not reclaim_abandoned(lay):
             raise RuntimeError(
                 f"network namespace {lay.fabric_ns} exists: a real cluster is up (python -m devcluster down)"
             )
