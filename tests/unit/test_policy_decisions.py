@@ -145,6 +145,14 @@ def test_actions_not_allowed_are_never_taken() -> None:
     assert "no allowed action" in h.history[-1].decision.reason
 
 
+def test_when_every_allowed_change_is_stale_the_reason_says_they_wait_not_that_none_applies() -> None:
+    h = Harness([FAST] * 7 + [SLOW], policy={"allowedActions": ["switchMode"]}, batch=64)  # 5 steps an interval
+    run(h, 4)
+    reason = h.history[-1].decision.reason
+    assert "every allowed change has stale gradients; stale modes wait for" in reason, reason
+    assert "no allowed action" not in reason
+
+
 def test_cooldown_delays_a_second_change_but_not_a_new_split_of_the_batch() -> None:
     clusters = [200.0] * 4 + [100.0] * 4
     for actions, waits in ((["replaceWorker", "switchMode"], True), (["replaceWorker", "rebalance"], False)):

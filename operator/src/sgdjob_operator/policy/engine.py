@@ -131,7 +131,7 @@ def evaluate(state: PolicyState, samples: Sequence[WorkerSample], job: JobView, 
         candidates = fresh
     chosen = _choose(candidates, current, job, state.candidate, left)
     if chosen is None:
-        why = _keep_reason(health, current, candidates, job, left) + waiting_for
+        why = _keep_reason(health, current, candidates, job, left, bool(waiting_for)) + waiting_for
         return Evaluation(Keep(why), health, base, predictions)
 
     streak = state.candidate_streak + 1 if chosen.key == state.candidate else 1
@@ -228,7 +228,12 @@ def _choose(
 
 
 def _keep_reason(
-    health: JobHealth, current: Prediction, candidates: list[Candidate], job: JobView, left: float | None
+    health: JobHealth,
+    current: Prediction,
+    candidates: list[Candidate],
+    job: JobView,
+    left: float | None,
+    stale_waiting: bool = False,
 ) -> str:
     ending = ""
     if left is not None and left < _horizon(job, None):
@@ -236,6 +241,8 @@ def _keep_reason(
     gainful = [c for c in candidates if _gain(c.prediction, current) >= job.policy.switch_margin]
     if health.shape is Shape.HOMOGENEOUS and not (ending and gainful):
         return f"{health.summary}; nothing to change"
+    if not candidates and stale_waiting:
+        return f"{health.summary}; every allowed change has stale gradients"
     if not candidates:
         return (
             f"{health.summary}; no allowed action applies "
