@@ -103,12 +103,17 @@ def cgroup_pids(root: str) -> set[int]:
     """Every process in the tree under `root`, in any hierarchy."""
     pids: set[int] = set()
     for h in [*_hierarchies(), CGROUP_V1 / "unified"]:
-        top = h / root.lstrip("/")
-        if top.is_dir():
-            for procs in top.rglob("cgroup.procs"):
-                with contextlib.suppress(OSError, ValueError):
-                    pids.update(int(p) for p in procs.read_text().split())
+        for folder in _tree(h / root.lstrip("/")):
+            with contextlib.suppress(OSError, ValueError):
+                pids.update(int(p) for p in (folder / "cgroup.procs").read_text().split())
     return pids
+
+
+def _tree(top: Path) -> list[Path]:
+    """Every cgroup under `top` (itself included), deepest first. The kubelet removes a container's
+    cgroup while we walk (a node being failed, a pod being deleted): os.walk skips what vanished,
+    where Path.rglob raises FileNotFoundError."""
+    return [Path(folder) for folder, _dirs, _files in os.walk(top, topdown=False)]
 
 
 def kill_cgroup(root: str, timeout: float = 15.0) -> int:
@@ -132,7 +137,7 @@ def remove_cgroups(root: str) -> list[str]:
         top = h / root.lstrip("/")
         if not top.is_dir():
             continue
-        for d in sorted((p for p in top.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
+        for d in _tree(top)[:-1]:  # deepest first; `top` itself below
             with contextlib.suppress(OSError):
                 d.rmdir()
         try:

@@ -230,8 +230,8 @@ def test_b_a_lost_node_costs_at_most_one_interval(env: RealEnv, chaos: str) -> N
     before = restarts(env)
     with PodWatch(env, chaos) as watch:
         t0 = time.monotonic()
-        env.fail_node(node)
         try:
+            env.fail_node(node)
             seconds, lost = recovered(env, before, t0)
         finally:
             env.recover_node(node)  # the node boots again; the kubelet reports its dead containers
