@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from sgdjob_operator.api.validation import validate_job
 from sgdjob_operator.local.auto import applied_epoch
+from sgdjob_operator.local.runner import poll_seconds
 from sgdjob_operator.workers.scrape import Endpoint, ScrapeResult
 from sgdjob_trainer.wire.worker_status import WorkerStatus
 from tests.local.example_runs import RunExample, processes_mentioning
@@ -14,6 +16,15 @@ def test_applied_epoch_is_what_rank_0_reports() -> None:
     ep = Endpoint("http://127.0.0.1:1")
     assert applied_epoch([ScrapeResult(ep, 0.0, None, WorkerStatus(rank=1, control_epoch=5), None)]) is None
     assert applied_epoch([ScrapeResult(ep, 0.0, None, WorkerStatus(rank=0, control_epoch=2), None)]) == 2
+
+
+def test_an_auto_run_polls_at_least_once_per_policy_interval() -> None:
+    doc = {"apiVersion": "sgdjob.dev/v1alpha1", "kind": "SGDJob", "metadata": {"name": "p"},
+           "spec": {"replicas": 2, "mode": "auto", "policy": {"intervalSeconds": 0.5}}}  # fmt: skip
+    job = validate_job(doc)
+    assert poll_seconds(1.0, job, auto=True) == 0.5  # the policy's windows stay 0.5 s long
+    assert poll_seconds(0.2, job, auto=True) == 0.2
+    assert poll_seconds(1.0, job, auto=False) == 1.0  # no policy: the requested pace
 
 
 @pytest.mark.multiproc

@@ -61,7 +61,7 @@ def _select(jobs: list[SGDJob], name: str | None, path: Path) -> SGDJob:
     type=click.FloatRange(min=0.1),
     default=1.0,
     show_default=True,
-    help="Seconds between polls of the workers.",
+    help="Seconds between polls of the workers (an auto run polls at least once per policy.intervalSeconds).",
 )
 def run(
     file: Path, mode: str | None, out_dir: Path | None, name: str | None, timeout_s: float | None, poll_s: float

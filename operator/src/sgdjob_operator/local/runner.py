@@ -18,7 +18,7 @@ import signal
 import sys
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -300,6 +300,12 @@ def _write_report(
     return report, path
 
 
+def poll_seconds(requested: float, job: SGDJob, auto: bool) -> float:
+    """Seconds between polls: the policy evaluates at a poll, so an auto run polls at least once per
+    policy.intervalSeconds (a 0.5-s interval polled every second would see 1-s windows)."""
+    return min(requested, job.spec.policy.interval_seconds) if auto else requested
+
+
 async def run_local(job: SGDJob, options: RunOptions, display: Display, on_poll: PollHook | None = None) -> RunOutcome:
     """Run the job's workers on this machine until they finish; always leaves no process behind.
     When the mode is auto and no hook is given, the policy core drives the run (`local.auto`)."""
@@ -307,6 +313,7 @@ async def run_local(job: SGDJob, options: RunOptions, display: Display, on_poll:
     auto = resolve_mode(job.spec.mode, options.mode)[1]
     if on_poll is None and auto:
         on_poll = AutoController(job, display)
+    options = replace(options, poll_interval_s=poll_seconds(options.poll_interval_s, job, auto))
     display.start(
         RunInfo(
             job=plan.job,
