@@ -120,13 +120,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     real = [item for item in items if item.get_closest_marker("realnode") is not None]
     if not real or not config.pluginmanager.hasplugin("timeout"):
         return
-    extra = {id(real[0]): START_BUDGET_S}
-    extra[id(real[-1])] = extra.get(id(real[-1]), 0) + STOP_BUDGET_S
-    for item in {id(real[0]): real[0], id(real[-1]): real[-1]}.values():
+    for item in dict.fromkeys((real[0], real[-1])):  # one item when a single real-node test runs
+        extra = (START_BUDGET_S if item is real[0] else 0) + (STOP_BUDGET_S if item is real[-1] else 0)
         marker = item.get_closest_marker("timeout")
         limit = float(marker.args[0]) if marker is not None and marker.args else float(config.getini("timeout") or 0)
         if limit > 0:  # 0: no limit at all
-            item.add_marker(pytest.mark.timeout(limit + extra[id(item)]), append=False)  # read before any own
+            item.add_marker(pytest.mark.timeout(limit + extra), append=False)  # read before any own
 
 
 class RealClusterStart:
