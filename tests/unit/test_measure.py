@@ -101,14 +101,14 @@ def test_a_new_worker_measured_from_its_start_begins_its_own_streak() -> None:
     moved = sample(time=100.0, steps=30, compute=6.0, trained=8.0, node="node-new")
     window = measure(prev, [moved], 1, FIRST)
     assert window.restarted == (0,) and 0 in window.ranks
-    state = next_rank_states(prev, window, {0: (window.ranks[0].speed, True)})[0]
+    state = next_rank_states(prev, window, {0: (window.ranks[0].speed, True, None)})[0]
     assert (state.streak, state.flagged, state.node) == (1, True, "node-new")
     # A restart on the same node is the same worker: its streak goes on.
     same = measure(prev, [dataclasses.replace(moved, node="node-old")], 1, FIRST)
-    assert next_rank_states(prev, same, {0: (same.ranks[0].speed, True)})[0].streak == 5
+    assert next_rank_states(prev, same, {0: (same.ranks[0].speed, True, None)})[0].streak == 5
     # A first-seen rank measured at once has no previous state at all.
     fresh = measure({}, [moved], 1, FIRST)
-    assert next_rank_states({}, fresh, {0: (fresh.ranks[0].speed, False)})[0].streak == 0
+    assert next_rank_states({}, fresh, {0: (fresh.ranks[0].speed, False, None)})[0].streak == 0
 
 
 def test_the_first_window_is_dated_by_the_sample_time_not_another_clock() -> None:
@@ -116,5 +116,5 @@ def test_the_first_window_is_dated_by_the_sample_time_not_another_clock() -> Non
     # shell's sample time, so the window is what the trainer measured.
     window = measure({}, [sample(time=1e9, trained=12.25)], 1, FIRST)
     assert window.ranks[0].seconds == 12.25
-    state = next_rank_states({}, window, {0: (window.ranks[0].speed, False)})[0]
+    state = next_rank_states({}, window, {0: (window.ranks[0].speed, False, None)})[0]
     assert state.time == 1e9 and state.steps == 40

@@ -124,7 +124,7 @@ def test_dispersed_speeds_choose_the_better_of_async_and_rebalanced_sync() -> No
     first = pricey.history.index(ev)
     assert first * 4 >= MEASURE_WAIT_STEPS
     waiting = f"stale modes wait for {MEASURE_WAIT_STEPS} steps of measured gradient statistics (28 so far)"
-    assert any(e.decision.reason.endswith(waiting) for e in pricey.history[:first])
+    assert any(waiting in e.decision.reason for e in pricey.history[:first])
     assert ev.predictions["async"] == max(ev.predictions.values())
 
 

@@ -123,7 +123,7 @@ def build(ctx: DecisionContext) -> list[Candidate]:
                     "plain",
                     lambda why, g: Rebalance(plain, why, g),
                     predict_sync(ctx.speeds, plain, ctx.ci, "plain sync"),
-                    view.switch_seconds,
+                    view.rebalance_seconds,
                     restoring=True,
                     batch_only=True,
                 )
@@ -153,7 +153,9 @@ def build(ctx: DecisionContext) -> list[Candidate]:
             if view.mode == "sync"
             else (lambda why, g: SwitchMode("sync", why, None, b, g))
         )
-        out.append(_candidate("rebalance", make, pred, view.switch_seconds, batch_only=view.mode == "sync"))
+        in_sync = view.mode == "sync"
+        cost = view.rebalance_seconds if in_sync else view.switch_seconds
+        out.append(_candidate("rebalance", make, pred, cost, batch_only=in_sync))
     if switch:
         if view.mode != "sync":
             back = plain if unequal else None

@@ -125,6 +125,7 @@ class PlatformCosts:
     max_batch_sizes: Mapping[int, int] | None = None
     restart_seconds: float = 60.0
     switch_seconds: float = 5.0
+    rebalance_seconds: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -278,6 +279,7 @@ def drive(
             max_batch_sizes=costs.max_batch_sizes,
             restart_seconds=costs.restart_seconds,
             switch_seconds=costs.switch_seconds,
+            rebalance_seconds=costs.rebalance_seconds,
             in_flight=in_flight,
             goal_replicas=observed.goal_replicas,
             step=observed.step,

@@ -1,7 +1,8 @@
 """`evaluate`: one policy step from samples to a decision, with every rule that keeps it calm.
 
 A change is made only when (1) the cost model predicts at least switchMargin more useful
-throughput than the job gets now (or, for the way back to plain sync, no loss), (2) the same change
+throughput than the job gets now (or, for the way back to plain sync, no loss; for a new split of
+sync's batch, RESPLIT_MARGIN once every speed rests on RESPLIT_STEPS steps), (2) the same change
 has been the best for persistenceIntervals windows in a row, (3) cooldownSeconds have passed since
 the last change (not for the way back to plain sync, nor for a new split of sync's batch; growing
 back to the goal replicas waits, see `candidates`), and (4) the change pays back its own cost
@@ -45,6 +46,12 @@ STALENESS_SLACK = 0.05
 # (digits-mlp went hierarchical on 1.000 over 19 steps and lost a third of its goodput). Trainers that
 # never measure get the prior once their processes have made this many steps.
 MEASURE_WAIT_STEPS = 3 * MIN_STEPS
+# A new split of sync's batch needs only this predicted gain (or switchMargin if smaller) once every
+# rank's speed rests on RESPLIT_STEPS steps at its current batch (speeds.py): it pauses nothing, and
+# an early split made from a short window is then corrected instead of kept for a whole run (a
+# 0.5-s window gave three equal ranks 39, 39 and 36 samples, 8 % off, under a 10 % switchMargin).
+RESPLIT_MARGIN = 0.03
+RESPLIT_STEPS = 20
 # A change must pay for its own pause (a restart costs a minute or more) within this many policy
 # intervals, or the cooldown if longer: long enough for a replacement to be worth it, short enough
 # that a marginal gain never justifies a restart.
@@ -129,17 +136,19 @@ def evaluate(state: PolicyState, samples: Sequence[WorkerSample], job: JobView, 
                 f"; stale modes wait for {MEASURE_WAIT_STEPS} steps of measured gradient statistics ({evidence} so far)"
             )
         candidates = fresh
-    chosen = _choose(candidates, current, job, state.candidate, left)
+    settled = speeds_settled(health, job.world_size)
+    chosen = _choose(candidates, current, job, state.candidate, left, settled)
     if chosen is None:
-        why = _keep_reason(health, current, candidates, job, left, bool(waiting_for)) + waiting_for
+        why = _keep_reason(health, current, candidates, job, left, bool(waiting_for), settled) + waiting_for
         return Evaluation(Keep(why), health, base, predictions)
 
     streak = state.candidate_streak + 1 if chosen.key == state.candidate else 1
     waiting = replace(base, candidate=chosen.key, candidate_streak=streak)
     gain = _gain(chosen.prediction, current)
+    basis = f"; speeds over {RESPLIT_STEPS}+ steps at each rank's batch" if chosen.batch_only and settled else ""
     what = (
         f"{chosen.prediction.label} predicts {chosen.prediction.useful:.4g} useful samples/s "
-        f"vs {current.useful:.4g} now ({gain:+.0%}); {efficiency.describe()}{waiting_for}"
+        f"vs {current.useful:.4g} now ({gain:+.0%}){basis}; {efficiency.describe()}{waiting_for}"
     )
     if job.in_flight:
         # Persistence starts over once the change has landed: no cooldown starts, no streak grows.
@@ -171,6 +180,20 @@ def _world_speeds(health: JobHealth, world: int) -> dict[int, float]:
     return {r: known.get(r, typical) for r in range(world)}
 
 
+def speeds_settled(health: JobHealth, world: int) -> bool:
+    """Every rank of the world measured this window, each speed resting on RESPLIT_STEPS steps."""
+    ranks = [health.ranks.get(r) for r in range(world)]
+    return all(h is not None and h.measured and h.evidence >= RESPLIT_STEPS for h in ranks)
+
+
+def margin(c: Candidate, job: JobView, settled: bool) -> float:
+    """The predicted gain `c` needs: switchMargin, or RESPLIT_MARGIN for a new split of sync's batch
+    once the speeds are settled."""
+    if c.batch_only and settled:
+        return min(job.policy.switch_margin, RESPLIT_MARGIN)
+    return job.policy.switch_margin
+
+
 def _gain(pred: Prediction, current: Prediction) -> float:
     if current.useful <= 0:
         return float("inf") if pred.useful > 0 else 0.0
@@ -193,11 +216,11 @@ def _horizon(job: JobView, left: float | None) -> float:
     return horizon if left is None else min(horizon, left)
 
 
-def _viable(c: Candidate, current: Prediction, job: JobView, left: float | None) -> bool:
+def _viable(c: Candidate, current: Prediction, job: JobView, left: float | None, settled: bool) -> bool:
     if c.restoring:
         return c.prediction.useful >= current.useful and (left is None or c.cost_seconds < left)
     gain = _gain(c.prediction, current)
-    if gain < job.policy.switch_margin:
+    if gain < margin(c, job, settled):
         return False
     horizon = _horizon(job, left)
     payback = c.cost_seconds * current.useful / (c.prediction.useful - current.useful)
@@ -205,9 +228,14 @@ def _viable(c: Candidate, current: Prediction, job: JobView, left: float | None)
 
 
 def _choose(
-    candidates: list[Candidate], current: Prediction, job: JobView, previous: str | None, left: float | None
+    candidates: list[Candidate],
+    current: Prediction,
+    job: JobView,
+    previous: str | None,
+    left: float | None,
+    settled: bool = False,
 ) -> Candidate | None:
-    viable = [c for c in candidates if _viable(c, current, job, left)]
+    viable = [c for c in candidates if _viable(c, current, job, left, settled)]
     if not viable:
         return None
     best = max(viable, key=lambda c: c.prediction.useful)
@@ -234,11 +262,12 @@ def _keep_reason(
     job: JobView,
     left: float | None,
     stale_waiting: bool = False,
+    settled: bool = False,
 ) -> str:
     ending = ""
     if left is not None and left < _horizon(job, None):
         ending = f"; the job ends in about {left:.0f}s ({job.steps_left} steps)"
-    gainful = [c for c in candidates if _gain(c.prediction, current) >= job.policy.switch_margin]
+    gainful = [c for c in candidates if _gain(c.prediction, current) >= margin(c, job, settled)]
     if health.shape is Shape.HOMOGENEOUS and not (ending and gainful):
         return f"{health.summary}; nothing to change"
     if not candidates and stale_waiting:
@@ -251,7 +280,7 @@ def _keep_reason(
     best = max(candidates, key=lambda c: c.prediction.useful)
     return (
         f"{health.summary}; best alternative {best.prediction.label} predicts {_gain(best.prediction, current):+.0%} "
-        f"(a change needs {job.policy.switch_margin:+.0%} and must repay its pause{ending})"
+        f"(a change needs {margin(best, job, settled):+.0%} and must repay its pause{ending})"
     )
 
 

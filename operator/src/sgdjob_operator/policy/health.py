@@ -12,7 +12,8 @@ from typing import Any
 from sgdjob_operator.api.models import PolicySpec
 from sgdjob_operator.policy.comm import CommModel
 from sgdjob_operator.policy.measure import Window, next_rank_states, same_worker
-from sgdjob_operator.policy.state import PolicyState, RankState
+from sgdjob_operator.policy.speeds import running_speed
+from sgdjob_operator.policy.state import PolicyState, RankState, SpeedEstimate
 from sgdjob_operator.policy.stats import gap_clusters, log_spread, median, robust_scores
 
 # Weight of the newest observation in the learned jitter coefficient.
@@ -35,7 +36,8 @@ class Shape(StrEnum):
 class RankHealth:
     """`ratio` is the median speed over this rank's speed: its step time relative to the median's
     at equal batch (3.0 = three times slower). `measured` is False for a rank whose speed is the
-    last known one (restarted, idle or missing this window)."""
+    last known one (restarted, idle or missing this window). `evidence`: the steps its speed rests
+    on at its current batch and mode (see speeds.py)."""
 
     rank: int
     node: str | None
@@ -46,6 +48,7 @@ class RankHealth:
     flagged: bool
     streak: int
     measured: bool
+    evidence: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,18 +134,44 @@ def _raw_shape(
     return Shape.DISPERSED, f"{Shape.DISPERSED.value}:{_fingerprint(flagged)}"
 
 
-def assess(window: Window, state: PolicyState, p: PolicySpec) -> Assessment:
-    """Flags a rank slower than the median by stragglerThreshold, unflags it below
-    recoverThreshold (hysteresis), and names the fleet's shape, persistent or transient."""
-    measured = {r: w.speed for r, w in window.ranks.items()}
+@dataclass(frozen=True, slots=True)
+class _Classified:
+    measured: dict[int, float]
+    ranks: dict[int, RankState]
+    heterogeneous: bool
+    raw: Shape
+    key: str
+    spread: float
+
+
+def _running(
+    window: Window, olds: Mapping[int, RankState | None], p: PolicySpec, afresh: bool
+) -> dict[int, tuple[float, SpeedEstimate | None]]:
+    """Each measured rank's speed and running estimate (see speeds.py); `afresh`: from this window only."""
+    out: dict[int, tuple[float, SpeedEstimate | None]] = {}
+    for r, w in window.ranks.items():
+        old = olds[r]
+        previous = old.estimate if old is not None and not afresh else None
+        out[r] = running_speed(previous, w, r in window.from_start, p.recover_threshold)
+    return out
+
+
+def _classify(
+    running: Mapping[int, tuple[float, SpeedEstimate | None]],
+    olds: Mapping[int, RankState | None],
+    window: Window,
+    state: PolicyState,
+    p: PolicySpec,
+) -> _Classified:
+    measured = {r: speed for r, (speed, _) in running.items()}
     enough = len(measured) >= max(2, math.ceil(window.world_size / 2))
     med = median(list(measured.values())) if measured else 0.0
-    flags: dict[int, tuple[float, bool]] = {}
-    for r, speed in measured.items():
-        old = same_worker(state.ranks.get(r), window.latest[r])  # None: a new worker, measured from its start
+    flags: dict[int, tuple[float, bool, SpeedEstimate | None]] = {}
+    for r, (speed, estimate) in running.items():
         ratio = med / speed
+        old = olds[r]
         was_flagged = old is not None and old.flagged
-        flags[r] = speed, ratio >= p.straggler_threshold or (was_flagged and ratio > p.recover_threshold)
+        flags[r] = speed, ratio >= p.straggler_threshold or (was_flagged and ratio > p.recover_threshold), estimate
     ranks = next_rank_states(state.ranks, window, flags)
     nodes = {r: s.node for r, s in ranks.items()}
     spread = log_spread(list(measured.values()))
@@ -159,6 +188,22 @@ def assess(window: Window, state: PolicyState, p: PolicySpec) -> Assessment:
             if not heterogeneous
             else _raw_shape(measured, flagged_now, nodes, p)
         )
+    return _Classified(measured, ranks, heterogeneous, raw, key, spread)
+
+
+def assess(window: Window, state: PolicyState, p: PolicySpec) -> Assessment:
+    """Flags a rank slower than the median by stragglerThreshold, unflags it below
+    recoverThreshold (hysteresis), and names the fleet's shape, persistent or transient.
+
+    Speeds are the running estimates of speeds.py, except when the fleet's shape changed: the
+    windows before it describe other conditions (a rank that slowed by less than recoverThreshold
+    would otherwise be averaged with its old speed for several windows), so every estimate then
+    starts over from this window."""
+    olds = {r: same_worker(state.ranks.get(r), window.latest[r]) for r in window.ranks}  # None: a new worker
+    c = _classify(_running(window, olds, p, afresh=False), olds, window, state, p)
+    if state.shape and c.raw is not Shape.UNKNOWN and c.key != state.shape:
+        c = _classify(_running(window, olds, p, afresh=True), olds, window, state, p)
+    measured, ranks, heterogeneous, raw, key, spread = (c.measured, c.ranks, c.heterogeneous, c.raw, c.key, c.spread)
     streak = state.shape_streak + 1 if key == state.shape else 1
     if raw is Shape.UNKNOWN:
         streak = state.shape_streak
@@ -178,6 +223,7 @@ def assess(window: Window, state: PolicyState, p: PolicySpec) -> Assessment:
             flagged=ranks[r].flagged,
             streak=ranks[r].streak,
             measured=r in measured,
+            evidence=_evidence(ranks[r], window, r),
         )
         for r, v in sorted(known.items())
     }
@@ -204,6 +250,13 @@ def assess(window: Window, state: PolicyState, p: PolicySpec) -> Assessment:
         summary=_summary(shape, raw, table, clusters, spread, streak, p),
     )
     return Assessment(health, ranks, heterogeneous, key, streak)
+
+
+def _evidence(state: RankState, window: Window, rank: int) -> float:
+    if state.estimate is not None:
+        return state.estimate.steps
+    w = window.ranks.get(rank)
+    return float(w.steps) if w is not None else 0.0
 
 
 def _summary(

@@ -21,7 +21,9 @@ class JobView:
     `mode` is the active mode (what the workers run now); `requested_mode` is spec.mode (auto lets
     the policy switch). `batch_sizes` and `max_batch_sizes` are per global rank; a rank absent from
     them has `base_batch` and `max_batch`. `restart_seconds` is what a membership change costs
-    (re-rendezvous plus resuming from a checkpoint), `switch_seconds` a mode switch or rebalance.
+    (re-rendezvous plus resuming from a checkpoint), `switch_seconds` a mode switch, `rebalance_seconds`
+    a new split of sync's batch (applied at a step boundary: no pause, but the windows while it lands
+    are not measured).
     `in_flight` says why a change is still being applied ('' when none): the policy then holds.
     `goal_replicas` is what the job should run when healthy (0: `replicas`): below it, a healthy
     fleet grows back. `steps_left` is how many of training.steps remain (None: not known): a change
@@ -50,6 +52,7 @@ class JobView:
     max_batch_sizes: Mapping[int, int] = field(default_factory=dict)
     restart_seconds: float = 60.0
     switch_seconds: float = 5.0
+    rebalance_seconds: float = 1.0
     in_flight: str = ""
     goal_replicas: int = 0
     steps_left: int | None = None
@@ -108,6 +111,7 @@ def job_view(
     max_batch_sizes: Mapping[int, int] | None = None,
     restart_seconds: float = 60.0,
     switch_seconds: float = 5.0,
+    rebalance_seconds: float = 1.0,
     in_flight: str = "",
     goal_replicas: int | None = None,
     step: int | None = None,
@@ -143,6 +147,7 @@ def job_view(
         max_batch_sizes=dict(max_batch_sizes or {}),
         restart_seconds=restart_seconds,
         switch_seconds=switch_seconds,
+        rebalance_seconds=rebalance_seconds,
         in_flight=in_flight,
         goal_replicas=goal_replicas if goal_replicas is not None else spec.replicas,
         steps_left=max(spec.training.steps - step, 0) if step is not None else None,

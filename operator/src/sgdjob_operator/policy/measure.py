@@ -18,7 +18,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from sgdjob_operator.policy.samples import WorkerSample
-from sgdjob_operator.policy.state import RankState
+from sgdjob_operator.policy.state import RankState, SpeedEstimate
 
 # Float counters round-trip through text; a decrease smaller than this is not a restart.
 _EPS = 1e-6
@@ -203,25 +203,27 @@ def measure(
 
 
 def next_rank_states(
-    previous: Mapping[int, RankState], window: Window, flags: Mapping[int, tuple[float, bool]]
+    previous: Mapping[int, RankState],
+    window: Window,
+    flags: Mapping[int, tuple[float, bool, SpeedEstimate | None]],
 ) -> dict[int, RankState]:
-    """Counters to difference against next time, with each measured rank's new (speed, flagged);
-    other ranks carry their speed, streak and flag over."""
+    """Counters to difference against next time, with each measured rank's new (speed, flagged,
+    running estimate); other ranks carry their speed, streak, flag and estimate over."""
     out: dict[int, RankState] = {}
     for rank, s in window.latest.items():
         same = same_worker(previous.get(rank), s)
         if rank in flags:
             # A new worker measured from its training start begins its streak here.
-            speed, flagged = flags[rank]
+            speed, flagged, estimate = flags[rank]
             streak = (same.streak if same is not None else 0) + 1 if flagged else 0
         elif same is None:
             # A new process on a new node is a new worker; a restart on the same node keeps its
             # speed estimate and streak.
-            speed, flagged, streak = None, False, 0
+            speed, flagged, streak, estimate = None, False, 0, None
         else:
-            speed, flagged, streak = same.speed, same.flagged, same.streak
+            speed, flagged, streak, estimate = same.speed, same.flagged, same.streak, same.estimate
         out[rank] = RankState(
-            s.time, s.steps, s.samples, s.compute_seconds, s.comm_wait_seconds, s.node, speed, streak, flagged
+            s.time, s.steps, s.samples, s.compute_seconds, s.comm_wait_seconds, s.node, speed, streak, flagged, estimate
         )
     # Missing ranks keep their last state: a scrape that failed once must not erase a streak.
     for rank, prev in previous.items():

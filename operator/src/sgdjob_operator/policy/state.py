@@ -15,6 +15,25 @@ STATE_VERSION = 1
 # Columns of the per-rank table: columns instead of one object per rank keep a 1024-rank state
 # compact enough for an object's status.
 _RANK_COLUMNS = ("rank", "time", "steps", "samples", "compute", "wait", "node", "speed", "streak", "flagged")
+# Columns of the running speed estimate (see speeds.py); a state written before them reads as no estimate.
+_ESTIMATE_COLUMNS = ("estWork", "estCompute", "estSteps", "estBatch", "estMode")
+
+
+@dataclass(frozen=True, slots=True)
+class SpeedEstimate:
+    """A rank's work and compute summed (with a slow decay) over the windows since its batch or mode
+    last changed or its speed last jumped: `work / compute` is its speed, more precise the longer
+    the configuration runs; `steps` how many steps it rests on."""
+
+    work: float
+    compute: float
+    steps: float
+    batch: int
+    mode: str
+
+    @property
+    def speed(self) -> float:
+        return self.work / self.compute
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +49,7 @@ class RankState:
     speed: float | None = None
     streak: int = 0
     flagged: bool = False
+    estimate: SpeedEstimate | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +83,9 @@ class PolicyState:
             "streak": [s.streak for _, s in ordered],
             "flagged": [s.flagged for _, s in ordered],
         }
+        estimates = [s.estimate for _, s in ordered]
+        for column, attr in zip(_ESTIMATE_COLUMNS, ("work", "compute", "steps", "batch", "mode"), strict=True):
+            table[column] = [None if e is None else getattr(e, attr) for e in estimates]
         return {
             "version": STATE_VERSION,
             "ranks": table,
@@ -87,8 +110,12 @@ class PolicyState:
             columns = [list(table.get(c, [])) for c in _RANK_COLUMNS]
             if len({len(c) for c in columns}) > 1:
                 raise ValueError("rank columns differ in length")
+            estimates = [list(table.get(c) or [None] * len(columns[0])) for c in _ESTIMATE_COLUMNS]
+            if any(len(c) != len(columns[0]) for c in estimates):
+                raise ValueError("estimate columns differ in length")
             ranks: dict[int, RankState] = {}
-            for rank, time, steps, samples, compute, wait, node, speed, streak, flagged in zip(*columns, strict=True):
+            rows = zip(*columns, zip(*estimates, strict=True), strict=True)
+            for rank, time, steps, samples, compute, wait, node, speed, streak, flagged, est in rows:
                 ranks[int(rank)] = RankState(
                     time=_finite(time),
                     steps=int(steps),
@@ -99,6 +126,7 @@ class PolicyState:
                     speed=None if speed is None else _finite(speed),
                     streak=int(streak),
                     flagged=bool(flagged),
+                    estimate=_estimate(est),
                 )
             last_change = data.get("lastChange")
             return cls(
@@ -114,6 +142,16 @@ class PolicyState:
             )
         except (TypeError, ValueError, AttributeError) as err:
             raise ValueError(f"malformed policy state: {err}") from err
+
+
+def _estimate(row: tuple[Any, ...]) -> SpeedEstimate | None:
+    work, compute, steps, batch, mode = row
+    if work is None:
+        return None
+    out = SpeedEstimate(_finite(work), _finite(compute), _finite(steps), int(batch), str(mode))
+    if out.compute <= 0 or out.work <= 0:
+        raise ValueError("a speed estimate needs positive work and compute")
+    return out
 
 
 def _finite(value: Any) -> float:

@@ -222,6 +222,7 @@ class Run:
             max_batch_sizes={r: self.caps[w] for r, w in enumerate(workers)},
             restart_seconds=self.sc.costs.restart_seconds,
             switch_seconds=self.sc.costs.switch_seconds,
+            rebalance_seconds=self.sc.costs.rebalance_seconds,
         )
         step = drive(DriverState.from_dict(self.state_doc), observed, self.spec, now, costs)
         self.state_doc = step.state.to_dict()
