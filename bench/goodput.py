@@ -55,11 +55,12 @@ CHARLM_BUDGET_S = 30.0
 # Rank 0 validates on the held-out split (256 samples, the trainer's default) every 0.5 s of
 # training, in every system: the same time resolution whatever a system's step rate.
 EVALUATION: dict[str, Any] = {"everySteps": None, "everySeconds": 0.5, "samples": 256}
-# Auto evaluates every second on the digits tasks: their steps take 0.05-0.15 s, so a 1-s window
-# still holds 7-20 steps per rank (the quickstart's 2 s suits steps of 0.1-0.3 s). What a user sets
-# for a job this short; a straggler present from the start is then acted on at step 7-10, 1.3-1.5 s
-# into training (measured on digits-cnn; 19-30 steps at 2 s).
-DIGITS_POLICY: dict[str, Any] = {**POLICY, "intervalSeconds": 1}
+# Auto evaluates every half second on the digits tasks: their steps take 0.05-0.15 s, so a window
+# still holds 3-10 steps per rank, and a straggler present from the start is acted on at step 6-7,
+# 0.6-0.9 s into training (measured on digits-cnn; step 9-13 at 1 s). A split made from such short
+# windows can be a few samples off; the policy corrects it once the speeds have summed 20 steps
+# (policy.speeds). What a user sets for a job this short (the quickstart's 2 s suits longer steps).
+DIGITS_POLICY: dict[str, Any] = {**POLICY, "intervalSeconds": 0.5}
 CONFIG = BenchConfig(
     workers=4,
     steps=200,
