@@ -131,6 +131,29 @@ def test_pending_to_running_to_adapting_with_stable_transition_times() -> None:
     st.mode, st.target_mode = "sync", "async"
     plan = plan_reconcile(spec, st, [pod(0), pod(1), rdzv()], generation=1, now=T0 + 60)
     assert plan.status.phase is Phase.ADAPTING and "switching mode" in plan.status.message
+    assert _adapting(plan.status) == ("True", "SwitchingMode")
+
+
+def _adapting(st: SGDJobStatus) -> tuple[str, str]:
+    c = {c.type: c for c in st.conditions}.get("Adapting")  # listed once it has been true
+    return (c.status, c.reason) if c is not None else ("", "")
+
+
+def test_the_adapting_reason_says_what_the_job_waits_for() -> None:
+    spec = _spec()
+    plan = plan_reconcile(spec, running(), [pod(0), pod(1), rdzv()], generation=1, now=T0)
+    assert plan.status.phase is Phase.RUNNING and _adapting(plan.status) == ("", "")
+    # A worker that stopped being ready with nothing changed by the operator (its node stopped
+    # reporting, say): the job waits for workers, it is not applying a change.
+    plan = plan_reconcile(spec, plan.status, [pod(0), pod(1, ready=False), rdzv()], generation=1, now=T0 + 5)
+    assert plan.status.phase is Phase.ADAPTING and _adapting(plan.status) == ("True", "WorkersNotReady")
+    assert plan.status.message == "1 of 2 workers ready"
+    plan = plan_reconcile(spec, plan.status, [pod(0), pod(1), rdzv()], generation=1, now=T0 + 7)
+    assert plan.status.phase is Phase.RUNNING and _adapting(plan.status) == ("False", "Stable")
+    plan = plan_reconcile(spec, plan.status, [pod(0), pod(1, deleting=True), rdzv()], generation=1, now=T0 + 10)
+    assert _adapting(plan.status) == ("True", "PodsTerminating")
+    plan = plan_reconcile(_spec(replicas=3), plan.status, [pod(0), pod(1), rdzv()], generation=2, now=T0 + 15)
+    assert _adapting(plan.status) == ("True", "PodsMissing") and plan.status.message == "2 of 3 worker pods exist"
 
 
 def test_scale_and_excluded_nodes_change_membership() -> None:

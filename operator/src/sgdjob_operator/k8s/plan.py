@@ -179,9 +179,9 @@ def plan_reconcile(
 
     if st.start_time is None and st.ready_replicas >= spec.min_workers:
         st.start_time = rfc3339(now)
-    phase, why = phase_for(st, spec, pods)
+    phase, reason, why = phase_for(st, spec, pods)
     if succeeded and phase is Phase.ADAPTING:
-        phase, why = Phase.RUNNING, ""  # finishing, not adapting: the others are about to exit too
+        phase, reason, why = Phase.RUNNING, "", ""  # finishing, not adapting: the others are about to exit too
         st.message = f"completing: {len(succeeded)} of {len(ws)} workers finished"
     st.phase = phase
     if previous_phase is Phase.SUSPENDED:
@@ -207,7 +207,7 @@ def plan_reconcile(
         desired_conditions(
             phase,
             created=True,
-            adapting_reason="ChangeInFlight" if why else "",
+            adapting_reason=reason,
             message=st.message,
             hung=hang_condition(st),
         ),

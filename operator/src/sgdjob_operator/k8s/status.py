@@ -2,7 +2,9 @@
 conditions, the printer fields and the bounded decision history. No I/O and no clock: `now` is given.
 
 Phases: Pending (never had minReplicas workers ready) -> Running <-> Adapting (a mode switch or a
-membership change is in flight) -> Succeeded | Failed; Suspended while spec.runPolicy.suspend.
+membership change is in flight, or workers are not ready; the Adapting condition's reason says
+which: SwitchingMode, PodsTerminating, PodsMissing, WorkersNotReady) -> Succeeded | Failed;
+Suspended while spec.runPolicy.suspend.
 """
 
 from __future__ import annotations
@@ -313,29 +315,36 @@ def merge_conditions(
     return out
 
 
+def in_flight_reason(status: SGDJobStatus, spec: SGDJobSpec, pods: Sequence[PodView]) -> tuple[str, str]:
+    """(the Adapting condition's reason, a message) for a change still in flight, ('', '') when
+    none. The reason tells what the job waits for: a pod not ready whose pod the operator did not
+    touch (a node that stopped reporting, an API server restart) reads WorkersNotReady, not a change."""
+    if status.mode and status.target_mode and status.mode != status.target_mode:
+        return "SwitchingMode", f"switching mode {status.mode} -> {status.target_mode}"
+    ws = workers(pods)
+    if any(p.deleting for p in ws):
+        return "PodsTerminating", "worker pods terminating"
+    live = [p for p in ws if p.active]
+    if len(live) != spec.replicas:
+        return "PodsMissing", f"{len(live)} of {spec.replicas} worker pods exist"
+    ready = sum(1 for p in live if p.phase == "Running" and p.ready)
+    if ready != spec.replicas:
+        return "WorkersNotReady", f"{ready} of {spec.replicas} workers ready"
+    return "", ""
+
+
 def in_flight(status: SGDJobStatus, spec: SGDJobSpec, pods: Sequence[PodView]) -> str:
     """Why a change is still in flight ('' when none): the one-change-at-a-time gate and the
     Adapting phase both read this, from observed state only."""
-    if status.mode and status.target_mode and status.mode != status.target_mode:
-        return f"switching mode {status.mode} -> {status.target_mode}"
-    ws = workers(pods)
-    if any(p.deleting for p in ws):
-        return "worker pods terminating"
-    live = [p for p in ws if p.active]
-    if len(live) != spec.replicas:
-        return f"{len(live)} of {spec.replicas} worker pods exist"
-    ready = sum(1 for p in live if p.phase == "Running" and p.ready)
-    if ready != spec.replicas:
-        return f"{ready} of {spec.replicas} workers ready"
-    return ""
+    return in_flight_reason(status, spec, pods)[1]
 
 
-def phase_for(status: SGDJobStatus, spec: SGDJobSpec, pods: Sequence[PodView]) -> tuple[Phase, str]:
-    """Phase of a job that is neither finished nor suspended, and the in-flight reason."""
+def phase_for(status: SGDJobStatus, spec: SGDJobSpec, pods: Sequence[PodView]) -> tuple[Phase, str, str]:
+    """Phase of a job that is neither finished nor suspended, and the in-flight reason and message."""
     if status.start_time is None:
-        return Phase.PENDING, ""
-    why = in_flight(status, spec, pods)
-    return (Phase.ADAPTING, why) if why else (Phase.RUNNING, "")
+        return Phase.PENDING, "", ""
+    reason, why = in_flight_reason(status, spec, pods)
+    return (Phase.ADAPTING, reason, why) if why else (Phase.RUNNING, "", "")
 
 
 def finish(status: SGDJobStatus, phase: Phase, reason: str, message: str, now: float) -> Event:
