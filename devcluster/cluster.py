@@ -47,12 +47,15 @@ def default_nodes(gpu_nodes: int = 4, cpu_nodes: int = 1) -> list[NodeSpec]:
 
 
 class LocalCluster:
-    """ControlPlane(with_controllers=True) + NodeAgent; agent options pass through."""
+    """ControlPlane(with_controllers=True) + NodeAgent; agent options pass through. `plane_tag`: the
+    control plane's owner tag (ControlPlane.owner_tag), for a test harness."""
 
-    def __init__(self, nodes: Sequence[NodeSpec] | None = None, **agent_options: Any) -> None:
+    def __init__(
+        self, nodes: Sequence[NodeSpec] | None = None, plane_tag: str | None = None, **agent_options: Any
+    ) -> None:
         self.node_specs = list(nodes if nodes is not None else default_nodes())
         self.agent_options = agent_options
-        self.plane = ControlPlane(with_controllers=True)
+        self.plane = ControlPlane(with_controllers=True, owner_tag=plane_tag)
         self._agent: NodeAgent | None = None
 
     @property

@@ -22,6 +22,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from devcluster.proctree import TAG_KEY
+
 REQUIRED = ("etcd", "kube-apiserver", "kubectl")
 
 
@@ -104,6 +106,10 @@ class ControlPlane:
     api_port: int = 0
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     argvs: dict[str, list[str]] = field(default_factory=dict)  # how each process was started: restart()
+    # A test harness's owner tag (proctree.new_agent_tag): its processes carry it in their environment,
+    # so a later run reaps them (proctree.reap_orphans) if this harness is SIGKILLed before its stop.
+    # None for a plane meant to outlive its starter (`devcluster up`).
+    owner_tag: str | None = None
 
     @property
     def bin(self) -> Path:
@@ -126,7 +132,8 @@ class ControlPlane:
     def _spawn(self, name: str, argv: list[str]) -> None:
         log = open(self.workdir / f"{name}.log", "ab")  # noqa: SIM115 - closed with the process
         self.argvs[name] = argv
-        self.procs[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        env = None if self.owner_tag is None else {**os.environ, TAG_KEY: f"{self.owner_tag}{name}/"}
+        self.procs[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
 
     def restart_apiserver(self, down_s: float = 0.0, timeout: float = 60.0) -> None:
         """Stop kube-apiserver (SIGTERM, as a rolling control-plane upgrade does), keep it down for

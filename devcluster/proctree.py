@@ -1,4 +1,5 @@
-"""Find and kill every process the node agent started, by an environment tag.
+"""Find and kill every process the node agent started (and a test harness's control plane), by an
+environment tag.
 
 Process groups are not enough: torchrun starts its workers in new sessions, and anything orphaned is
 reparented away from us. Every container process gets `SGDJOB_DEVCLUSTER_TAG=<agent>/<pod uid>/<container>/`

@@ -44,9 +44,13 @@ def require_assets() -> None:
 
 @pytest.fixture(scope="session")
 def k8s() -> Iterator[ControlPlane]:
-    """etcd + kube-apiserver on free loopback ports, once per test session."""
+    """etcd + kube-apiserver on free loopback ports, once per test session (tagged as this run's, so
+    the next run reaps them if this one is SIGKILLed)."""
     require_assets()
-    plane = ControlPlane().start()
+    from devcluster.proctree import new_agent_tag, reap_orphans
+
+    reap_orphans()
+    plane = ControlPlane(owner_tag=new_agent_tag()).start()
     try:
         yield plane
     finally:
@@ -72,9 +76,9 @@ def cluster() -> Iterator[LocalCluster]:
     """
     require_assets()
     from devcluster.cluster import LocalCluster, default_nodes
-    from devcluster.proctree import reap_orphans
+    from devcluster.proctree import new_agent_tag, reap_orphans
 
-    reap_orphans()  # pods of an earlier run that was SIGKILLed (only processes whose agent is gone)
+    reap_orphans()  # pods and control planes of an earlier run that was SIGKILLed (their owner is gone)
 
     # SIGTERM (CI cancelling a run) becomes KeyboardInterrupt, so pytest still tears this down.
     restore = None
@@ -83,7 +87,12 @@ def cluster() -> Iterator[LocalCluster]:
     # Pods run this checkout's packages (the test run's PYTHONPATH), not the ones the venv was installed from.
     pythonpath = {"PYTHONPATH": os.environ["PYTHONPATH"]} if os.environ.get("PYTHONPATH") else {}
     local = LocalCluster(
-        default_nodes(gpu_nodes=4, cpu_nodes=1), backoff_base=0.5, backoff_cap=4.0, grace_cap=5.0, extra_env=pythonpath
+        default_nodes(gpu_nodes=4, cpu_nodes=1),
+        plane_tag=new_agent_tag(),
+        backoff_base=0.5,
+        backoff_cap=4.0,
+        grace_cap=5.0,
+        extra_env=pythonpath,
     )
     try:
         yield local.start()
