@@ -385,6 +385,13 @@ def run_benchmark(
     }
 
 
+def step_aligned(cfg: BenchConfig, every: int) -> BenchConfig:
+    """`cfg` validating every `every` steps instead of on a wall-time schedule (same sample count)."""
+    if every < 1:
+        raise ValueError(f"--validate-every-steps must be at least 1, got {every}")
+    return replace(cfg, evaluation={**(cfg.evaluation or {}), "everySteps": every, "everySeconds": None})
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.goodput", description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="output directory")
@@ -409,6 +416,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--interval-seconds", type=float, help="override auto's policy.intervalSeconds (default: the task's)"
     )
+    parser.add_argument(
+        "--validate-every-steps",
+        type=int,
+        help="validate every N of rank 0's steps instead of every 0.5 s: every system then validates the same "
+        "steps, so runs of one configuration show the same accuracies and differ only in speed",
+    )
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds before one run is stopped")
     args = parser.parse_args(argv)
     overrides = {
@@ -421,6 +434,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.interval_seconds is not None:
         overrides["interval_seconds"] = args.interval_seconds
         cfg = replace(cfg, policy={**cfg.policy, "intervalSeconds": args.interval_seconds})
+    if args.validate_every_steps is not None:
+        overrides["validate_every_steps"] = args.validate_every_steps
+        try:
+            cfg = step_aligned(cfg, args.validate_every_steps)
+        except ValueError as err:
+            parser.error(str(err))
     target = args.target if args.target is not None else task.target_accuracy
     budget_s = args.budget if args.budget is not None else task.budget_s
     scenarios = (args.scenarios or ",".join(QUICK_SCENARIOS if args.quick else GOODPUT_SCENARIOS)).split(",")

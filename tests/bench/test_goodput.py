@@ -21,6 +21,7 @@ from bench.goodput import (
     markdown_table,
     run_result,
     spread,
+    step_aligned,
     time_to_accuracy,
 )
 from bench.scenarios import (
@@ -123,6 +124,12 @@ def test_ddp_drop_and_lb_bsp_setups() -> None:
     for name in GOODPUT_SCENARIOS:
         job = validate_job(job_doc(CONFIG, build_scenario(name, CONFIG), "auto"))
         assert job.spec.training.model == "digits-mlp" and job.spec.training.evaluation.every_seconds == 0.5
+    # --validate-every-steps: the same steps validated in every system, the sample count kept.
+    stepped = step_aligned(CONFIG, 5)
+    evaluation = validate_job(job_doc(stepped, build_scenario("homogeneous", stepped), "auto")).spec.training.evaluation
+    assert (evaluation.every_steps, evaluation.every_seconds, evaluation.samples) == (5, None, 256)
+    with pytest.raises(ValueError, match="at least 1"):
+        step_aligned(CONFIG, 0)
 
 
 @pytest.mark.multiproc
