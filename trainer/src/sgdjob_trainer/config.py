@@ -7,97 +7,65 @@ validate specs, and the operator image carries no torch.
 
 from __future__ import annotations
 
-import math
 import re
 from enum import StrEnum
 from typing import Annotated, Any, Self
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-from pydantic.alias_generators import to_camel
-from pydantic_core import PydanticCustomError
+from pydantic import Field, model_validator
+
+from sgdjob_trainer.config_base import (
+    HOOK_PATTERN,
+    CamelModel,
+    Compression,
+    GroupBy,
+    LrScaling,
+    LrSchedule,
+    Precision,
+    Rank,
+    StalenessLr,
+    SyncMode,
+    cross_field_error,
+)
+from sgdjob_trainer.config_emulation import Emulation, Fault, FaultKind, SpeedChange
+from sgdjob_trainer.config_evaluation import Evaluation, Target, TargetMetric
+
+# The shared pieces and the emulation models live in their own modules; callers import every
+# configuration name from here.
+__all__ = [
+    "BUILTIN_DATASETS",
+    "BUILTIN_LOSSES",
+    "BUILTIN_MODELS",
+    "HOOK_PATTERN",
+    "AsyncConfig",
+    "CamelModel",
+    "Checkpoint",
+    "Compression",
+    "Emulation",
+    "Evaluation",
+    "Fault",
+    "FaultKind",
+    "GroupBy",
+    "HierarchicalConfig",
+    "LrPolicy",
+    "LrScaling",
+    "LrSchedule",
+    "OptimizerConfig",
+    "OptimizerName",
+    "Precision",
+    "Rank",
+    "SpeedChange",
+    "StalenessLr",
+    "SyncMode",
+    "Target",
+    "TargetMetric",
+    "TrainingConfig",
+    "cross_field_error",
+    "load_training_config",
+]
 
 BUILTIN_MODELS = ("mlp", "digits-mlp", "digits-cnn")
 BUILTIN_DATASETS = ("synthetic", "digits")
 BUILTIN_LOSSES = ("auto", "mse", "cross-entropy")
-# `package.module:function`, the user-hook form accepted wherever a built-in name is.
-HOOK_PATTERN = r"^[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*$"
-Rank = Annotated[int, Field(ge=0, le=65_535)]
-
-
-class CamelModel(BaseModel):
-    """Base for every API model: camelCase on the wire, snake_case in Python, unknown keys refused."""
-
-    model_config = ConfigDict(
-        alias_generator=to_camel,
-        populate_by_name=True,
-        extra="forbid",
-        use_enum_values=False,
-        validate_default=True,
-    )
-
-
-def cross_field_error(field: str, message: str) -> PydanticCustomError:
-    """An error for a rule that spans fields; `field` is the path below the validated model."""
-    return PydanticCustomError("cross_field", "{message}", {"field": field, "message": message})
-
-
-class SyncMode(StrEnum):
-    """How workers synchronise; `auto` (operator-only) lets the policy choose among these."""
-
-    SYNC = "sync"
-    HIERARCHICAL = "hierarchical"
-    ASYNC = "async"
-
-
-class LrScaling(StrEnum):
-    LINEAR = "linear"
-    SQRT = "sqrt"
-    NONE = "none"
-
-    def factor(self, world_size: int, reference_world_size: int) -> float:
-        """How much the learning rate at `world_size` is of the one at the reference world size."""
-        ratio = world_size / reference_world_size
-        if self is LrScaling.LINEAR:
-            return ratio
-        if self is LrScaling.SQRT:
-            return math.sqrt(ratio)
-        return 1.0
-
-
-class StalenessLr(StrEnum):
-    NONE = "none"
-    INVERSE = "inverse"
-    SQRT = "sqrt"
-
-    def factor(self, staleness: float) -> float:
-        """The async learning-rate damping of a gradient `staleness` steps old."""
-        if self is StalenessLr.INVERSE:
-            return 1.0 / (1.0 + staleness)
-        if self is StalenessLr.SQRT:
-            return 1.0 / math.sqrt(1.0 + staleness)
-        return 1.0
-
-
-class Precision(StrEnum):
-    FP32 = "fp32"
-    BF16 = "bf16"
-    FP16 = "fp16"
-
-
-class LrSchedule(StrEnum):
-    CONSTANT = "constant"
-    COSINE = "cosine"
-    STEP = "step"
-
-
-class Compression(StrEnum):
-    NONE = "none"
-    BF16 = "bf16"
-
-
-class GroupBy(StrEnum):
-    NODE = "node"
-    SPEED = "speed"
 
 
 def _hook_or_builtin(value: str, builtins: tuple[str, ...], field: str) -> str:
@@ -106,129 +74,6 @@ def _hook_or_builtin(value: str, builtins: tuple[str, ...], field: str) -> str:
     raise cross_field_error(
         field, f"'{value}' is neither a built-in ({', '.join(builtins)}) nor a 'module:function' hook"
     )
-
-
-class SpeedChange(CamelModel):
-    """An emulated slowdown: one rank's (or every rank on one node's) compute time is multiplied."""
-
-    rank: Annotated[
-        int | None, Field(ge=0, le=65535, description="Global rank that slows down (omit when `node` is given).")
-    ] = None
-    node: Annotated[
-        str | None,
-        Field(
-            max_length=253, description="Node name whose ranks slow down: a node-bound straggler (the pod's NODE_NAME)."
-        ),
-    ] = None
-    factor: Annotated[
-        float,
-        Field(ge=0.05, le=100.0, description="Multiplier of the compute time per step: 3 means three times slower."),
-    ] = 3.0
-    start_step: Annotated[int, Field(ge=0, le=1_000_000_000, description="First step the slowdown applies to.")] = 0
-    end_step: Annotated[
-        int | None,
-        Field(
-            ge=1,
-            le=1_000_000_000,
-            description="Step at which the slowdown ends (exclusive); omit for the rest of the run.",
-        ),
-    ] = None
-
-    @model_validator(mode="after")
-    def _target(self) -> Self:
-        if (self.rank is None) == (self.node is None):
-            raise cross_field_error("rank", "give exactly one of rank or node for a slowdown")
-        if self.end_step is not None and self.end_step <= self.start_step:
-            raise cross_field_error(
-                "endStep", f"endStep ({self.end_step}) must be greater than startStep ({self.start_step})"
-            )
-        return self
-
-
-class Emulation(CamelModel):
-    """Emulated accelerator compute for CPU-only machines: each step sleeps instead of computing.
-
-    Off unless given. Gradients are still computed and exchanged for real; only the time a real
-    accelerator would spend is replaced by a sleep, so benchmarks measure coordination honestly.
-    """
-
-    compute_seconds: Annotated[
-        float,
-        Field(
-            ge=0.0,
-            le=60.0,
-            description="Emulated compute seconds per step of one worker at factor 1 (for the configured batch size).",
-        ),
-    ] = 0.05
-    jitter: Annotated[
-        float,
-        Field(
-            ge=0.0, le=1.0, description="Relative random noise added to each step's compute time (0.05 = up to +-5%)."
-        ),
-    ] = 0.0
-    slowdowns: Annotated[
-        list[SpeedChange],
-        Field(max_length=1024, description="Slowdowns by rank or node, optionally limited to a step range."),
-    ] = []
-
-
-class FaultKind(StrEnum):
-    CRASH = "crash"
-    HANG = "hang"
-
-
-class Fault(CamelModel):
-    """An emulated fault at a step or a time: a crash (the rank exits abruptly, no cleanup, no
-    checkpoint) or a hang (the rank blocks for good inside its compute, as behind a wedged GPU or a
-    dead file system, until it is killed).
-
-    It fires only in the life named by `restart`: the world's restart count (the highest
-    TORCHELASTIC_RESTART_COUNT among its agents, 0 = first start; a replacement pod's fresh agent joins
-    peers that count on), so the restarted and replacement workers can get past it. With `everyLife`
-    it fires in every life (a crash loop, to exercise runPolicy.backoffLimit).
-    """
-
-    kind: Annotated[FaultKind, Field(description="crash (exit abruptly) or hang (block until killed).")] = (
-        FaultKind.CRASH
-    )
-    rank: Annotated[int, Field(ge=0, le=65535, description="Global rank that fails.")] = 0
-    at_step: Annotated[
-        int | None,
-        Field(ge=1, le=1_000_000_000, description="Exit right after this step (omit when afterSeconds is given)."),
-    ] = None
-    after_seconds: Annotated[
-        float | None,
-        Field(
-            ge=0.0,
-            le=86_400.0,
-            description="Exit at the first step after this many seconds of training (omit when atStep is given).",
-        ),
-    ] = None
-    exit_code: Annotated[int, Field(ge=1, le=255, description="Exit status of the failing process.")] = 1
-    restart: Annotated[
-        int, Field(ge=0, le=1000, description="The life it fires in: 0 on the first start, n after the n-th restart.")
-    ] = 0
-    every_life: Annotated[
-        bool,
-        Field(
-            description=(
-                "Fire in every life (every start and restart of the rank), not only in the one `restart` names: "
-                "a worker that crash-loops."
-            )
-        ),
-    ] = False
-
-    @model_validator(mode="after")
-    def _when(self) -> Self:
-        if (self.at_step is None) == (self.after_seconds is None):
-            raise cross_field_error("atStep", "give exactly one of atStep or afterSeconds for a fault")
-        if self.every_life and self.restart != 0:
-            raise cross_field_error("everyLife", "give either restart (one life) or everyLife: true, not both")
-        return self
-
-    def fires_in(self, rank: int, restart_count: int) -> bool:
-        """Whether this fault applies to `rank` in the life `restart_count` (the world's restart count)."""
-        return self.rank == rank and (self.every_life or self.restart == restart_count)
 
 
 class Checkpoint(CamelModel):
@@ -374,82 +219,6 @@ class AsyncConfig(CamelModel):
     shards: Annotated[
         int, Field(ge=1, le=64, description="Parameter-server shards; each holds a slice of the parameters.")
     ] = 1
-
-
-class TargetMetric(StrEnum):
-    ACCURACY = "accuracy"
-    LOSS = "loss"
-    METRIC = "metric"  # the user's evaluation.metric hook
-
-
-class Evaluation(CamelModel):
-    """Validation on a held-out split of the dataset that no rank trains on (the same samples in
-    every run of a dataset). Rank 0 evaluates between steps; its time is not counted as compute."""
-
-    every_steps: Annotated[
-        int | None,
-        Field(ge=1, le=1_000_000_000, description="Steps between validations on rank 0; omit for none by steps."),
-    ] = 50
-    every_seconds: Annotated[
-        float | None,
-        Field(
-            ge=0.1,
-            le=86_400.0,
-            description="Seconds of training between validations on rank 0 (also); omit for none by time.",
-        ),
-    ] = None
-    samples: Annotated[
-        int,
-        Field(
-            ge=1,
-            le=1_000_000,
-            description=(
-                "Held-out samples, excluded from training and evaluated each time "
-                "(at most a fifth of the dataset is held out)."
-            ),
-        ),
-    ] = 256
-    metric: Annotated[
-        str | None,
-        Field(
-            max_length=256,
-            pattern=HOOK_PATTERN,
-            description=(
-                "A 'module:function' called as f(outputs, targets) -> float on the held-out samples at each "
-                "validation (e.g. F1, perplexity); reported beside loss and accuracy, and a target can use it."
-            ),
-        ),
-    ] = None
-
-
-class Target(CamelModel):
-    """A quality goal: the job succeeds (reason TargetReached) once rank 0's validation reaches it."""
-
-    metric: Annotated[
-        TargetMetric,
-        Field(
-            description=(
-                "accuracy (reached at or above value; classification only), loss (at or below value) or metric "
-                "(evaluation.metric's value, at or above value; at or below with minimize)."
-            )
-        ),
-    ]
-    value: Annotated[
-        float, Field(ge=-1e6, le=1e6, description="The validation accuracy (0..1), loss or metric value to reach.")
-    ]
-    minimize: Annotated[
-        bool, Field(description="metric only: the target is reached at or below value (lower is better).")
-    ] = False
-
-    @model_validator(mode="after")
-    def _range(self) -> Self:
-        if self.metric == TargetMetric.ACCURACY and not 0.0 < self.value <= 1.0:
-            raise cross_field_error("value", f"an accuracy target must be in (0, 1], not {self.value}")
-        if self.metric == TargetMetric.LOSS and self.value < 0:
-            raise cross_field_error("value", f"a loss target must be 0 or more, not {self.value}")
-        if self.minimize and self.metric != TargetMetric.METRIC:
-            raise cross_field_error("minimize", "minimize applies to a metric target only (loss is always minimized)")
-        return self
 
 
 class TrainingConfig(CamelModel):

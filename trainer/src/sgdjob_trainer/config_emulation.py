@@ -1,0 +1,137 @@
+"""Emulation settings of `spec.training`: slowdowns that stand in for unequal accelerators on a
+CPU-only machine, and injected faults (crash, hang) for recovery tests.
+
+Free of torch, like `sgdjob_trainer.config`, which re-exports every name here.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated, Self
+
+from pydantic import Field, model_validator
+
+from sgdjob_trainer.config_base import CamelModel, cross_field_error
+
+
+class SpeedChange(CamelModel):
+    """An emulated slowdown: one rank's (or every rank on one node's) compute time is multiplied."""
+
+    rank: Annotated[
+        int | None, Field(ge=0, le=65535, description="Global rank that slows down (omit when `node` is given).")
+    ] = None
+    node: Annotated[
+        str | None,
+        Field(
+            max_length=253, description="Node name whose ranks slow down: a node-bound straggler (the pod's NODE_NAME)."
+        ),
+    ] = None
+    factor: Annotated[
+        float,
+        Field(ge=0.05, le=100.0, description="Multiplier of the compute time per step: 3 means three times slower."),
+    ] = 3.0
+    start_step: Annotated[int, Field(ge=0, le=1_000_000_000, description="First step the slowdown applies to.")] = 0
+    end_step: Annotated[
+        int | None,
+        Field(
+            ge=1,
+            le=1_000_000_000,
+            description="Step at which the slowdown ends (exclusive); omit for the rest of the run.",
+        ),
+    ] = None
+
+    @model_validator(mode="after")
+    def _target(self) -> Self:
+        if (self.rank is None) == (self.node is None):
+            raise cross_field_error("rank", "give exactly one of rank or node for a slowdown")
+        if self.end_step is not None and self.end_step <= self.start_step:
+            raise cross_field_error(
+                "endStep", f"endStep ({self.end_step}) must be greater than startStep ({self.start_step})"
+            )
+        return self
+
+
+class Emulation(CamelModel):
+    """Emulated accelerator compute for CPU-only machines: each step sleeps instead of computing.
+
+    Off unless given. Gradients are still computed and exchanged for real; only the time a real
+    accelerator would spend is replaced by a sleep, so benchmarks measure coordination honestly.
+    """
+
+    compute_seconds: Annotated[
+        float,
+        Field(
+            ge=0.0,
+            le=60.0,
+            description="Emulated compute seconds per step of one worker at factor 1 (for the configured batch size).",
+        ),
+    ] = 0.05
+    jitter: Annotated[
+        float,
+        Field(
+            ge=0.0, le=1.0, description="Relative random noise added to each step's compute time (0.05 = up to +-5%)."
+        ),
+    ] = 0.0
+    slowdowns: Annotated[
+        list[SpeedChange],
+        Field(max_length=1024, description="Slowdowns by rank or node, optionally limited to a step range."),
+    ] = []
+
+
+class FaultKind(StrEnum):
+    CRASH = "crash"
+    HANG = "hang"
+
+
+class Fault(CamelModel):
+    """An emulated fault at a step or a time: a crash (the rank exits abruptly, no cleanup, no
+    checkpoint) or a hang (the rank blocks for good inside its compute, as behind a wedged GPU or a
+    dead file system, until it is killed).
+
+    It fires only in the life named by `restart`: the world's restart count (the highest
+    TORCHELASTIC_RESTART_COUNT among its agents, 0 = first start; a replacement pod's fresh agent joins
+    peers that count on), so the restarted and replacement workers can get past it. With `everyLife`
+    it fires in every life (a crash loop, to exercise runPolicy.backoffLimit).
+    """
+
+    kind: Annotated[FaultKind, Field(description="crash (exit abruptly) or hang (block until killed).")] = (
+        FaultKind.CRASH
+    )
+    rank: Annotated[int, Field(ge=0, le=65535, description="Global rank that fails.")] = 0
+    at_step: Annotated[
+        int | None,
+        Field(ge=1, le=1_000_000_000, description="Exit right after this step (omit when afterSeconds is given)."),
+    ] = None
+    after_seconds: Annotated[
+        float | None,
+        Field(
+            ge=0.0,
+            le=86_400.0,
+            description="Exit at the first step after this many seconds of training (omit when atStep is given).",
+        ),
+    ] = None
+    exit_code: Annotated[int, Field(ge=1, le=255, description="Exit status of the failing process.")] = 1
+    restart: Annotated[
+        int, Field(ge=0, le=1000, description="The life it fires in: 0 on the first start, n after the n-th restart.")
+    ] = 0
+    every_life: Annotated[
+        bool,
+        Field(
+            description=(
+                "Fire in every life (every start and restart of the rank), not only in the one `restart` names: "
+                "a worker that crash-loops."
+            )
+        ),
+    ] = False
+
+    @model_validator(mode="after")
+    def _when(self) -> Self:
+        if (self.at_step is None) == (self.after_seconds is None):
+            raise cross_field_error("atStep", "give exactly one of atStep or afterSeconds for a fault")
+        if self.every_life and self.restart != 0:
+            raise cross_field_error("everyLife", "give either restart (one life) or everyLife: true, not both")
+        return self
+
+    def fires_in(self, rank: int, restart_count: int) -> bool:
+        """Whether this fault applies to `rank` in the life `restart_count` (the world's restart count)."""
+        return self.rank == rank and (self.every_life or self.restart == restart_count)
