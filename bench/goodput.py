@@ -16,17 +16,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from bench.goodput_scoring import (
+    DEFINITIONS,
+    SYSTEMS,
+    aggregate,
+    fmt_number,
+    markdown_table,
+    run_result,
+)
 from bench.plot import plot_curves
-from bench.results import ddp_result, sgdjob_result
 from bench.scenarios import (
     GOODPUT_SCENARIOS,
     POLICY,
@@ -45,7 +51,6 @@ if TYPE_CHECKING:
     from sgdjob_operator.local.runner import LocalRun
     from sgdjob_operator.workers.scrape import ScrapeResult
 
-SYSTEMS = ("ddp", "ddp-drop", "lb-bsp", "sync", "hierarchical", "async", "auto")
 QUICK_SCENARIOS = ("homogeneous", "one-straggler")
 TARGET_ACCURACY = 0.9
 BUDGET_S = 8.0
@@ -111,63 +116,6 @@ TASKS: dict[str, GoodputTask] = {
         "the charlm transformer (examples/custom-task) on Python's standard library source",
     ),
 }
-DEFINITIONS = {
-    "time_to_target_s": (
-        "seconds since that run's training start until rank 0's first validation on the held-out split "
-        "at or above the target accuracy; None when no validation of the run reached it"
-    ),
-    "accuracy_at_budget": (
-        "validation accuracy of the last validation at or before the wall-time budget (seconds since training "
-        "start); a run that ended before the budget keeps its final model's accuracy"
-    ),
-    "throughput": (
-        "applied samples of all ranks / the longest rank's training wall time (start-up excluded); only samples "
-        "whose gradients were applied count (ddp-drop: the N-1 workers it runs on)"
-    ),
-    "aggregate": (
-        "median, min and max over seeds; a seed that never reached the target counts as infinitely late "
-        "(so the median is null when at least half the seeds did not reach it, and max is null when one did not)"
-    ),
-}
-
-Points = list[tuple[float, float]]  # (seconds since training start, validation accuracy)
-
-
-def accuracy_points(rows: Sequence[Mapping[str, Any]] | None) -> Points:
-    """report.json's `validation_curve` (or the DDP baseline's `validationCurve`): the rows with an
-    accuracy, as (time_s, accuracy), in time order."""
-    out: Points = []
-    for row in rows or []:
-        t, acc = row.get("time_s"), row.get("accuracy")
-        if isinstance(t, int | float) and isinstance(acc, int | float) and math.isfinite(t) and math.isfinite(acc):
-            out.append((float(t), float(acc)))
-    return sorted(out)
-
-
-def time_to_accuracy(points: Points, target: float) -> float | None:
-    """First time a validation is at or above `target`; None when none is."""
-    return next((t for t, acc in points if acc >= target), None)
-
-
-def accuracy_at(points: Points, budget_s: float) -> float | None:
-    """The accuracy of the last validation at or before `budget_s`; None when there was none by then."""
-    before = [acc for t, acc in points if t <= budget_s]
-    return before[-1] if before else None
-
-
-def spread(values: Sequence[float | None], missing: float) -> dict[str, float | None]:
-    """Median, min and max, with None counted as `missing` (inf: never reached; -inf: no value)
-    and reported as None wherever it decides the figure."""
-    if not values:
-        return {"median": None, "min": None, "max": None}
-    xs = sorted(missing if v is None else float(v) for v in values)
-    n = len(xs)
-    mid = xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
-
-    def finite(x: float) -> float | None:
-        return x if math.isfinite(x) else None
-
-    return {"median": finite(mid), "min": finite(xs[0]), "max": finite(xs[-1])}
 
 
 def lb_batches(cfg: BenchConfig, scenario: Scenario) -> dict[int, int]:
@@ -218,91 +166,6 @@ def run_system(cfg: BenchConfig, scenario: Scenario, system: str, run_dir: Path,
     return guarded(system, run_dir, lambda: run_sgdjob(cfg, scenario, system, run_dir, timeout_s))
 
 
-def run_result(record: RunRecord, workers: int, target: float, budget_s: float) -> dict[str, Any]:
-    """One run's figures (pure): from the DDP baseline's rank files or from our report.json."""
-    report = record.report or {}
-    decisions = [d for d in report.get("decisions") or [] if isinstance(d, Mapping)]
-    if record.rank_docs:
-        base = ddp_result(record.rank_docs, 0.0, 0.0, workers)
-        rank0 = next((d for d in record.rank_docs if d.get("rank") == 0), {})
-        points = accuracy_points(rank0.get("validationCurve"))
-        modes = [f"{record.system} ({len(record.rank_docs)} workers)"]
-    elif record.report is not None:
-        base = sgdjob_result(record.report, 0.0, 0.0)
-        points = accuracy_points(record.report.get("validation_curve"))
-        modes = list(base["modes"])
-        # Mode switches are in the timeline already; a rebalance or a resize is not.
-        modes.extend(f"{d.get('action')}@{d.get('step')}" for d in decisions if d.get("action") != "switchMode")
-        static = record.report.get("static_batches")
-        if isinstance(static, Mapping):
-            modes.append(
-                f"batches {static.get('batch_sizes')} seen applied at step {static.get('seen_applied_at_step')}"
-            )
-    else:
-        base, points, modes = {"ok": False}, [], []
-    ok = bool(base.get("ok")) and record.error is None
-    return {
-        "time_to_target_s": time_to_accuracy(points, target),
-        "accuracy_at_budget": accuracy_at(points, budget_s),
-        "final_accuracy": points[-1][1] if points else None,
-        "throughput": base.get("throughput"),
-        "wall_s": base.get("wall_s"),
-        "harness_s": record.harness_s,
-        "modes": modes,
-        # What the policy did and why: each decision's step, action, predicted gain and reason
-        # (which names the statistical efficiency it rested on: measured or assumed).
-        "decisions": [{k: d.get(k) for k in ("step", "action", "mode", "predictedGain", "reason")} for d in decisions],
-        "ok": ok,
-        "error": record.error,
-        "curve": points,
-    }
-
-
-def aggregate(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """One system's figures over seeds (pure)."""
-    return {
-        "time_to_target_s": spread([r["time_to_target_s"] for r in runs], math.inf),
-        "accuracy_at_budget": spread([r["accuracy_at_budget"] for r in runs], -math.inf),
-        "throughput": spread([r["throughput"] for r in runs], -math.inf),
-        "reached": sum(r["time_to_target_s"] is not None for r in runs),
-        "seeds": len(runs),
-        "ok": all(r["ok"] for r in runs),
-        "runs": list(runs),
-    }
-
-
-def _fmt(value: Any, spec: str) -> str:
-    return format(value, spec) if isinstance(value, int | float) and not isinstance(value, bool) else "—"
-
-
-def _cell(s: Mapping[str, Any], spec: str, none: str = "—") -> str:
-    if s["median"] is None and s["min"] is None:
-        return none
-    median = _fmt(s["median"], spec) if s["median"] is not None else none
-    return f"{median} [{_fmt(s['min'], spec)}-{_fmt(s['max'], spec) if s['max'] is not None else none}]"
-
-
-def markdown_table(results: Sequence[Mapping[str, Any]]) -> str:
-    """One row per scenario and system: median [min-max] over seeds (pure)."""
-    lines = [
-        "| scenario | system | time to target (s) | reached | accuracy at budget | throughput (samples/s) | modes |",
-        "|---|---|---:|---:|---:|---:|---|",
-    ]
-    for r in results:
-        for system in SYSTEMS:
-            s = r["systems"].get(system)
-            if s is None:
-                continue
-            modes = "; ".join(sorted({", ".join(run["modes"]) or "—" for run in s["runs"]}))
-            errors = [run["error"] for run in s["runs"] if run.get("error")]
-            lines.append(
-                f"| {r['scenario']} | {system} | {_cell(s['time_to_target_s'], '.1f', 'not reached')} "
-                f"| {s['reached']}/{s['seeds']} | {_cell(s['accuracy_at_budget'], '.3f')} "
-                f"| {_cell(s['throughput'], '.0f')} | {'ERROR ' + errors[0] if errors else modes} |"
-            )
-    return "\n".join(lines) + "\n"
-
-
 def run_benchmark(
     cfg: BenchConfig,
     scenarios: Sequence[str],
@@ -333,8 +196,8 @@ def run_benchmark(
                 result = run_result(record, workers, target, budget_s)
                 per_system[system].append(result)
                 print(
-                    f"         time to target {_fmt(result['time_to_target_s'], '.1f')}s, accuracy at budget "
-                    f"{_fmt(result['accuracy_at_budget'], '.3f')}, harness {record.harness_s:.0f}s"
+                    f"         time to target {fmt_number(result['time_to_target_s'], '.1f')}s, accuracy at budget "
+                    f"{fmt_number(result['accuracy_at_budget'], '.3f')}, harness {record.harness_s:.0f}s"
                     f"{', ERROR ' + str(record.error) if record.error else ''}",
                     file=log,
                     flush=True,
@@ -462,8 +325,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "real gradients over gloo on loopback. "
         f"Machine: {meta['machine']['cpus']} CPUs, no GPU, load average {meta['machine']['load_average_at_start']} "
         f"at start. Target validation accuracy {target:g}; budget {budget_s:g} s since training start. "
-        "Cells: median [min-max] over seeds. Bench wall "
-        f"{meta['bench_wall_s']:.0f}s; full run estimated at {_fmt(meta['estimated_full_run_min'], '.0f')} min.\n\n"
+        f"Cells: median [min-max] over seeds. Bench wall {meta['bench_wall_s']:.0f}s; "
+        f"full run estimated at {fmt_number(meta['estimated_full_run_min'], '.0f')} min.\n\n"
     )
     table = markdown_table(doc["results"])
     args.out.mkdir(parents=True, exist_ok=True)

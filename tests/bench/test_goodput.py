@@ -11,17 +11,15 @@ from typing import Any
 
 import pytest
 
-from bench.goodput import (
-    CONFIG,
+from bench.goodput import CONFIG, lb_batches, step_aligned
+from bench.goodput_scoring import (
     SYSTEMS,
     accuracy_at,
     accuracy_points,
     aggregate,
-    lb_batches,
     markdown_table,
     run_result,
     spread,
-    step_aligned,
     time_to_accuracy,
 )
 from bench.scenarios import (

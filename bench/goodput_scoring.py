@@ -1,0 +1,157 @@
+"""The goodput benchmark's scoring (pure): each run's time to the target accuracy and accuracy at the
+budget from its validation curve, the spread over seeds, and the markdown table.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from bench.results import ddp_result, sgdjob_result
+from bench.systems import RunRecord
+
+SYSTEMS = ("ddp", "ddp-drop", "lb-bsp", "sync", "hierarchical", "async", "auto")
+DEFINITIONS = {
+    "time_to_target_s": (
+        "seconds since that run's training start until rank 0's first validation on the held-out split "
+        "at or above the target accuracy; None when no validation of the run reached it"
+    ),
+    "accuracy_at_budget": (
+        "validation accuracy of the last validation at or before the wall-time budget (seconds since training "
+        "start); a run that ended before the budget keeps its final model's accuracy"
+    ),
+    "throughput": (
+        "applied samples of all ranks / the longest rank's training wall time (start-up excluded); only samples "
+        "whose gradients were applied count (ddp-drop: the N-1 workers it runs on)"
+    ),
+    "aggregate": (
+        "median, min and max over seeds; a seed that never reached the target counts as infinitely late "
+        "(so the median is null when at least half the seeds did not reach it, and max is null when one did not)"
+    ),
+}
+
+Points = list[tuple[float, float]]  # (seconds since training start, validation accuracy)
+
+
+def accuracy_points(rows: Sequence[Mapping[str, Any]] | None) -> Points:
+    """report.json's `validation_curve` (or the DDP baseline's `validationCurve`): the rows with an
+    accuracy, as (time_s, accuracy), in time order."""
+    out: Points = []
+    for row in rows or []:
+        t, acc = row.get("time_s"), row.get("accuracy")
+        if isinstance(t, int | float) and isinstance(acc, int | float) and math.isfinite(t) and math.isfinite(acc):
+            out.append((float(t), float(acc)))
+    return sorted(out)
+
+
+def time_to_accuracy(points: Points, target: float) -> float | None:
+    """First time a validation is at or above `target`; None when none is."""
+    return next((t for t, acc in points if acc >= target), None)
+
+
+def accuracy_at(points: Points, budget_s: float) -> float | None:
+    """The accuracy of the last validation at or before `budget_s`; None when there was none by then."""
+    before = [acc for t, acc in points if t <= budget_s]
+    return before[-1] if before else None
+
+
+def spread(values: Sequence[float | None], missing: float) -> dict[str, float | None]:
+    """Median, min and max, with None counted as `missing` (inf: never reached; -inf: no value)
+    and reported as None wherever it decides the figure."""
+    if not values:
+        return {"median": None, "min": None, "max": None}
+    xs = sorted(missing if v is None else float(v) for v in values)
+    n = len(xs)
+    mid = xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
+
+    def finite(x: float) -> float | None:
+        return x if math.isfinite(x) else None
+
+    return {"median": finite(mid), "min": finite(xs[0]), "max": finite(xs[-1])}
+
+
+def run_result(record: RunRecord, workers: int, target: float, budget_s: float) -> dict[str, Any]:
+    """One run's figures (pure): from the DDP baseline's rank files or from our report.json."""
+    report = record.report or {}
+    decisions = [d for d in report.get("decisions") or [] if isinstance(d, Mapping)]
+    if record.rank_docs:
+        base = ddp_result(record.rank_docs, 0.0, 0.0, workers)
+        rank0 = next((d for d in record.rank_docs if d.get("rank") == 0), {})
+        points = accuracy_points(rank0.get("validationCurve"))
+        modes = [f"{record.system} ({len(record.rank_docs)} workers)"]
+    elif record.report is not None:
+        base = sgdjob_result(record.report, 0.0, 0.0)
+        points = accuracy_points(record.report.get("validation_curve"))
+        modes = list(base["modes"])
+        # Mode switches are in the timeline already; a rebalance or a resize is not.
+        modes.extend(f"{d.get('action')}@{d.get('step')}" for d in decisions if d.get("action") != "switchMode")
+        static = record.report.get("static_batches")
+        if isinstance(static, Mapping):
+            modes.append(
+                f"batches {static.get('batch_sizes')} seen applied at step {static.get('seen_applied_at_step')}"
+            )
+    else:
+        base, points, modes = {"ok": False}, [], []
+    ok = bool(base.get("ok")) and record.error is None
+    return {
+        "time_to_target_s": time_to_accuracy(points, target),
+        "accuracy_at_budget": accuracy_at(points, budget_s),
+        "final_accuracy": points[-1][1] if points else None,
+        "throughput": base.get("throughput"),
+        "wall_s": base.get("wall_s"),
+        "harness_s": record.harness_s,
+        "modes": modes,
+        # What the policy did and why: each decision's step, action, predicted gain and reason
+        # (which names the statistical efficiency it rested on: measured or assumed).
+        "decisions": [{k: d.get(k) for k in ("step", "action", "mode", "predictedGain", "reason")} for d in decisions],
+        "ok": ok,
+        "error": record.error,
+        "curve": points,
+    }
+
+
+def aggregate(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """One system's figures over seeds (pure)."""
+    return {
+        "time_to_target_s": spread([r["time_to_target_s"] for r in runs], math.inf),
+        "accuracy_at_budget": spread([r["accuracy_at_budget"] for r in runs], -math.inf),
+        "throughput": spread([r["throughput"] for r in runs], -math.inf),
+        "reached": sum(r["time_to_target_s"] is not None for r in runs),
+        "seeds": len(runs),
+        "ok": all(r["ok"] for r in runs),
+        "runs": list(runs),
+    }
+
+
+def fmt_number(value: Any, spec: str) -> str:
+    """`value` formatted with `spec`, or a dash when it is not a number."""
+    return format(value, spec) if isinstance(value, int | float) and not isinstance(value, bool) else "—"
+
+
+def _cell(s: Mapping[str, Any], spec: str, none: str = "—") -> str:
+    if s["median"] is None and s["min"] is None:
+        return none
+    median = fmt_number(s["median"], spec) if s["median"] is not None else none
+    return f"{median} [{fmt_number(s['min'], spec)}-{fmt_number(s['max'], spec) if s['max'] is not None else none}]"
+
+
+def markdown_table(results: Sequence[Mapping[str, Any]]) -> str:
+    """One row per scenario and system: median [min-max] over seeds (pure)."""
+    lines = [
+        "| scenario | system | time to target (s) | reached | accuracy at budget | throughput (samples/s) | modes |",
+        "|---|---|---:|---:|---:|---:|---|",
+    ]
+    for r in results:
+        for system in SYSTEMS:
+            s = r["systems"].get(system)
+            if s is None:
+                continue
+            modes = "; ".join(sorted({", ".join(run["modes"]) or "—" for run in s["runs"]}))
+            errors = [run["error"] for run in s["runs"] if run.get("error")]
+            lines.append(
+                f"| {r['scenario']} | {system} | {_cell(s['time_to_target_s'], '.1f', 'not reached')} "
+                f"| {s['reached']}/{s['seeds']} | {_cell(s['accuracy_at_budget'], '.3f')} "
+                f"| {_cell(s['throughput'], '.0f')} | {'ERROR ' + errors[0] if errors else modes} |"
+            )
+    return "\n".join(lines) + "\n"
