@@ -11,12 +11,20 @@ per epoch; only when the ranks' offsets differ (async, rebalanced batches) the s
 smallest and the largest offset are seen again (never skipped). A shard's tail shorter than a batch
 is dropped (drop_last), so ranks with the same batch size take the same number of steps per epoch.
 
+In sync with unequal batch sizes (rebalanced sync) the world reads its global batch instead
+(`ShardedStream.next_batch_of`): each step takes the next sum(batch sizes) positions of the epoch's
+permutation, dealt to the ranks in turn (rank r takes every N-th position while every rank still
+needs samples, which is exactly the strided shard when the batches are equal). So the samples of a
+step are the same whatever the split, and a rebalanced sync step computes the very gradient plain
+sync (and DDP) computes at that step: a rebalance changes who computes, not what is learned.
+
 The trainer holds out a validation split (`held_out_indices`, fixed by the data seed): its stream
 permutes only the remaining samples, so no rank ever trains on a validation sample.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -143,14 +151,25 @@ class ShardedStream:
         self.position = position or DataPosition()
         self._shard_key = (-1, -1)
         self._shard = torch.empty(0, dtype=torch.long)
+        self._perm_epoch = -1
+        self._perm = torch.empty(0, dtype=torch.long)
         # Tests set a list here to record every sample index this rank reads.
         self.trace: list[int] | None = None
 
+    def _perm_for(self, epoch: int) -> torch.Tensor:
+        """The epoch's permutation of the readable samples' positions, the same on every rank."""
+        if epoch != self._perm_epoch:
+            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._perm = torch.randperm(self.size, generator=gen)
+            self._perm_epoch = epoch
+        return self._perm
+
+    def _dataset_indices(self, positions: torch.Tensor) -> torch.Tensor:
+        return positions if self.indices is None else self.indices[positions]
+
     def _shard_for(self, epoch: int, base: int = 0) -> torch.Tensor:
         if (epoch, base) != self._shard_key:
-            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            shard = torch.randperm(self.size, generator=gen)[base + self.rank :: self.world_size]
-            self._shard = shard if self.indices is None else self.indices[shard]
+            self._shard = self._dataset_indices(self._perm_for(epoch)[base + self.rank :: self.world_size])
             self._shard_key = (epoch, base)
         return self._shard
 
@@ -165,6 +184,38 @@ class ShardedStream:
             raise ValueError(f"batch size {batch_size} exceeds this rank's shard of {len(shard)} samples")
         indices = shard[pos.offset : pos.offset + batch_size]
         pos.offset += batch_size
+        if self.trace is not None:
+            self.trace.extend(indices.tolist())
+        return fetch(self.dataset, indices)
+
+    def next_batch_of(self, batch_sizes: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's part of the world's next global batch, given every rank's batch size (index =
+        rank): the next sum(batch_sizes) positions of the epoch's permutation, dealt in turn (module
+        doc). Equal sizes read exactly what `next_batch` reads. Every rank must call it with the
+        same sizes at the same step, as sync's ranks do."""
+        if len(batch_sizes) != self.world_size:
+            raise ValueError(f"{len(batch_sizes)} batch sizes for a world of {self.world_size}")
+        mine = batch_sizes[self.rank]
+        if all(b == mine for b in batch_sizes):
+            return self.next_batch(mine)
+        pos = self.position
+        total = sum(batch_sizes)
+        # Where the world is in the epoch: with equal batches so far every rank has read `offset`
+        # positions of its strided shard, so the world has read base + N*offset of the permutation.
+        start = pos.base + self.world_size * pos.offset
+        if start + total > self.size:
+            pos.epoch, start = pos.epoch + 1, 0
+        if total > self.size:
+            raise ValueError(f"global batch {total} exceeds the {self.size} samples of an epoch")
+        sizes = torch.tensor(list(batch_sizes))
+        k = torch.arange(mine)
+        needs = sizes.unsqueeze(0) > k.unsqueeze(1)  # [k, r]: rank r takes a k-th sample
+        dealt = needs.sum(dim=1)
+        # Round k hands out dealt[k] positions; this rank's k-th is after the ranks before it in that round.
+        offsets = torch.cumsum(dealt, 0) - dealt + needs[:, : self.rank].sum(dim=1)
+        positions = self._perm_for(pos.epoch)[start + offsets]
+        pos.base, pos.offset = start + total, 0
+        indices = self._dataset_indices(positions)
         if self.trace is not None:
             self.trace.extend(indices.tolist())
         return fetch(self.dataset, indices)

@@ -99,6 +99,9 @@ class Context:
 
 class Strategy(ABC):
     mode: ClassVar[SyncMode]
+    # Every rank steps together on one global batch (sync): a rank reads its part of that batch, so
+    # the step's samples do not depend on how the batch is split (data.ShardedStream.next_batch_of).
+    global_batch: ClassVar[bool] = False
 
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
@@ -142,8 +145,13 @@ class Strategy(ABC):
         # the mean over all samples, as one big batch would give.
         factor = ctx.state.scaler.scale / accumulate
         total = 0.0
+        stream = ctx.stream
+        split = [ctx.batch_size(r) for r in range(ctx.info.world_size)] if self.global_batch else []
         for _ in range(accumulate):
-            x, y = ctx.stream.next_batch(batch_size)
+            if self.global_batch and isinstance(stream, ShardedStream):
+                x, y = stream.next_batch_of(split)
+            else:  # another mode, or a streaming dataset (each rank reads its own stream)
+                x, y = stream.next_batch(batch_size)
             x, y = x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True)
             with autocast(ctx.training.precision, ctx.device):
                 loss = ctx.loss_fn(model(x), y)

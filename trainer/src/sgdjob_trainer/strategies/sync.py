@@ -3,7 +3,9 @@
 With equal batch sizes this is exactly what torch's DistributedDataParallel computes (the mean of
 the ranks' gradients, then the same optimizer step on every rank). With per-rank batch sizes
 (rebalanced sync, ControlCommand.batchSizes) each rank's gradient weighs by its samples, so the
-update is the mean over all samples of the step, as if one big batch had been used.
+update is the mean over all samples of the step, as if one big batch had been used; and since the
+ranks read their parts of one global batch (data.ShardedStream.next_batch_of), it is the update
+plain sync makes at that step, whatever the split.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from sgdjob_trainer.strategies.base import StepResult, Strategy
 
 class SyncStrategy(Strategy):
     mode = SyncMode.SYNC
+    global_batch = True
 
     def step(self, offered_epoch: int) -> StepResult:
         loss, compute, samples = self.compute_gradients()
