@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from bench.goodput import CONFIG, lb_batches, step_aligned
+from bench.goodput import CONFIG, lb_batches, step_aligned, time_aligned
 from bench.goodput_scoring import (
     SYSTEMS,
     accuracy_at,
@@ -121,13 +121,18 @@ def test_ddp_drop_and_lb_bsp_setups() -> None:
     assert [rank_factor(inter.slowdowns, 3, s) for s in (0, 25, 49, 50, 75, 99)] == [1.0, 3.0, 3.0, 1.0, 3.0, 3.0]
     for name in GOODPUT_SCENARIOS:
         job = validate_job(job_doc(CONFIG, build_scenario(name, CONFIG), "auto"))
-        assert job.spec.training.model == "digits-mlp" and job.spec.training.evaluation.every_seconds == 0.5
-    # --validate-every-steps: the same steps validated in every system, the sample count kept.
-    stepped = step_aligned(CONFIG, 5)
-    evaluation = validate_job(job_doc(stepped, build_scenario("homogeneous", stepped), "auto")).spec.training.evaluation
-    assert (evaluation.every_steps, evaluation.every_seconds, evaluation.samples) == (5, None, 256)
+        evaluation = job.spec.training.evaluation
+        # Every system validates every 5 of rank 0's steps, so one configuration validates the same models.
+        assert job.spec.training.model == "digits-mlp"
+        assert (evaluation.every_steps, evaluation.every_seconds) == (5, None)
+    # --validate-every-steps / --validate-every-seconds: the schedule changes, the sample count stays.
+    for cfg, schedule in ((step_aligned(CONFIG, 10), (10, None)), (time_aligned(CONFIG, 0.5), (None, 0.5))):
+        evaluation = validate_job(job_doc(cfg, build_scenario("homogeneous", cfg), "auto")).spec.training.evaluation
+        assert (evaluation.every_steps, evaluation.every_seconds, evaluation.samples) == (*schedule, 256)
     with pytest.raises(ValueError, match="at least 1"):
         step_aligned(CONFIG, 0)
+    with pytest.raises(ValueError, match="positive"):
+        time_aligned(CONFIG, 0.0)
 
 
 @pytest.mark.multiproc
@@ -136,7 +141,7 @@ def test_tiny_goodput_run_of_every_system(tmp_path: Path) -> None:
     from bench.goodput import main
 
     out = tmp_path / "goodput"
-    argv = "--workers 2 --steps 60 --compute-seconds 0.02 --scenarios one-straggler --seeds 1"
+    argv = "--task digits-mlp --workers 2 --steps 60 --compute-seconds 0.02 --scenarios one-straggler --seeds 1"
     code = main([*argv.split(), "--budget", "1.0", "--target", "0.3", "--timeout", "240", "--out", str(out)])
     doc = json.loads((out / "goodput.json").read_text())
     assert [r["scenario"] for r in doc["results"]] == ["one-straggler"]
