@@ -198,15 +198,15 @@ class ShardedStream:
         mine = batch_sizes[self.rank]
         if all(b == mine for b in batch_sizes):
             return self.next_batch(mine)
-        pos = self.position
         total = sum(batch_sizes)
+        if total > self.size:
+            raise ValueError(f"global batch {total} exceeds the {self.size} samples of an epoch")
+        pos = self.position
         # Where the world is in the epoch: with equal batches so far every rank has read `offset`
         # positions of its strided shard, so the world has read base + N*offset of the permutation.
         start = pos.base + self.world_size * pos.offset
         if start + total > self.size:
             pos.epoch, start = pos.epoch + 1, 0
-        if total > self.size:
-            raise ValueError(f"global batch {total} exceeds the {self.size} samples of an epoch")
         sizes = torch.tensor(list(batch_sizes))
         k = torch.arange(mine)
         needs = sizes.unsqueeze(0) > k.unsqueeze(1)  # [k, r]: rank r takes a k-th sample
