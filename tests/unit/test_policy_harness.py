@@ -48,6 +48,9 @@ class Harness:
     # What every rank says of its optimizer: False when it cannot be sharded for async mode.
     async_capable: bool | None = None
     adaptive_optimizer: bool | None = None
+    # Seconds of every step that do not grow with the batch, by rank (speeds are then the rates of
+    # the part that does); empty: steps proportional to the batch.
+    fixed: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         nodes = len(self.speeds) // self.nproc
@@ -82,7 +85,7 @@ class Harness:
         """(steps, compute, wait) of every rank over one interval in the active mode."""
         n = len(self.speeds)
         noisy = [v * (1 + self.noise * self.rng.uniform(-1, 1)) for v in self.speeds]
-        c = [self.b(r) / noisy[r] for r in range(n)]
+        c = [(self.fixed[r] if self.fixed else 0.0) + self.b(r) / noisy[r] for r in range(n)]
         if self.active == "async":
             cycle = [ci + self.comm.ps_worker_s() for ci in c]
             return [(int(self.interval / cycle[r]), c[r], cycle[r] - c[r]) for r in range(n)]

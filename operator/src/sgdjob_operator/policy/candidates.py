@@ -21,7 +21,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from sgdjob_operator.api.models import Action
-from sgdjob_operator.policy.cost import CostInputs, Prediction, predict_async, predict_hierarchical, predict_sync
+from sgdjob_operator.policy.cost import (
+    CostInputs,
+    Prediction,
+    StepTime,
+    predict_async,
+    predict_hierarchical,
+    predict_sync,
+    step_times,
+)
 from sgdjob_operator.policy.decisions import Decision, Rebalance, ReplaceWorker, Rescale, SwitchMode
 from sgdjob_operator.policy.health import JobHealth, Shape
 from sgdjob_operator.policy.job import JobView
@@ -48,6 +56,15 @@ class DecisionContext:
     measured_staleness: float | None
     # False when some rank's optimizer keeps state async mode cannot shard: no async candidate.
     async_ok: bool = True
+    # Seconds of a step that do not grow with the batch, for the ranks whose fit tells (speeds.py).
+    fixed: Mapping[int, float] | None = None
+
+    def sync_steps(self) -> dict[int, StepTime] | None:
+        """The ranks' step-time models at their measured speeds and current batches, for the sync
+        predictions over the same ranks (None: no rank has a fitted fixed part)."""
+        if not self.fixed:
+            return None
+        return step_times(self.speeds, {r: self.view.batch(r) for r in self.speeds}, self.fixed)
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +117,9 @@ def predict_config(
         )
     if mode == "hierarchical":
         return predict_hierarchical(speeds, batches, groups or current_groups(ctx), ctx.ci, label)
-    return predict_sync(speeds, batches, ctx.ci, label, lr_ratio)
+    # The step-time models hold for the measured speeds only (not for a replacement's assumed ones).
+    steps = ctx.sync_steps() if speeds is ctx.speeds else None
+    return predict_sync(speeds, batches, ctx.ci, label, lr_ratio, steps)
 
 
 def predict_current(ctx: DecisionContext) -> Prediction:
@@ -115,6 +134,7 @@ def build(ctx: DecisionContext) -> list[Candidate]:
     plain = {r: view.base_batch for r in ctx.speeds}
     unequal = any(view.batch(r) != view.base_batch for r in ctx.speeds)
     switch = view.auto and view.allows(Action.SWITCH_MODE)
+    steps = ctx.sync_steps()
     out: list[Candidate] = []
     if shape is Shape.HOMOGENEOUS:
         if view.mode == "sync" and unequal and view.allows(Action.REBALANCE):
@@ -122,7 +142,7 @@ def build(ctx: DecisionContext) -> list[Candidate]:
                 _candidate(
                     "plain",
                     lambda why, g: Rebalance(plain, why, g),
-                    predict_sync(ctx.speeds, plain, ctx.ci, "plain sync"),
+                    predict_sync(ctx.speeds, plain, ctx.ci, "plain sync", steps=steps),
                     view.rebalance_seconds,
                     restoring=True,
                     batch_only=True,
@@ -130,7 +150,7 @@ def build(ctx: DecisionContext) -> list[Candidate]:
             )
         elif view.mode != "sync" and switch:
             back = plain if unequal else None
-            pred = predict_sync(ctx.speeds, plain, ctx.ci, "plain sync")
+            pred = predict_sync(ctx.speeds, plain, ctx.ci, "plain sync", steps=steps)
             out.append(
                 _candidate(
                     "switch:sync",
@@ -146,8 +166,12 @@ def build(ctx: DecisionContext) -> list[Candidate]:
     total = view.base_batch * len(ctx.speeds)
     caps = {r: view.cap(r) for r in ctx.speeds}
     if view.allows(Action.REBALANCE) and (view.mode == "sync" or switch):
-        b = rebalanced_batches(ctx.speeds, total, caps)
-        pred = predict_sync(ctx.speeds, b, ctx.ci, "rebalanced sync")
+        if steps is None:
+            b = rebalanced_batches(ctx.speeds, total, caps)
+        else:
+            rates = {r: st.rate for r, st in steps.items()}
+            b = rebalanced_batches(rates, total, caps, {r: st.fixed for r, st in steps.items()})
+        pred = predict_sync(ctx.speeds, b, ctx.ci, "rebalanced sync", steps=steps)
         make: Make = (
             (lambda why, g: Rebalance(b, why, g))
             if view.mode == "sync"
@@ -159,7 +183,7 @@ def build(ctx: DecisionContext) -> list[Candidate]:
     if switch:
         if view.mode != "sync":
             back = plain if unequal else None
-            pred = predict_sync(ctx.speeds, plain, ctx.ci, "plain sync")
+            pred = predict_sync(ctx.speeds, plain, ctx.ci, "plain sync", steps=steps)
             out.append(
                 _candidate(
                     "switch:sync", lambda why, g: SwitchMode("sync", why, None, back, g), pred, view.switch_seconds

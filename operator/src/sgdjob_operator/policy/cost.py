@@ -4,7 +4,8 @@ useful = samples/s x statistical efficiency (`policy.efficiency`: measured from 
 once the trainers have some steps in their current mode, else the prior 1 - stalenessPenalty x staleness).
 The models follow what the trainer does:
 - sync: every step waits for the slowest rank (plus noise: the slowest *this* step), then an
-  allreduce;
+  allreduce; a rank's step is batch / speed, or, where its step times at two batches were fitted
+  (`StepTime`, policy.speeds), a fixed part plus batch / rate;
 - hierarchical: sync inside each group; a group runs at most `staleness` averaging rounds ahead
   of the slowest group, so in the long run every group moves at the slowest group's pace;
 - async: each worker pushes to sharded parameter servers at its own pace; a gradient staler than
@@ -44,6 +45,31 @@ class Prediction:
         return self.throughput * self.efficiency
 
 
+@dataclass(frozen=True, slots=True)
+class StepTime:
+    """A rank's compute seconds per step at batch b: `fixed + b / rate`."""
+
+    rate: float
+    fixed: float = 0.0
+
+    def at(self, batch: int) -> float:
+        return self.fixed + batch / self.rate
+
+
+def step_times(
+    speeds: Mapping[int, float], batches: Mapping[int, int], fixed: Mapping[int, float]
+) -> dict[int, StepTime]:
+    """Each rank's step-time model through its measured step at its current batch (`speeds` were
+    measured at `batches`), so the current configuration's prediction is the measured one whatever
+    the fit says; a rank without a fixed part (or one the measured step cannot hold) is proportional."""
+    out: dict[int, StepTime] = {}
+    for r, v in speeds.items():
+        f = fixed.get(r, 0.0)
+        step = batches[r] / v
+        out[r] = StepTime(batches[r] / (step - f), f) if 0 < f < step else StepTime(v)
+    return out
+
+
 def _noise(ci: CostInputs, n: int) -> float:
     return 1.0 + ci.jitter * math.log(n) if n > 1 else 1.0
 
@@ -54,12 +80,15 @@ def predict_sync(
     ci: CostInputs,
     label: str = "sync",
     lr_ratio: float = 1.0,
+    steps: Mapping[int, StepTime] | None = None,
 ) -> Prediction:
-    """`lr_ratio`: the per-sample learning rate relative to plain sync's (a resized world's rule)."""
+    """`lr_ratio`: the per-sample learning rate relative to plain sync's (a resized world's rule);
+    `steps`: fitted step times (`step_times`), which replace batch / speed for the ranks they hold."""
     n = len(speeds)
     if n == 0:
         return Prediction(label, 0.0, 0.0, 1.0)
-    slowest = max(batches[r] / speeds[r] for r in speeds)
+    model = steps or {}
+    slowest = max(model[r].at(batches[r]) if r in model else batches[r] / speeds[r] for r in speeds)
     step = slowest * _noise(ci, n) + ci.comm.allreduce_s(n)
     total = sum(batches[r] for r in speeds)
     worth = ci.efficiency.per_sample(lr_ratio) * ci.efficiency.batch_worth(total)

@@ -25,7 +25,7 @@ from sgdjob_operator.policy.comm import CommModel
 from sgdjob_operator.policy.decisions import Decision, Keep, Rebalance, ReplaceWorker, Rescale, SwitchMode
 from sgdjob_operator.policy.engine import evaluate
 from sgdjob_operator.policy.health import JobHealth
-from sgdjob_operator.policy.job import SYNC_MODES, JobView, job_view
+from sgdjob_operator.policy.job import REBALANCE_SECONDS, SYNC_MODES, JobView, job_view
 from sgdjob_operator.policy.measure import FirstWindow
 from sgdjob_operator.policy.samples import WorkerSample
 from sgdjob_operator.policy.state import PolicyState
@@ -125,7 +125,7 @@ class PlatformCosts:
     max_batch_sizes: Mapping[int, int] | None = None
     restart_seconds: float = 60.0
     switch_seconds: float = 5.0
-    rebalance_seconds: float = 1.0
+    rebalance_seconds: float = REBALANCE_SECONDS
 
 
 @dataclass(frozen=True, slots=True)

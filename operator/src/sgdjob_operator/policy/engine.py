@@ -121,7 +121,9 @@ def evaluate(state: PolicyState, samples: Sequence[WorkerSample], job: JobView, 
         job.ps_shards,
     )
     async_ok = all(s.async_capable is not False for s in window.latest.values())
-    ctx = DecisionContext(health, job, speeds, nodes, pods, ci, sum(stale) / len(stale) if stale else None, async_ok)
+    fixed = {r: v for r, v in health.fixed_seconds().items() if r in speeds}
+    measured_stale = sum(stale) / len(stale) if stale else None
+    ctx = DecisionContext(health, job, speeds, nodes, pods, ci, measured_stale, async_ok, fixed or None)
     current = predict_current(ctx)
     candidates = build(ctx)
     predictions = {"current": current.useful, **{c.prediction.label: c.prediction.useful for c in candidates}}
@@ -146,6 +148,9 @@ def evaluate(state: PolicyState, samples: Sequence[WorkerSample], job: JobView, 
     waiting = replace(base, candidate=chosen.key, candidate_streak=streak)
     gain = _gain(chosen.prediction, current)
     basis = f"; speeds over {RESPLIT_STEPS}+ steps at each rank's batch" if chosen.batch_only and settled else ""
+    if fixed and chosen.prediction.staleness == 0:
+        fits = ", ".join(f"rank {r} {v * 1000:.1f} ms" for r, v in sorted(fixed.items()))
+        basis += f"; fixed step time fitted from two batch sizes: {fits}"
     what = (
         f"{chosen.prediction.label} predicts {chosen.prediction.useful:.4g} useful samples/s "
         f"vs {current.useful:.4g} now ({gain:+.0%}){basis}; {efficiency.describe()}{waiting_for}"

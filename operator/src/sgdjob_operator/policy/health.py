@@ -12,7 +12,7 @@ from typing import Any
 from sgdjob_operator.api.models import PolicySpec
 from sgdjob_operator.policy.comm import CommModel
 from sgdjob_operator.policy.measure import Window, next_rank_states, same_worker
-from sgdjob_operator.policy.speeds import running_speed
+from sgdjob_operator.policy.speeds import running_speed, step_overhead
 from sgdjob_operator.policy.state import PolicyState, RankState, SpeedEstimate
 from sgdjob_operator.policy.stats import gap_clusters, log_spread, median, robust_scores
 
@@ -37,7 +37,8 @@ class RankHealth:
     """`ratio` is the median speed over this rank's speed: its step time relative to the median's
     at equal batch (3.0 = three times slower). `measured` is False for a rank whose speed is the
     last known one (restarted, idle or missing this window). `evidence`: the steps its speed rests
-    on at its current batch and mode (see speeds.py)."""
+    on at its current batch and mode; `fixed`: the seconds of its step that do not grow with the
+    batch, where its step times at two batches tell (else 0.0; see speeds.py)."""
 
     rank: int
     node: str | None
@@ -49,6 +50,7 @@ class RankHealth:
     streak: int
     measured: bool
     evidence: float = 0.0
+    fixed: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +73,10 @@ class JobHealth:
 
     def speeds(self) -> dict[int, float]:
         return {r: h.speed for r, h in self.ranks.items()}
+
+    def fixed_seconds(self) -> dict[int, float]:
+        """Each rank's fitted fixed seconds per step, for the ranks that have one."""
+        return {r: h.fixed for r, h in self.ranks.items() if h.fixed > 0}
 
     def straggler_records(self) -> list[dict[str, Any]]:
         """Persistent stragglers in the shape of the status' `stragglers` list."""
@@ -224,6 +230,7 @@ def assess(window: Window, state: PolicyState, p: PolicySpec) -> Assessment:
             streak=ranks[r].streak,
             measured=r in measured,
             evidence=_evidence(ranks[r], window, r),
+            fixed=step_overhead(ranks[r].estimate),
         )
         for r, v in sorted(known.items())
     }

@@ -8,15 +8,23 @@ from collections.abc import Mapping, Sequence
 from sgdjob_operator.policy.stats import gap_clusters
 
 
-def proportional_batches(weights: Mapping[int, float], total: int, caps: Mapping[int, int]) -> dict[int, int]:
+def proportional_batches(
+    weights: Mapping[int, float],
+    total: int,
+    caps: Mapping[int, int],
+    fixed: Mapping[int, float] | None = None,
+) -> dict[int, int]:
     """Integer batch sizes proportional to `weights`, summing to `total` (so the global batch, and
     with it the optimisation, stays what the user configured), each at least 1 and at most its cap.
     A rank whose share exceeds its cap gets the cap and the rest is shared again (water-filling).
     With weights read as speeds, a rank's step takes batch / weight and sync waits for the slowest:
     so rounding hands each leftover sample to the rank whose step it lengthens least, which keeps
     the slowest step as short as whole samples allow (the largest fractional part would give a 3x
-    straggler 14 of 128 samples where 13 is right, a 7 % longer step for everyone)."""
+    straggler 14 of 128 samples where 13 is right, a 7 % longer step for everyone).
+    With `fixed` (seconds per step that do not grow with the batch, by rank; weights then are the
+    rates of the part that does) the shares equalise fixed + batch / weight instead."""
     w = {r: max(v, 0.0) for r, v in weights.items()}
+    f = {r: max((fixed or {}).get(r, 0.0), 0.0) for r in w}
     if not w:
         return {}
     remaining = max(total, len(w))
@@ -24,7 +32,14 @@ def proportional_batches(weights: Mapping[int, float], total: int, caps: Mapping
     free = sorted(w)
     while free:
         wsum = sum(w[r] for r in free)
-        shares = {r: remaining * (w[r] / wsum if wsum > 0 else 1.0 / len(free)) for r in free}
+        if wsum > 0:
+            # Every free rank's step takes the same time L: f_r + b_r / w_r = L with sum b_r = remaining,
+            # so b_r = remaining w_r / W + w_r (sum w f / W - f_r) (the proportional share plus a
+            # fixed-part correction; written so as not to divide by a tiny W twice).
+            mean_fixed = sum(w[r] / wsum * f[r] for r in free)
+            shares = {r: remaining * (w[r] / wsum) + w[r] * (mean_fixed - f[r]) for r in free}
+        else:
+            shares = {r: remaining / len(free) for r in free}
         over = [r for r in free if shares[r] > caps[r]]
         if not over:
             alloc = {r: min(caps[r], max(1, math.floor(x))) for r, x in shares.items()}
@@ -40,7 +55,10 @@ def proportional_batches(weights: Mapping[int, float], total: int, caps: Mapping
                 room = [r for r in free if alloc[r] < caps[r]]
                 if not room:
                     break
-                r = min(room, key=lambda r: (_step(alloc[r] + 1, w[r]), -(shares[r] - math.floor(shares[r])), r))
+                r = min(
+                    room,
+                    key=lambda r: (_step(alloc[r] + 1, w[r], f[r]), -(shares[r] - math.floor(shares[r])), r),
+                )
                 alloc[r] += 1
                 leftover -= 1
             out.update(alloc)
@@ -53,13 +71,17 @@ def proportional_batches(weights: Mapping[int, float], total: int, caps: Mapping
     return out
 
 
-def _step(batch: int, weight: float) -> float:
-    return batch / weight if weight > 0 else math.inf
+def _step(batch: int, weight: float, fixed: float = 0.0) -> float:
+    return fixed + batch / weight if weight > 0 else math.inf
 
 
-def rebalanced_batches(speeds: Mapping[int, float], total: int, caps: Mapping[int, int]) -> dict[int, int]:
-    """Batch sizes proportional to speed: every rank then needs the same time per step."""
-    return proportional_batches(speeds, total, caps)
+def rebalanced_batches(
+    speeds: Mapping[int, float], total: int, caps: Mapping[int, int], fixed: Mapping[int, float] | None = None
+) -> dict[int, int]:
+    """Batch sizes that give every rank the same time per step: proportional to speed, or, with
+    `fixed` seconds per step (speeds then are the rates of the part that grows with the batch),
+    equal fixed + batch / speed."""
+    return proportional_batches(speeds, total, caps, fixed)
 
 
 def group_size_target(world: int) -> int:

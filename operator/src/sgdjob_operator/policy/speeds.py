@@ -12,6 +12,16 @@ by recoverThreshold or more (the rank's speed changed: a straggler came or went;
 then read from that window alone, as without the estimate). A window measured from the process's
 training start is not summed into the next ones (its first step carries one-off warm-up), and old
 windows decay (`MEMORY_WINDOWS`) so that a drift too slow to count as a jump is still followed.
+
+A speed in samples per second holds only at the batch it was measured at: a step also has a part
+that does not grow with the batch (launches, the optimizer step, on a CPU the share of the cores the
+other ranks leave), so a rank's samples per second fall as its batch shrinks. A split from speeds
+alone therefore leaves a slowed rank a sample too many (a 3x straggler measures 2.7x and gets 14 of
+128 samples where 13 even out the steps: a 7 % longer step for everyone). When a rank's batch changes,
+its estimate keeps the step time at the batch before (`prior_batch`, `prior_step`) as a second point,
+and `step_overhead` fits `step(b) = fixed + b / rate` through the two, so the next split can equalise
+the steps themselves. A window that spans the change (it ran both batches) is kept at a negligible
+weight (`MIXED_WEIGHT`), so the new point rests on whole windows at the new batch.
 """
 
 from __future__ import annotations
@@ -22,10 +32,54 @@ from sgdjob_operator.policy.state import SpeedEstimate
 # Windows an estimate remembers: each summed window weighs (1 - 1/MEMORY_WINDOWS) less than the
 # one after it.
 MEMORY_WINDOWS = 10
+# The weight of a window that ran two batches, when it starts the new batch's estimate.
+MIXED_WEIGHT = 1e-3
+# The step-time fit needs its two batches this far apart (relative to the larger): a step time is
+# known to a few per cent, and the fixed part's error grows as the batches approach each other.
+FIT_MIN_SPREAD = 0.2
+# Steps the estimate before a batch change must rest on to serve as the fit's second point.
+PRIOR_MIN_STEPS = 2.0
+# A fixed part above this share of the step at the smaller batch is taken for noise: the fit would
+# call the batch nearly free and load the rank with samples.
+MAX_FIXED_SHARE = 0.6
 
 
-def _from_window(w: RankWindow) -> SpeedEstimate:
-    return SpeedEstimate(w.speed * w.compute, w.compute, float(w.steps), w.batch_size, w.mode)
+def _from_window(w: RankWindow, prior: tuple[int, float] = (0, 0.0), weight: float = 1.0) -> SpeedEstimate:
+    work = w.speed * w.compute
+    return SpeedEstimate(work * weight, w.compute * weight, w.steps * weight, w.batch_size, w.mode, *prior)
+
+
+def _mixed(w: RankWindow) -> bool:
+    """The window ran more than one batch size (its samples are not steps x batch)."""
+    return w.mode != "async" and w.samples != w.steps * w.batch_size
+
+
+def _prior(previous: SpeedEstimate) -> tuple[int, float]:
+    """The second point a new batch's estimate keeps: the step time before the change, or, when that
+    rests on too few steps, the point it kept itself."""
+    if previous.steps >= PRIOR_MIN_STEPS:
+        return previous.batch, previous.compute / previous.steps
+    return previous.prior_batch, previous.prior_step
+
+
+def step_overhead(est: SpeedEstimate | None) -> float:
+    """The seconds of a step that do not grow with the batch, from the rank's step times at its
+    current and prior batch (0.0 when there is no prior point, the batches are too close, or the
+    fit is not credible: a falling step time, a negative fixed part, or one above MAX_FIXED_SHARE)."""
+    if est is None or est.prior_batch <= 0 or est.prior_step <= 0 or est.steps <= 0:
+        return 0.0
+    b1, t1 = est.batch, est.compute / est.steps
+    b0, t0 = est.prior_batch, est.prior_step
+    if abs(b1 - b0) < FIT_MIN_SPREAD * max(b0, b1):
+        return 0.0
+    per_sample = (t1 - t0) / (b1 - b0)
+    if per_sample <= 0:
+        return 0.0
+    fixed = t1 - per_sample * b1
+    smaller = t0 if b0 < b1 else t1
+    if fixed <= 0 or fixed > MAX_FIXED_SHARE * smaller:
+        return 0.0
+    return fixed
 
 
 def running_speed(
@@ -37,10 +91,15 @@ def running_speed(
     if from_start:
         return w.speed, None
     fresh = _from_window(w)
-    if previous is None or (previous.batch, previous.mode) != (w.batch_size, w.mode):
+    if previous is None or previous.mode != w.mode:
         return fresh.speed, fresh
+    if previous.batch != w.batch_size:
+        prior = _prior(previous)
+        return w.speed, _from_window(w, prior, MIXED_WEIGHT if _mixed(w) else 1.0)
     ratio = w.speed / previous.speed
-    if max(ratio, 1.0 / ratio) >= departure:
+    # (Not against a mixed window's seed: its speed blends two batches.)
+    if max(ratio, 1.0 / ratio) >= departure and previous.steps >= 0.5:
+        # The rank's speed changed: the prior point described the old speed.
         return fresh.speed, fresh
     keep = 1.0 - 1.0 / MEMORY_WINDOWS
     summed = SpeedEstimate(
@@ -49,5 +108,7 @@ def running_speed(
         previous.steps * keep + fresh.steps,
         w.batch_size,
         w.mode,
+        previous.prior_batch,
+        previous.prior_step,
     )
     return summed.speed, summed

@@ -16,20 +16,25 @@ STATE_VERSION = 1
 # compact enough for an object's status.
 _RANK_COLUMNS = ("rank", "time", "steps", "samples", "compute", "wait", "node", "speed", "streak", "flagged")
 # Columns of the running speed estimate (see speeds.py); a state written before them reads as no estimate.
-_ESTIMATE_COLUMNS = ("estWork", "estCompute", "estSteps", "estBatch", "estMode")
+_ESTIMATE_COLUMNS = ("estWork", "estCompute", "estSteps", "estBatch", "estMode", "estPriorBatch", "estPriorStep")
+_ESTIMATE_FIELDS = ("work", "compute", "steps", "batch", "mode", "prior_batch", "prior_step")
 
 
 @dataclass(frozen=True, slots=True)
 class SpeedEstimate:
     """A rank's work and compute summed (with a slow decay) over the windows since its batch or mode
     last changed or its speed last jumped: `work / compute` is its speed, more precise the longer
-    the configuration runs; `steps` how many steps it rests on."""
+    the configuration runs; `steps` how many steps it rests on. `prior_batch`/`prior_step`: the
+    rank's compute seconds per step at the batch it ran before this one in the same mode (0: none),
+    the second point of its step-time fit (speeds.step_overhead)."""
 
     work: float
     compute: float
     steps: float
     batch: int
     mode: str
+    prior_batch: int = 0
+    prior_step: float = 0.0
 
     @property
     def speed(self) -> float:
@@ -84,7 +89,7 @@ class PolicyState:
             "flagged": [s.flagged for _, s in ordered],
         }
         estimates = [s.estimate for _, s in ordered]
-        for column, attr in zip(_ESTIMATE_COLUMNS, ("work", "compute", "steps", "batch", "mode"), strict=True):
+        for column, attr in zip(_ESTIMATE_COLUMNS, _ESTIMATE_FIELDS, strict=True):
             table[column] = [None if e is None else getattr(e, attr) for e in estimates]
         return {
             "version": STATE_VERSION,
@@ -145,12 +150,23 @@ class PolicyState:
 
 
 def _estimate(row: tuple[Any, ...]) -> SpeedEstimate | None:
-    work, compute, steps, batch, mode = row
+    work, compute, steps, batch, mode, prior_batch, prior_step = row
     if work is None:
         return None
-    out = SpeedEstimate(_finite(work), _finite(compute), _finite(steps), int(batch), str(mode))
+    # A state written before the step-time fit has no prior columns: no prior point.
+    out = SpeedEstimate(
+        _finite(work),
+        _finite(compute),
+        _finite(steps),
+        int(batch),
+        str(mode),
+        int(prior_batch or 0),
+        _finite(prior_step or 0.0),
+    )
     if out.compute <= 0 or out.work <= 0:
         raise ValueError("a speed estimate needs positive work and compute")
+    if out.prior_batch < 0 or out.prior_step < 0:
+        raise ValueError("a speed estimate's prior point needs a non-negative batch and step time")
     return out
 
 

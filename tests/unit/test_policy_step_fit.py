@@ -1,0 +1,141 @@
+"""A step's fixed part: fitted from two batch sizes (policy.speeds), used by the split and the
+cost model (policy.plans, policy.cost), and what it changes in the decisions."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sgdjob_operator.policy import Rebalance
+from sgdjob_operator.policy.cost import StepTime, step_times
+from sgdjob_operator.policy.job import REBALANCE_SECONDS
+from sgdjob_operator.policy.measure import RankWindow
+from sgdjob_operator.policy.plans import rebalanced_batches
+from sgdjob_operator.policy.speeds import MIXED_WEIGHT, running_speed, step_overhead
+from sgdjob_operator.policy.state import PolicyState, RankState, SpeedEstimate
+from tests.unit.test_policy_harness import Harness
+
+DEPARTURE = 1.2
+
+
+def window(step_s: float, batch: int, steps: int = 10, samples: int | None = None) -> RankWindow:
+    """A rank's window of `steps` steps of `step_s` compute seconds each, at `batch` samples a step."""
+    done = steps * batch if samples is None else samples
+    compute = steps * step_s
+    return RankWindow(0, "n", "p", "sync", compute + 0.1, steps, done, compute, 0.1, batch, 0.0, done / compute)
+
+
+def estimate_after(*windows: RankWindow) -> SpeedEstimate | None:
+    est: SpeedEstimate | None = None
+    for w in windows:
+        _, est = running_speed(est, w, False, DEPARTURE)
+    return est
+
+
+def test_two_batch_sizes_give_the_fixed_part_of_a_step() -> None:
+    # step(b) = 10 ms + b x 1.5 ms: 58 ms at 32, 31 ms at 14.
+    est = estimate_after(window(0.058, 32), window(0.058, 32), window(0.031, 14), window(0.031, 14))
+    assert est is not None and (est.prior_batch, est.batch) == (32, 14)
+    assert est.prior_step == pytest.approx(0.058)
+    assert step_overhead(est) == pytest.approx(0.010)
+
+
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [
+        (window(0.058, 32), window(0.0625, 35)),  # batches 9 % apart: the fit would amplify noise
+        (window(0.058, 32), window(0.060, 14)),  # a smaller batch that takes longer: noise, not a model
+        (window(0.058, 32), window(0.020, 14)),  # a negative fixed part
+        (window(0.058, 32), window(0.050, 14)),  # a fixed part of 44 ms of a 50-ms step: not credible
+    ],
+)
+def test_a_fit_that_cannot_be_trusted_gives_no_fixed_part(first: RankWindow, second: RankWindow) -> None:
+    assert step_overhead(estimate_after(first, second)) == 0.0
+
+
+def test_the_prior_point_survives_more_windows_and_goes_when_the_speed_jumps() -> None:
+    est = estimate_after(window(0.058, 32), window(0.031, 14), window(0.031, 14), window(0.031, 14))
+    assert est is not None and est.prior_batch == 32
+    jumped = estimate_after(window(0.058, 32), window(0.031, 14), window(0.031 * 1.5, 14))
+    assert jumped is not None and jumped.prior_batch == 0 and step_overhead(jumped) == 0.0
+
+
+def test_a_window_that_ran_both_batches_barely_counts_in_the_new_estimate() -> None:
+    # 5 steps at 32 and 5 at 14 (a rebalance landed mid-window): its step time is neither batch's.
+    mixed = window(0.0445, 14, samples=5 * 32 + 5 * 14)
+    est = estimate_after(window(0.058, 32), window(0.058, 32), mixed)
+    assert est is not None and est.steps == pytest.approx(10 * MIXED_WEIGHT) and est.prior_batch == 32
+    est = estimate_after(window(0.058, 32), window(0.058, 32), mixed, window(0.031, 14))
+    assert est is not None and est.compute / est.steps == pytest.approx(0.031, rel=0.01)
+    assert step_overhead(est) == pytest.approx(0.010, rel=0.05)
+
+
+def test_the_prior_point_survives_the_policy_state_and_an_older_state_reads_without_it() -> None:
+    est = SpeedEstimate(140.0, 0.31, 10.0, 14, "sync", 32, 0.058)
+    state = PolicyState(ranks={0: RankState(1.0, 10, 140, 0.31, 0.1, "n", 451.6, 0, False, est)})
+    doc = json.loads(json.dumps(state.to_dict()))
+    assert PolicyState.from_dict(doc) == state
+    for column in ("estPriorBatch", "estPriorStep"):
+        del doc["ranks"][column]
+    read = PolicyState.from_dict(doc).ranks[0].estimate
+    assert read is not None and (read.prior_batch, read.prior_step) == (0, 0.0)
+
+
+def test_a_split_with_fixed_parts_evens_out_the_steps_a_proportional_split_leaves_unequal() -> None:
+    # Two ranks twice as fast as two others in the part of the step that grows with the batch, and
+    # the same 20 ms each that does not (a CPU's share, a launch): measured speeds at 32 make the
+    # slow ranks look only 1.6x slower, and a split proportional to them leaves their steps longer.
+    fixed = {0: 0.020, 1: 0.020, 2: 0.020, 3: 0.020}
+    rates = {0: 1000.0, 1: 1000.0, 2: 500.0, 3: 500.0}
+    true = {r: StepTime(rates[r], fixed[r]) for r in rates}
+    measured = {r: 32 / true[r].at(32) for r in rates}
+    caps = {r: 128 for r in rates}
+    proportional = rebalanced_batches(measured, 128, caps)
+    fitted = rebalanced_batches(rates, 128, caps, fixed)
+    assert sum(fitted.values()) == 128 and fitted[2] < proportional[2]
+
+    def slowest(b: dict[int, int]) -> float:
+        return max(true[r].at(b[r]) for r in b)
+
+    assert slowest(fitted) < 0.93 * slowest(proportional)
+    # No integer split is better.
+    best = min(slowest({0: a, 1: 64 - a, 2: c, 3: 64 - c}) for a in range(1, 64) for c in range(1, 64))
+    best = min(best, *(slowest({0: a, 1: a, 2: 64 - a, 3: 64 - a}) for a in range(1, 64)))
+    assert slowest(fitted) == pytest.approx(best)
+
+
+def test_step_models_reproduce_the_measured_step_at_the_current_batch() -> None:
+    speeds = {0: 600.0, 1: 200.0}
+    batches = {0: 38, 1: 14}
+    models = step_times(speeds, batches, {1: 0.01, 0: 1.0})  # rank 0's fixed part exceeds its step: ignored
+    assert models[0] == StepTime(600.0)
+    assert models[1].at(14) == pytest.approx(14 / 200.0) and models[1].fixed == 0.01
+
+
+# A 3x straggler among three equal ranks (the digits-cnn benchmark's shape), steps with a fixed part.
+FIXED = [0.010, 0.010, 0.010, 0.010]
+RATES = [1 / 0.0015, 1 / 0.0015, 1 / 0.0015, 1 / 0.0045]
+
+
+def test_a_straggler_split_is_refined_once_the_speeds_settle_and_the_decision_names_the_fit() -> None:
+    h = Harness(
+        list(RATES),
+        mode="sync",
+        fixed=list(FIXED),
+        policy={"intervalSeconds": 0.5, "persistenceIntervals": 2, "cooldownSeconds": 10},
+    )
+    for _ in range(30):
+        h.step()
+    changes = [e.decision for e in h.changes()]
+    assert len(changes) == 2, [d.reason for d in changes]
+    first, second = changes
+    assert isinstance(first, Rebalance) and isinstance(second, Rebalance)
+    assert first.batch_sizes is not None and second.batch_sizes is not None
+    # The first split rests on speeds measured at 32 (the straggler looks 2.65x slower): 14 samples.
+    assert first.batch_sizes[3] == 14
+    # The refinement (a 6 % shorter step: it repays its REBALANCE_SECONDS within the horizon) gives
+    # the straggler 13 and names what it rests on.
+    assert second.batch_sizes[3] == 13 and sum(second.batch_sizes.values()) == 128
+    assert "fixed step time fitted from two batch sizes: rank 3" in second.reason
+    assert second.predicted_gain is not None and second.predicted_gain * 15.0 > REBALANCE_SECONDS
