@@ -18,7 +18,7 @@ and one growth per excludeNodeSeconds.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from sgdjob_operator.api.models import Action
 from sgdjob_operator.policy.cost import (
@@ -57,13 +57,11 @@ class DecisionContext:
     # False when some rank's optimizer keeps state async mode cannot shard: no async candidate.
     async_ok: bool = True
     # Seconds of a step that do not grow with the batch, for the ranks whose fit tells (speeds.py).
-    fixed: Mapping[int, float] | None = None
+    fixed: Mapping[int, float] = field(default_factory=dict)
 
-    def sync_steps(self) -> dict[int, StepTime] | None:
+    def sync_steps(self) -> dict[int, StepTime]:
         """The ranks' step-time models at their measured speeds and current batches, for the sync
-        predictions over the same ranks (None: no rank has a fitted fixed part)."""
-        if not self.fixed:
-            return None
+        predictions over the same ranks (proportional to the batch where no fixed part is known)."""
         return step_times(self.speeds, {r: self.view.batch(r) for r in self.speeds}, self.fixed)
 
 
@@ -166,11 +164,8 @@ def build(ctx: DecisionContext) -> list[Candidate]:
     total = view.base_batch * len(ctx.speeds)
     caps = {r: view.cap(r) for r in ctx.speeds}
     if view.allows(Action.REBALANCE) and (view.mode == "sync" or switch):
-        if steps is None:
-            b = rebalanced_batches(ctx.speeds, total, caps)
-        else:
-            rates = {r: st.rate for r, st in steps.items()}
-            b = rebalanced_batches(rates, total, caps, {r: st.fixed for r, st in steps.items()})
+        rates = {r: st.rate for r, st in steps.items()}
+        b = rebalanced_batches(rates, total, caps, {r: st.fixed for r, st in steps.items()})
         pred = predict_sync(ctx.speeds, b, ctx.ci, "rebalanced sync", steps=steps)
         make: Make = (
             (lambda why, g: Rebalance(b, why, g))

@@ -123,7 +123,7 @@ def evaluate(state: PolicyState, samples: Sequence[WorkerSample], job: JobView, 
     async_ok = all(s.async_capable is not False for s in window.latest.values())
     fixed = {r: v for r, v in health.fixed_seconds().items() if r in speeds}
     measured_stale = sum(stale) / len(stale) if stale else None
-    ctx = DecisionContext(health, job, speeds, nodes, pods, ci, measured_stale, async_ok, fixed or None)
+    ctx = DecisionContext(health, job, speeds, nodes, pods, ci, measured_stale, async_ok, fixed)
     current = predict_current(ctx)
     candidates = build(ctx)
     predictions = {"current": current.useful, **{c.prediction.label: c.prediction.useful for c in candidates}}

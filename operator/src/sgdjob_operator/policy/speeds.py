@@ -16,8 +16,8 @@ windows decay (`MEMORY_WINDOWS`) so that a drift too slow to count as a jump is 
 A speed in samples per second holds only at the batch it was measured at: a step also has a part
 that does not grow with the batch (launches, the optimizer step, on a CPU the share of the cores the
 other ranks leave), so a rank's samples per second fall as its batch shrinks. A split from speeds
-alone therefore leaves a slowed rank a sample too many (a 3x straggler measures 2.7x and gets 14 of
-128 samples where 13 even out the steps: a 7 % longer step for everyone). When a rank's batch changes,
+alone misjudges how a rank's step changes with its batch (the more so the larger the fixed part; on
+the digits-cnn benchmark it was 1.5-6 ms of a 70-ms step, a sample at most). When a rank's batch changes,
 its estimate keeps the step time at the batch before (`prior_batch`, `prior_step`) as a second point,
 and `step_overhead` fits `step(b) = fixed + b / rate` through the two, so the next split can equalise
 the steps themselves. A window that spans the change (it ran both batches) is kept at a negligible
@@ -97,8 +97,9 @@ def running_speed(
         prior = _prior(previous)
         return w.speed, _from_window(w, prior, MIXED_WEIGHT if _mixed(w) else 1.0)
     ratio = w.speed / previous.speed
-    # (Not against a mixed window's seed: its speed blends two batches.)
-    if max(ratio, 1.0 / ratio) >= departure and previous.steps >= 0.5:
+    # (Not against a mixed window's seed, which weighs a small fraction of one step: its speed blends
+    # two batches.)
+    if max(ratio, 1.0 / ratio) >= departure and previous.steps >= 1.0:
         # The rank's speed changed: the prior point described the old speed.
         return fresh.speed, fresh
     keep = 1.0 - 1.0 / MEMORY_WINDOWS
