@@ -36,10 +36,14 @@ def test_quickstart_adapts_to_the_straggler_with_a_measured_reason_and_writes_pl
     assert report["ok"] and report["mode"] == "auto" and report["missing_ranks"] == []
     changes = [d for d in report["decisions"] if d["action"] in ("switchMode", "rebalance")]
     assert changes and "rank 3" in changes[0]["reason"], report["decisions"]
-    # The trainers measured their gradients before the policy acted: the worth of a stale or
-    # damped sample was measured, not assumed.
-    assert "statistical efficiency measured" in changes[0]["reason"], changes[0]["reason"]
     change = changes[0]
+    # The trainers measured their gradients before the policy chose a stale mode: the worth of a
+    # stale or damped sample was measured, not assumed. (A new split of sync's batch keeps every
+    # gradient fresh and the global batch whole; a 3x straggler's is made on its first window.)
+    stale = [d for d in changes if d["action"] == "switchMode" and d.get("mode") in ("async", "hierarchical")]
+    assert all("statistical efficiency measured" in d["reason"] for d in stale), stale
+    at_once = [d for d in changes if "made at once" in d["reason"]]
+    assert all(d["action"] == "rebalance" and d["predictedGain"] >= 1.0 for d in at_once), at_once
     if change["action"] == "switchMode":
         assert f"switch to {change['mode']}" in output
         assert [e["mode"] for e in report["mode_timeline"]][:2] == ["sync", change["mode"]]

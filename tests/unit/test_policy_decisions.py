@@ -72,8 +72,8 @@ def test_replacement_needs_elastic_room_else_rebalance() -> None:
     h = Harness([FAST] * 7 + [SLOW], min_replicas=8)
     run(h, 4)
     assert not any(isinstance(e.decision, ReplaceWorker) for e in h.history)
-    assert isinstance(h.history[3].decision, Rebalance)
-    batches = h.history[3].decision.batch_sizes
+    assert isinstance(h.history[1].decision, Rebalance)  # +177 %: made at once (test_policy_fast_split)
+    batches = h.history[1].decision.batch_sizes
     assert sum(batches.values()) == 8 * 32 and batches[7] < batches[0]
 
 

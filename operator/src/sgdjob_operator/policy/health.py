@@ -278,7 +278,9 @@ def _summary(
     if shape is Shape.UNKNOWN:
         return "not enough ranks measured this window"
     if shape is Shape.TRANSIENT:
-        return f"transient: {raw.value} seen for {streak}/{p.persistence_intervals} intervals"
+        # What is seen, named as a persistent shape would be (a change made at once names its rank).
+        seen = _summary(raw, raw, table, clusters, spread, streak, p)
+        return f"transient: {seen}, seen for {streak}/{p.persistence_intervals} intervals"
     if shape is Shape.HOMOGENEOUS:
         return f"homogeneous: fastest/slowest {spread:.2f}x"
     if shape is Shape.SINGLE_STRAGGLER:
