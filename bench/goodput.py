@@ -66,10 +66,11 @@ CHARLM_BUDGET_S = 30.0
 # (measured 2026-12-02; `--validate-every-seconds` restores that schedule).
 EVALUATION: dict[str, Any] = {"everySteps": 5, "everySeconds": None, "samples": 256}
 # Auto evaluates every half second on the digits tasks: their steps take 0.05-0.15 s, so a window
-# still holds 3-10 steps per rank, and a straggler present from the start is acted on at step 6-7,
-# 0.6-0.9 s into training (measured on digits-cnn; step 9-13 at 1 s). A split made from such short
-# windows can be a few samples off; the policy corrects it once the speeds have summed 20 steps
-# (policy.speeds). What a user sets for a job this short (the quickstart's 2 s suits longer steps).
+# still holds 3-10 steps per rank; a 3x straggler present from the start is split at step 2-3,
+# 0.35-0.6 s into training (its first window, the gain being over +100 %: policy.engine.FAST_GAIN;
+# measured on digits-cnn). A split made from such short windows can be a sample or two off; the
+# policy corrects it once the speeds have summed 10 steps (policy.engine.RESPLIT_STEPS). What a
+# user sets for a job this short (the quickstart's 2 s suits longer steps).
 DIGITS_POLICY: dict[str, Any] = {**POLICY, "intervalSeconds": 0.5}
 CONFIG = BenchConfig(
     workers=4,

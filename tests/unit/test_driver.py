@@ -11,6 +11,7 @@ import pytest
 from sgdjob_operator.api.models import SGDJobSpec
 from sgdjob_operator.policy import Rescale, SwitchMode, job_view
 from sgdjob_operator.policy.driver import (
+    FIRST_STEP_POLL,
     DriverState,
     Observed,
     Push,
@@ -24,6 +25,7 @@ from sgdjob_operator.policy.driver import (
     load_state,
     restarted,
 )
+from sgdjob_operator.policy.engine import FAST_STEPS
 from sgdjob_trainer.config import SyncMode
 from sgdjob_trainer.wire.control import ControlCommand
 from tests.unit.policy_feed import STRAGGLER, Scrapes, feed, spec_for
@@ -84,6 +86,25 @@ def test_the_first_call_waits_for_a_window_from_the_training_start_and_never_aga
     assert first_call_wait(step.state, young, interval) == 0.0, "once evaluated, the shell keeps its interval"
     after, _ = restarted(step.state, 20.0, 4, 32, 0)
     assert first_call_wait(after, young, interval) > 0, "a new world waits for its own first window"
+
+
+def test_the_first_call_also_waits_for_every_ranks_second_step_within_the_first_window() -> None:
+    interval = 10.0
+    samples = feed([STRAGGLER] * 2)[1][1]
+    # Half an interval trained, but the slow rank is still in its first step (warm-up, mostly).
+    slow = [dataclasses.replace(s, training_seconds=0.5 * interval, steps=1 if s.rank == 3 else 4) for s in samples]
+    assert first_call_wait(DriverState(), slow, interval) == pytest.approx(FIRST_STEP_POLL * interval)
+    two = [dataclasses.replace(s, steps=max(s.steps, int(FAST_STEPS))) for s in slow]
+    assert first_call_wait(DriverState(), two, interval) == 0.0
+    # Never past the point where the first window would outgrow FirstWindow.longest.
+    late = [dataclasses.replace(s, training_seconds=1.0 * interval) for s in slow]
+    assert first_call_wait(DriverState(), late, interval) == 0.0
+    # Calls while the workers started up (no step, no training start) do not count as the first.
+    spec = spec_for(policy={"allowedActions": ["rebalance"]})
+    idle = [dataclasses.replace(s, steps=0, samples=0, compute_seconds=0.0, training_seconds=None) for s in samples]
+    early = drive(DriverState(), Observed(idle, applied_epoch=0), spec, 1.0).state
+    assert early.policy.evaluations == 1
+    assert first_call_wait(early, slow, interval) == pytest.approx(FIRST_STEP_POLL * interval)
 
 
 def test_in_flight_holds_without_starting_a_cooldown_and_persistence_starts_over() -> None:

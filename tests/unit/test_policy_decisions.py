@@ -116,14 +116,16 @@ def test_dispersed_speeds_choose_the_better_of_async_and_rebalanced_sync() -> No
     # Very high message latency: every allreduce (any group size) costs more than a push and
     # pull to the parameter servers, so async wins.
     pricey = Harness(list(speeds), comm=CommModel(latency_s=0.2, gradient_bytes=0, ps_apply_seconds=0.0))
-    run(pricey, 12)
-    ev = pricey.changes()[0]
+    run(pricey, 14)
+    # (A new split of sync's batch, +10 % once the speeds rest on ten steps, may come first: it
+    # pauses nothing while async waits for its statistics.)
+    ev = next(e for e in pricey.changes() if not isinstance(e.decision, Rebalance))
     assert isinstance(ev.decision, SwitchMode) and ev.decision.mode == "async"
     # These trainers report no gradient statistics: async, a stale mode, waited until the ranks had
     # made MEASURE_WAIT_STEPS steps (4 per interval here) and then went on the stalenessPenalty prior.
     first = pricey.history.index(ev)
     assert first * 4 >= MEASURE_WAIT_STEPS
-    waiting = f"stale modes wait for {MEASURE_WAIT_STEPS} steps of measured gradient statistics (28 so far)"
+    waiting = f"stale modes wait for {MEASURE_WAIT_STEPS} steps of measured gradient statistics (25 so far)"
     assert any(waiting in e.decision.reason for e in pricey.history[:first])
     assert ev.predictions["async"] == max(ev.predictions.values())
 

@@ -53,6 +53,10 @@ class FakeRun:
     report_extra: dict[str, Any] = field(default_factory=dict)
     pushed: list[ControlCommand] = field(default_factory=list)
     applied: int = 0
+    polls_asked: list[float] = field(default_factory=list)
+
+    def poll_within(self, seconds: float) -> None:
+        self.polls_asked.append(seconds)
 
     async def push(self, command: ControlCommand) -> ControlResult:
         self.pushed.append(command)

@@ -134,7 +134,7 @@ class PolicySpec(CamelModel):
             le=10.0,
             description=(
                 "Least predicted relative throughput gain (0.1 = 10%) that justifies a change. A new split "
-                "of sync's batch needs at most 3% once every rank's speed rests on 20 steps at its batch."
+                "of sync's batch needs at most 3% once every rank's speed rests on 10 steps at its batch."
             ),
         ),
     ] = 0.1

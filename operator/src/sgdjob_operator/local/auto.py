@@ -64,6 +64,8 @@ class RunHandle(Protocol):
 
     async def push(self, command: ControlCommand) -> ControlResult: ...
 
+    def poll_within(self, seconds: float) -> None: ...
+
     async def replace(self, node: str, mode: SyncMode, reason: str) -> None: ...
 
     async def rescale(self, nodes: int, mode: SyncMode, reason: str, remove: tuple[str, ...] = ()) -> None: ...
@@ -140,8 +142,10 @@ class AutoController:
         interval = self.job.spec.policy.interval_seconds
         if not samples or (self.last_eval is not None and now - self.last_eval < interval):
             return
-        if first_call_wait(self.state, samples, interval) > 0:
-            return  # the first call waits until the window from the training start gives a rate
+        wait = first_call_wait(self.state, samples, interval)
+        if wait > 0:  # the first call waits until the window from the training start gives a rate
+            run.poll_within(wait)
+            return
         self.last_eval = now
         finishing = "a worker has finished" if any(w.done for w in snap.workers) else ""
         observed = Observed(

@@ -93,10 +93,15 @@ class LocalRun:
     last_status: dict[int, WorkerStatus] = field(default_factory=dict)  # by rank, for a report after a stop
     membership_changes: int = 0
     report_extra: dict[str, Any] = field(default_factory=dict)
+    next_poll_s: float | None = None  # a hook asked for the next poll sooner than the run's interval
 
     @property
     def endpoints(self) -> tuple[Endpoint, ...]:
         return self.fleet.endpoints()
+
+    def poll_within(self, seconds: float) -> None:
+        """Poll again after `seconds` at the latest (once; then the run's interval again)."""
+        self.next_poll_s = seconds if self.next_poll_s is None else min(self.next_poll_s, seconds)
 
     async def replace(self, node: str, mode: SyncMode, reason: str) -> None:
         """Stop the agent of `node` and start a new one (a new node name) in its place."""
@@ -271,8 +276,10 @@ async def _supervise(
             await on_poll(run, results, snapshot)
         if run.membership_changes != changes:  # ranks are handed out anew: forget the old world's view
             changes, snapshot = run.membership_changes, None
+        pause = options.poll_interval_s if run.next_poll_s is None else min(options.poll_interval_s, run.next_poll_s)
+        run.next_poll_s = None
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), timeout=options.poll_interval_s)
+            await asyncio.wait_for(stop.wait(), timeout=pause)
 
 
 def _write_report(

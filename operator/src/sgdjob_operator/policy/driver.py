@@ -23,7 +23,7 @@ from typing import Any, Protocol, TypeVar
 from sgdjob_operator.api.models import JobMode, SGDJobSpec
 from sgdjob_operator.policy.comm import CommModel
 from sgdjob_operator.policy.decisions import Decision, Keep, Rebalance, ReplaceWorker, Rescale, SwitchMode
-from sgdjob_operator.policy.engine import evaluate
+from sgdjob_operator.policy.engine import FAST_STEPS, evaluate
 from sgdjob_operator.policy.health import JobHealth
 from sgdjob_operator.policy.job import REBALANCE_SECONDS, SYNC_MODES, JobView, job_view
 from sgdjob_operator.policy.measure import FirstWindow
@@ -230,21 +230,35 @@ def pending(state: DriverState, applied_epoch: int | None, mode: str | None) -> 
     return command if command.mode is not None and mode != command.mode.value else None
 
 
+# While the first evaluation waits for every rank's FAST_STEPS-th step, a shell looks again after
+# this fraction of an interval.
+FIRST_STEP_POLL = 0.1
+
+
 def first_call_wait(state: DriverState, samples: Sequence[WorkerSample], interval_s: float) -> float:
     """Seconds a shell should wait before the policy first evaluates this world (0: evaluate now).
 
     A rank's first window runs from its process's training start (`policy.measure`). Evaluated
     before that window is `FirstWindow.shortest` long, the ranks would only get a baseline and their
     first rate would come a whole interval later; so a shell that has not evaluated since the world
-    began (the policy's state is fresh: a new job, or after `restarted`) waits until the first
-    worker to begin training has trained that long. Samples that do not date their training start
-    (an older trainer) are not waited for."""
-    if state.policy.evaluations > 0:
+    began (it has seen no step of it yet: a new job, or after `restarted`) waits until the first
+    worker to begin training has trained that long. It then also waits, polling every FIRST_STEP_POLL
+    of an interval and never past `FirstWindow.longest`, until every rank has made FAST_STEPS steps:
+    a one-step rate is mostly the first step's warm-up, and a split made at once needs two
+    (`engine.FAST_GAIN`), so a slow rank's second step would otherwise cost the change an interval.
+    Samples that do not date their training start (an older trainer) are not waited for."""
+    if any(r.steps > 0 for r in state.policy.ranks.values()):
+        return 0.0  # evaluated with steps made: calls before any rank trained had nothing to measure
+    dated = [s for s in samples if s.training_seconds is not None]
+    if not dated:
         return 0.0
-    trained = [s.training_seconds for s in samples if s.training_seconds is not None]
-    if not trained:
-        return 0.0
-    return max(0.0, FirstWindow.for_interval(interval_s).shortest - max(trained))
+    first = FirstWindow.for_interval(interval_s)
+    trained = max(s.training_seconds or 0.0 for s in dated)
+    if trained < first.shortest:
+        return first.shortest - trained
+    if any(s.steps < FAST_STEPS for s in dated) and trained < first.longest - interval_s:
+        return FIRST_STEP_POLL * interval_s
+    return 0.0
 
 
 def issue(state: DriverState, change: ControlCommand, applied_epoch: int | None = None) -> DriverState:

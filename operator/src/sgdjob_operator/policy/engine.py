@@ -51,8 +51,11 @@ MEASURE_WAIT_STEPS = 3 * MIN_STEPS
 # rank's speed rests on RESPLIT_STEPS steps at its current batch (speeds.py): it pauses nothing, and
 # an early split made from a short window is then corrected instead of kept for a whole run (a
 # 0.5-s window gave three equal ranks 39, 39 and 36 samples, 8 % off, under a 10 % switchMargin).
+# Ten steps: a 3x straggler split at once from its first 2-3 steps (14 samples where 13 is right,
+# ~7 % slower steps) is corrected at step 21-27 instead of 42; a homogeneous fleet still made no
+# split over 3 digits-cnn runs (its speeds agree to a few per cent over ten steps).
 RESPLIT_MARGIN = 0.03
-RESPLIT_STEPS = 20
+RESPLIT_STEPS = 10
 # A new split of sync's batch predicting at least this gain is made on the first window that shows
 # it, every rank's speed resting on FAST_STEPS steps, without waiting for persistenceIntervals: when
 # the slowdown lasts, acting one interval sooner saves interval x gain/(1+gain) of the job's time,
