@@ -195,10 +195,9 @@ def evaluate(state: PolicyState, samples: Sequence[WorkerSample], job: JobView, 
 
 def _fast(chosen: Candidate, gain: float, health: JobHealth, world: int) -> bool:
     """A new split of sync's batch with a gain too large to wait a persistence out (FAST_GAIN),
-    every rank of the world measured this window."""
-    ranks = [health.ranks.get(r) for r in range(world)]
-    rested = all(h is not None and h.measured and h.evidence >= FAST_STEPS for h in ranks)
-    return chosen.batch_only and not chosen.restoring and gain >= FAST_GAIN and rested
+    every rank of the world measured this window over FAST_STEPS steps."""
+    big = chosen.batch_only and not chosen.restoring and gain >= FAST_GAIN
+    return big and speeds_settled(health, world, FAST_STEPS)
 
 
 def _world_speeds(health: JobHealth, world: int) -> dict[int, float]:
@@ -209,10 +208,10 @@ def _world_speeds(health: JobHealth, world: int) -> dict[int, float]:
     return {r: known.get(r, typical) for r in range(world)}
 
 
-def speeds_settled(health: JobHealth, world: int) -> bool:
-    """Every rank of the world measured this window, each speed resting on RESPLIT_STEPS steps."""
+def speeds_settled(health: JobHealth, world: int, steps: float = RESPLIT_STEPS) -> bool:
+    """Every rank of the world measured this window, each speed resting on `steps` steps."""
     ranks = [health.ranks.get(r) for r in range(world)]
-    return all(h is not None and h.measured and h.evidence >= RESPLIT_STEPS for h in ranks)
+    return all(h is not None and h.measured and h.evidence >= steps for h in ranks)
 
 
 def margin(c: Candidate, job: JobView, settled: bool) -> float:
