@@ -3,7 +3,8 @@
 One spawn serves several Trainer runs in a row so the processes pay the torch import once:
 sync against torch's DistributedDataParallel, rebalanced sync against plain sync per sample, a
 run through all six ordered mode switches with the model checked equal on every rank after each
-switch, an async start with three parameter-server shards and a hierarchical start.
+switch, a split that lands at the step it was sent in, an async start with three parameter-server
+shards and a hierarchical start.
 """
 
 from __future__ import annotations
@@ -146,6 +147,36 @@ def _switch_chain(rank: int) -> dict[str, Any]:
     }
 
 
+def _landing(rank: int) -> dict[str, Any]:
+    """Rank 0's controller sends a new split while rank 0 waits in a step's exchange for a straggler
+    (rank 3, ten times slower): the split must ride that step, not the next one."""
+    applied: list[int] = []
+    sent: list[int] = []
+
+    def drive(trainer: Trainer) -> None:
+        trainer.switch_observers.append(lambda t: applied.append(t.state.step))
+        if trainer.inbox is None:
+            return
+        inbox, telemetry = trainer.inbox, trainer.telemetry
+
+        def push() -> None:
+            while telemetry.status().step < 3:
+                time.sleep(0.001)
+            while not telemetry.computing:  # the fourth step's compute starts ...
+                time.sleep(0.001)
+            while telemetry.computing:  # ... and ends: rank 0 now waits for rank 3 (~0.45 s)
+                time.sleep(0.001)
+            time.sleep(0.02)
+            sent.append(telemetry.status().step)
+            inbox.offer(ControlCommand(epoch=1, batch_sizes={3: 2}, reason="landing"))
+
+        threading.Thread(target=push, daemon=True).start()
+
+    emulation = {"computeSeconds": 0.05, "slowdowns": [{"rank": 3, "factor": 10.0}]}
+    trainer = _run(_config("sync", 8, emulation=emulation), drive)
+    return {"applied": applied, "sent": sent, "batch": trainer.ctx.batch_size(3)}
+
+
 def _async_start(rank: int) -> dict[str, Any]:
     trainer = _run(_config("async", 50, learningRate=0.1, **{"async": {"staleness": 4, "shards": 3}}))
     t = trainer.telemetry
@@ -179,6 +210,7 @@ def _child(rank: int, port: int, out: str) -> None:
         ("ddp", _sync_vs_ddp),
         ("rebalanced", _rebalanced),
         ("chain", _switch_chain),
+        ("landing", _landing),
         ("async", _async_start),
         ("hierarchical", _hierarchical_start),
     )
@@ -229,6 +261,13 @@ def test_every_switch_pair_keeps_one_model(results: list[dict[str, Any]]) -> Non
     for i in range(len(CHAIN)):
         assert len({c["switches"][i]["step"] for c in chain}) == 1, "all ranks switch at the same step"
         assert all(c["switches"][i]["pauseS"] >= 0 for c in chain)
+
+
+def test_a_split_sent_during_the_wait_for_a_straggler_rides_that_step(results: list[dict[str, Any]]) -> None:
+    assert results[0]["landing"]["sent"] == [3], "sent while rank 0 waited in the fourth step's exchange"
+    for r in results:
+        assert r["landing"]["applied"] == [4], "applied after the fourth step, every rank"
+        assert r["landing"]["batch"] == 2
 
 
 def test_async_start_with_three_shards_learns_and_ends_consistent(results: list[dict[str, Any]]) -> None:

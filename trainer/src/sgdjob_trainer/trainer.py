@@ -1,9 +1,10 @@
 """The training loop: one strategy at a time, switched at agreed points on the controller's command.
 
 Switch protocol (every rank runs the same sequence of collectives, so nothing can deadlock):
-1. Rank 0 offers the epoch of its pending control command to each step; the active mode carries it
-   to every rank (sync: inside the gradient allreduce; hierarchical: inside the cross-group round,
-   consumed at the same step everywhere; async: in the parameter server's reply).
+1. Rank 0 offers the epoch of its pending control command to each step, read as late as the mode's
+   exchange allows; the active mode carries it to every rank (sync: in a tiny allreduce right after
+   the gradient's, read once rank 0 has waited out the slowest rank; hierarchical: inside the
+   cross-group round, consumed at the same step everywhere; async: in the parameter server's reply).
 2. A rank that sees an epoch newer than the applied one, or that is done, calls `leave()` on its
    strategy (collective; leaves one consistent model on every rank), then all ranks allreduce
    (done, step) with MAX: the whole job finishes if any rank is done, and every rank continues
@@ -208,9 +209,8 @@ class Trainer:
             done = state.step >= t.steps
             seen = 0
             if not done:
-                offered = self.inbox.pending_epoch() if self.inbox else 0
                 start = time.perf_counter()
-                result = strategy.step(offered)
+                result = strategy.step(self._offer)
                 state.step += 1
                 telemetry.record_step(
                     state.step,
@@ -272,6 +272,10 @@ class Trainer:
                 )
         self._finish()
         return state
+
+    def _offer(self) -> int:
+        """The epoch this rank offers to the step's exchange: rank 0's pending command, else 0."""
+        return self.inbox.pending_epoch() if self.inbox is not None else 0
 
     def _receive_command(self) -> ControlCommand | None:
         """Collective: rank 0's newest command to every rank, applied identically everywhere."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -53,8 +54,9 @@ class AsyncStrategy(Strategy):
             cfg.staleness_lr.value,
         )
 
-    def step(self, offered_epoch: int) -> StepResult:
+    def step(self, offer: Callable[[], int]) -> StepResult:
         loss, compute, batch_size = self.compute_gradients()
+        offered_epoch = offer()
         grad = self.flat_grads().to("cpu", torch.float32)
         if not self.ctx.state.scaler.unscale(grad):
             # fp16 overflow: skip this push (the scale has halved); the model stays as it is.

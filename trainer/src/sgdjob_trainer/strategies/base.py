@@ -3,9 +3,10 @@
 Life cycle, driven by the Trainer:
 - `enter()` is called on every rank at a switch point, when every rank holds the same model and
   the same step; it may run collectives (it is the only time a new process group can be made).
-- `step(offered_epoch)` runs one training step of this rank, exchange included. Rank 0 offers the
-  epoch of its pending control command (others offer 0); the result's `seen_epoch` is the epoch the
-  mode has carried to every rank. The contract: every rank sees a given epoch at the same step in
+- `step(offer)` runs one training step of this rank, exchange included. `offer()` is the epoch of
+  rank 0's pending control command (0 on the other ranks); a mode calls it as late as its exchange
+  allows, so a command sent during the step can still ride it. The result's `seen_epoch` is the
+  epoch the mode has carried to every rank. The contract: every rank sees a given epoch at the same step in
   sync and hierarchical mode; in async mode each worker sees it at its next exchange, and the
   Trainer's switch barrier then agrees on one step for all.
 - `leave()` is collective; when it returns every rank holds the same model (async: the parameter
@@ -112,7 +113,7 @@ class Strategy(ABC):
         """Collective; called with a consistent model on every rank."""
 
     @abstractmethod
-    def step(self, offered_epoch: int) -> StepResult: ...
+    def step(self, offer: Callable[[], int]) -> StepResult: ...
 
     def leave(self) -> None:  # noqa: B027
         """Collective; returns with the same model on every rank."""
@@ -183,27 +184,33 @@ class Strategy(ABC):
                 offset += n
 
     def weighted_allreduce(
-        self, group: dist.ProcessGroup | None, samples: int, offered_epoch: int
+        self, group: dist.ProcessGroup | None, samples: int, offer: Callable[[], int] | None = None
     ) -> tuple[float, int, bool, bool]:
-        """Sample-weighted gradient average over `group`: each rank sends grad x its samples, its
-        samples, its offered control epoch (rank 0's is the only non-zero one, so the sum is that
-        epoch) and whether it is stopping. Uncompressed this is ONE allreduce; with bf16
-        compression the gradient travels as bf16 (half the bytes) and the exact tail as a second,
-        tiny allreduce. Unscales the average (fp16) and sets it as the gradient. Returns (wait
-        seconds, seen epoch, a rank is stopping, gradient finite)."""
+        """Sample-weighted gradient average over `group`: each rank sends grad x its samples, and a
+        tail of its samples, its offered control epoch (rank 0's is the only non-zero one, so the
+        sum is that epoch) and whether it is stopping. Unscales the average (fp16) and sets it as
+        the gradient. Returns (wait seconds, seen epoch, a rank is stopping, gradient finite).
+
+        Without `offer` (a hierarchical group: its epoch travels in the cross-group round) gradient
+        and tail are ONE allreduce. With it, the tail is a second, tiny allreduce, and `offer()` and
+        the stop flag are read between the two: a rank that waited in the gradient exchange for a
+        straggler reads them after that wait, so a command the controller sent meanwhile rides this
+        step, not the next one (with a straggler, one more step at the old split is what the
+        earlier read cost). Under bf16 compression the gradient travels as bf16 (half the bytes)
+        and the tail, exact, is the second allreduce either way."""
         flat = self.flat_grads()
-        stop = 1.0 if self.ctx.stopping.is_set() else 0.0
-        tail = torch.tensor([float(samples), float(offered_epoch), stop], device=flat.device, dtype=torch.float64)
         start = time.perf_counter()
-        if self.ctx.training.compression == Compression.BF16:
-            packed = (flat * samples).to(torch.bfloat16)
-            dist.all_reduce(packed, group=group)
-            dist.all_reduce(tail, group=group)
-            summed = packed.to(flat.dtype)
-        else:
-            buf = torch.cat([flat * samples, tail.to(flat.dtype)])
+        compressed = self.ctx.training.compression == Compression.BF16
+        if offer is None and not compressed:
+            buf = torch.cat([flat * samples, self._tail(samples, 0, flat.device).to(flat.dtype)])
             dist.all_reduce(buf, group=group)
             summed, tail = buf[: self.numel], buf[self.numel :].double()
+        else:
+            packed = (flat * samples).to(torch.bfloat16) if compressed else flat * samples
+            dist.all_reduce(packed, group=group)
+            tail = self._tail(samples, offer() if offer is not None else 0, flat.device)
+            dist.all_reduce(tail, group=group)
+            summed = packed.to(flat.dtype)
         wait = time.perf_counter() - start
         average = summed / float(tail[0])
         scale = self.ctx.state.scaler.scale
@@ -213,6 +220,10 @@ class Strategy(ABC):
             self.ctx.grad_stats.observe(own, samples, average, round(float(tail[0])))
         self.set_grads(average)
         return wait, round(float(tail[1])), float(tail[2]) > 0, finite
+
+    def _tail(self, samples: int, epoch: int, device: torch.device) -> torch.Tensor:
+        stop = 1.0 if self.ctx.stopping.is_set() else 0.0
+        return torch.tensor([float(samples), float(epoch), stop], device=device, dtype=torch.float64)
 
     def optimizer_step(self, finite: bool = True) -> float:
         """One update at the scheduled learning rate; skipped for a non-finite (fp16) gradient."""

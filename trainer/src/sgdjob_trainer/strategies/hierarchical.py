@@ -28,6 +28,7 @@ import itertools
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -111,12 +112,12 @@ class HierarchicalStrategy(Strategy):
         dist.all_gather_object(nodes, ctx.info.node)
         return group_by_node(nodes)
 
-    def step(self, offered_epoch: int) -> StepResult:
+    def step(self, offer: Callable[[], int]) -> StepResult:
         ctx = self.ctx
         loss, compute, samples = self.compute_gradients()
         wait, finite = 0.0, True
         if len(self.my_group) > 1:
-            wait, _, _, finite = self.weighted_allreduce(self.group_pg, samples, 0)
+            wait, _, _, finite = self.weighted_allreduce(self.group_pg, samples)
         else:
             grad = self.flat_grads()
             finite = ctx.state.scaler.unscale(grad)
@@ -130,7 +131,7 @@ class HierarchicalStrategy(Strategy):
             snapshot = self.flat_params()
             # A stop travels with the round like the epoch: consumed at the same step everywhere.
             tail = torch.tensor(
-                [float(offered_epoch), 1.0 if ctx.stopping.is_set() else 0.0],
+                [float(offer()), 1.0 if ctx.stopping.is_set() else 0.0],
                 device=snapshot.device,
                 dtype=snapshot.dtype,
             )

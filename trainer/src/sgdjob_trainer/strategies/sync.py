@@ -10,6 +10,8 @@ plain sync makes at that step, whatever the split.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from sgdjob_trainer.config import SyncMode
 from sgdjob_trainer.strategies.base import StepResult, Strategy
 
@@ -18,9 +20,9 @@ class SyncStrategy(Strategy):
     mode = SyncMode.SYNC
     global_batch = True
 
-    def step(self, offered_epoch: int) -> StepResult:
+    def step(self, offer: Callable[[], int]) -> StepResult:
         loss, compute, samples = self.compute_gradients()
-        wait, seen, stopping, finite = self.weighted_allreduce(None, samples, offered_epoch)
+        wait, seen, stopping, finite = self.weighted_allreduce(None, samples, offer)
         compute += self.optimizer_step(finite)
         return StepResult(
             loss=loss,
