@@ -147,9 +147,28 @@ def _switch_chain(rank: int) -> dict[str, Any]:
     }
 
 
+def _count_tails(run: Any) -> tuple[Any, int]:
+    """Run `run()` counting this rank's separate tail allreduces (4 elements: samples, epoch, stop,
+    late offer) next to the gradient's."""
+    count = [0]
+    original = dist.all_reduce
+
+    def counting(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if tensor.numel() == 4 and tensor.dtype == torch.float64:
+            count[0] += 1
+        return original(tensor, *args, **kwargs)
+
+    dist.all_reduce = counting  # type: ignore[assignment]
+    try:
+        return run(), count[0]
+    finally:
+        dist.all_reduce = original
+
+
 def _landing(rank: int) -> dict[str, Any]:
     """Rank 0's controller sends a new split while rank 0 waits in a step's exchange for a straggler
-    (rank 3, ten times slower): the split must ride that step, not the next one."""
+    (rank 3, ten times slower): the split must ride that step, not the next one. An equal fleet
+    exchanges one allreduce a step (no separate tail)."""
     applied: list[int] = []
     sent: list[int] = []
 
@@ -168,13 +187,14 @@ def _landing(rank: int) -> dict[str, Any]:
                 time.sleep(0.001)
             time.sleep(0.02)
             sent.append(telemetry.status().step)
-            inbox.offer(ControlCommand(epoch=1, batch_sizes={3: 2}, reason="landing"))
+            inbox.offer(ControlCommand(epoch=1, batch_sizes={3: 1}, reason="landing"))
 
         threading.Thread(target=push, daemon=True).start()
 
     emulation = {"computeSeconds": 0.05, "slowdowns": [{"rank": 3, "factor": 10.0}]}
-    trainer = _run(_config("sync", 8, emulation=emulation), drive)
-    return {"applied": applied, "sent": sent, "batch": trainer.ctx.batch_size(3)}
+    trainer, tails = _count_tails(lambda: _run(_config("sync", 8, emulation=emulation), drive))
+    _, equal_tails = _count_tails(lambda: _run(_config("sync", 8, emulation={"computeSeconds": 0.05})))
+    return {"applied": applied, "sent": sent, "batch": trainer.ctx.batch_size(3), "tails": [tails, equal_tails]}
 
 
 def _async_start(rank: int) -> dict[str, Any]:
@@ -264,10 +284,16 @@ def test_every_switch_pair_keeps_one_model(results: list[dict[str, Any]]) -> Non
 
 
 def test_a_split_sent_during_the_wait_for_a_straggler_rides_that_step(results: list[dict[str, Any]]) -> None:
+    print("separate tail allreduces (straggler run, equal fleet):", [r["landing"]["tails"] for r in results])
     assert results[0]["landing"]["sent"] == [3], "sent while rank 0 waited in the fourth step's exchange"
     for r in results:
         assert r["landing"]["applied"] == [4], "applied after the fourth step, every rank"
-        assert r["landing"]["batch"] == 2
+        assert r["landing"]["batch"] == 1
+        # Rank 0 waited in the first exchange, asked in the second, so the third and fourth read
+        # their offer late (the split then made rank 3 the fastest). The equal fleet never waits
+        # half its compute: one allreduce a step (one late step allowed for a loaded machine).
+        late, equal = r["landing"]["tails"]
+        assert late >= 2 and equal <= 1, r["landing"]["tails"]
 
 
 def test_async_start_with_three_shards_learns_and_ends_consistent(results: list[dict[str, Any]]) -> None:

@@ -2,8 +2,8 @@
 
 Switch protocol (every rank runs the same sequence of collectives, so nothing can deadlock):
 1. Rank 0 offers the epoch of its pending control command to each step, read as late as the mode's
-   exchange allows; the active mode carries it to every rank (sync: in a tiny allreduce right after
-   the gradient's, read once rank 0 has waited out the slowest rank; hierarchical: inside the
+   exchange allows; the active mode carries it to every rank (sync: in the gradient allreduce, or,
+   while rank 0 waits for a slower rank, in a tiny allreduce right after it; hierarchical: inside the
    cross-group round, consumed at the same step everywhere; async: in the parameter server's reply).
 2. A rank that sees an epoch newer than the applied one, or that is done, calls `leave()` on its
    strategy (collective; leaves one consistent model on every rank), then all ranks allreduce

@@ -52,6 +52,12 @@ def exchange_bytes(params: Sequence[torch.Tensor], compression: Compression) -> 
     return sum(p.numel() * p.element_size() for p in trainable)
 
 
+# Rank 0 asks for a late offer while its last wait in the exchange exceeded this fraction of its
+# compute: some rank is at least 1.5x slower than it (an equal fleet waits for jitter and the
+# allreduce itself, a few percent).
+LATE_OFFER_WAIT = 0.5
+
+
 @dataclass(slots=True)
 class StepResult:
     loss: float
@@ -108,6 +114,11 @@ class Strategy(ABC):
         self.ctx = ctx
         self.params = [p for p in ctx.state.model.parameters() if p.requires_grad]
         self.numel = sum(p.numel() for p in self.params)
+        # The late offer (`weighted_allreduce`): this rank's last wait in an exchange, and whether
+        # every rank agreed in the last exchange to read the next offer late. Every rank makes its
+        # strategy at the same step, so they start in step with each other.
+        self.waited = 0.0
+        self.late_offer = False
 
     def enter(self) -> None:  # noqa: B027 - optional hook, most modes need nothing
         """Collective; called with a consistent model on every rank."""
@@ -184,34 +195,46 @@ class Strategy(ABC):
                 offset += n
 
     def weighted_allreduce(
-        self, group: dist.ProcessGroup | None, samples: int, offer: Callable[[], int] | None = None
+        self,
+        group: dist.ProcessGroup | None,
+        samples: int,
+        offer: Callable[[], int] | None = None,
+        compute_s: float = 0.0,
     ) -> tuple[float, int, bool, bool]:
         """Sample-weighted gradient average over `group`: each rank sends grad x its samples, and a
         tail of its samples, its offered control epoch (rank 0's is the only non-zero one, so the
-        sum is that epoch) and whether it is stopping. Unscales the average (fp16) and sets it as
-        the gradient. Returns (wait seconds, seen epoch, a rank is stopping, gradient finite).
+        sum is that epoch), whether it is stopping and whether rank 0 asks for a late offer. Unscales
+        the average (fp16) and sets it as the gradient. Returns (wait seconds, seen epoch, a rank is
+        stopping, gradient finite).
 
-        Without `offer` (a hierarchical group: its epoch travels in the cross-group round) gradient
-        and tail are ONE allreduce. With it, the tail is a second, tiny allreduce, and `offer()` and
-        the stop flag are read between the two: a rank that waited in the gradient exchange for a
-        straggler reads them after that wait, so a command the controller sent meanwhile rides this
-        step, not the next one (with a straggler, one more step at the old split is what the
-        earlier read cost). Under bf16 compression the gradient travels as bf16 (half the bytes)
-        and the tail, exact, is the second allreduce either way."""
+        Gradient and tail are ONE allreduce, the offer read when this rank enters it, unless the
+        previous exchange agreed on a late offer: then the tail is a second, tiny allreduce and
+        `offer()` and the stop flag are read between the two, after this rank has waited out the
+        slowest one, so a command the controller sent during that wait rides this step rather than
+        the next (one more step at the old split, with a straggler). Rank 0 asks for it (`compute_s`:
+        its compute this step) while its last wait exceeded LATE_OFFER_WAIT of its compute: a slower
+        rank, the case a new split is for. An equal fleet keeps one allreduce a step (measured on
+        gloo over loopback: the second costs 2-3 % of a digits-cnn step). A hierarchical group
+        (`offer` None) carries no epoch: its epoch travels in the cross-group round. Under bf16
+        compression the gradient travels as bf16 (half the bytes) and the exact tail is always the
+        second allreduce, so its offer is always late."""
         flat = self.flat_grads()
         start = time.perf_counter()
         compressed = self.ctx.training.compression == Compression.BF16
-        if offer is None and not compressed:
-            buf = torch.cat([flat * samples, self._tail(samples, 0, flat.device).to(flat.dtype)])
+        ask = offer is not None and self.ctx.info.rank == 0 and self.waited > LATE_OFFER_WAIT * compute_s
+        if not compressed and not (offer is not None and self.late_offer):
+            tail = self._tail(samples, offer() if offer is not None else 0, ask, flat.device)
+            buf = torch.cat([flat * samples, tail.to(flat.dtype)])
             dist.all_reduce(buf, group=group)
             summed, tail = buf[: self.numel], buf[self.numel :].double()
         else:
             packed = (flat * samples).to(torch.bfloat16) if compressed else flat * samples
             dist.all_reduce(packed, group=group)
-            tail = self._tail(samples, offer() if offer is not None else 0, flat.device)
+            tail = self._tail(samples, offer() if offer is not None else 0, ask, flat.device)
             dist.all_reduce(tail, group=group)
             summed = packed.to(flat.dtype)
         wait = time.perf_counter() - start
+        self.waited, self.late_offer = wait, float(tail[3]) > 0
         average = summed / float(tail[0])
         scale = self.ctx.state.scaler.scale
         finite = self.ctx.state.scaler.unscale(average)
@@ -221,9 +244,10 @@ class Strategy(ABC):
         self.set_grads(average)
         return wait, round(float(tail[1])), float(tail[2]) > 0, finite
 
-    def _tail(self, samples: int, epoch: int, device: torch.device) -> torch.Tensor:
+    def _tail(self, samples: int, epoch: int, late: bool, device: torch.device) -> torch.Tensor:
         stop = 1.0 if self.ctx.stopping.is_set() else 0.0
-        return torch.tensor([float(samples), float(epoch), stop], device=device, dtype=torch.float64)
+        values = [float(samples), float(epoch), stop, 1.0 if late else 0.0]
+        return torch.tensor(values, device=device, dtype=torch.float64)
 
     def optimizer_step(self, finite: bool = True) -> float:
         """One update at the scheduled learning rate; skipped for a non-finite (fp16) gradient."""
