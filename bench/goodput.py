@@ -10,7 +10,9 @@ after a fixed wall-time budget, on a classification task where quality differs b
 Systems: plain DDP on all N workers (`ddp`), DDP on the N-1 fastest (`ddp-drop`), static
 speed-proportional batches in sync (`lb-bsp`), SGDJob's static `sync`, `hierarchical`, `async`, and
 `auto`. Writes DIR/goodput.json, DIR/goodput.md (also printed) and DIR/goodput-<scenario>.png, and
-keeps every run's own output under DIR/runs/<scenario>/<system>/seed-<k>/. See bench/README.md.
+keeps every run's own output under DIR/runs/<scenario>/<system>/seed-<k>/. Both end with the issue's
+targets, checked against the medians (bench.goodput_targets: met or not, with per-seed ratios).
+See bench/README.md.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from bench import goodput_targets
 from bench.goodput_scoring import (
     DEFINITIONS,
     SYSTEMS,
@@ -360,7 +363,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"Cells: median [min-max] over seeds. Bench wall {meta['bench_wall_s']:.0f}s; "
         f"full run estimated at {fmt_number(meta['estimated_full_run_min'], '.0f')} min.\n\n"
     )
-    table = markdown_table(doc["results"])
+    checks = goodput_targets.check(doc["results"])
+    doc["targets"] = goodput_targets.as_json(checks)
+    table = markdown_table(doc["results"]) + "\n## Targets\n\n" + goodput_targets.markdown(checks)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "goodput.json").write_text(json.dumps(doc, indent=2) + "\n")
     (args.out / "goodput.md").write_text(header + table)

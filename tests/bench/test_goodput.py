@@ -158,6 +158,11 @@ def test_tiny_goodput_run_of_every_system(tmp_path: Path) -> None:
     assert "EMULATED" in meta["emulation"] and meta["seeds"] == [0] and meta["target_accuracy"] == 0.3
     assert (out / "goodput-one-straggler.png").stat().st_size > 0
     assert "| one-straggler | lb-bsp |" in (out / "goodput.md").read_text()
+    # The targets, checked: the one-straggler ones have their figures, the rest were not measured.
+    targets = {(t["target"], t["scenario"]): t for t in doc["targets"]}
+    assert targets[("time to target <= 0.55x DDP", "one-straggler")]["met"] is not None
+    assert targets[("time to target <= 1.03x DDP", "homogeneous")]["met"] is None
+    assert "## Targets" in (out / "goodput.md").read_text()
     assert code == 0
 
 
