@@ -15,6 +15,7 @@ from pydantic import Field, ValidationError, model_validator
 from sgdjob_operator.api.models import JobMode, SGDJobSpec
 from sgdjob_operator.api.validation import format_errors
 from sgdjob_operator.policy.comm import CommModel
+from sgdjob_operator.policy.job import REBALANCE_SECONDS
 from sgdjob_trainer.config import CamelModel, cross_field_error
 
 MAX_SIM_WORKERS = 1024
@@ -89,7 +90,9 @@ class Costs(CamelModel):
 
     restart_seconds: Annotated[float, Field(ge=0, le=3600)] = 60.0
     switch_seconds: Annotated[float, Field(ge=0, le=600)] = 5.0
-    rebalance_seconds: Annotated[float, Field(ge=0, le=600)] = 1.0
+    # A new split lands at a step boundary without a restart (under 20 ms measured on digits-cnn):
+    # the policy's own figure, so the simulator does not charge a re-split five times what it costs.
+    rebalance_seconds: Annotated[float, Field(ge=0, le=600)] = REBALANCE_SECONDS
     failure_detect_seconds: Annotated[float, Field(ge=0, le=3600)] = 30.0
 
 
