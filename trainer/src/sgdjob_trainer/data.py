@@ -17,6 +17,8 @@ permutation, dealt to the ranks in turn (rank r takes every N-th position while 
 needs samples, which is exactly the strided shard when the batches are equal). So the samples of a
 step are the same whatever the split, and a rebalanced sync step computes the very gradient plain
 sync (and DDP) computes at that step: a rebalance changes who computes, not what is learned.
+It needs one position on every rank; entering sync agrees on it (`rebase` over the world's
+positions, strategies.sync), since async and hierarchical leave the ranks at different offsets.
 
 The trainer holds out a validation split (`held_out_indices`, fixed by the data seed): its stream
 permutes only the remaining samples, so no rank ever trains on a validation sample.

@@ -12,13 +12,38 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
+import torch.distributed as dist
+
 from sgdjob_trainer.config import SyncMode
+from sgdjob_trainer.data import DataPosition, ShardedStream, rebase
 from sgdjob_trainer.strategies.base import StepResult, Strategy
 
 
 class SyncStrategy(Strategy):
     mode = SyncMode.SYNC
     global_batch = True
+
+    def enter(self) -> None:
+        """Agree on one data position: after async or hierarchical (or a resume of their checkpoint)
+        the ranks stand at different offsets of their shards, and one global batch a step
+        (`next_batch_of`) read from different positions would skip samples and read others twice.
+        `rebase` takes the prefix every rank has read: nothing skipped, the samples between the
+        slowest and the fastest rank's offsets read again."""
+        ctx = self.ctx
+        stream = ctx.stream
+        if not isinstance(stream, ShardedStream) or ctx.info.world_size < 2:
+            return
+        pos = stream.position
+        mine = torch.tensor([pos.epoch, pos.base, pos.offset], dtype=torch.int64)
+        every = [torch.zeros_like(mine) for _ in range(ctx.info.world_size)]
+        dist.all_gather(every, mine)
+        positions = [DataPosition(epoch=int(t[0]), base=int(t[1]), offset=int(t[2])) for t in every]
+        if all(p == positions[0] for p in positions):
+            return
+        agreed = rebase(positions)
+        # In place: the TrainState holds this same object for checkpoints.
+        pos.epoch, pos.base, pos.offset = agreed.epoch, agreed.base, agreed.offset
 
     def step(self, offer: Callable[[], int]) -> StepResult:
         loss, compute, samples = self.compute_gradients()
