@@ -66,14 +66,21 @@ def time_ratio(
     others = {k: v for k, v in systems.items() if k != "auto" and (against is None or k == against)}
     if not others:
         return Check(label, scenario, None, "", f"{against or 'no other system'} not in this run")
+
     # A system that never reached the target (median None) is infinitely late.
-    name, other = min(others.items(), key=lambda kv: (_median(kv[1], "time_to_target_s") or math.inf, kv[0]))
+    def late(kv: tuple[str, Mapping[str, Any]]) -> tuple[float, str]:
+        t = _median(kv[1], "time_to_target_s")
+        return (math.inf if t is None else t, kv[0])
+
+    name, other = min(others.items(), key=late)
     auto_t, other_t = _median(systems["auto"], "time_to_target_s"), _median(other, "time_to_target_s")
     seeds = _fmt_ratios(_per_seed(systems["auto"], other))
     if auto_t is None:
         return Check(label, scenario, False, f"auto never reached the target (median); {name} {other_t}", "")
     if other_t is None:
         return Check(label, scenario, True, f"auto {auto_t:.2f} s; {name} never reached the target (median)")
+    if other_t <= 0.0:  # reached at the first validation, before training: no ratio to take
+        return Check(label, scenario, auto_t <= 0.0, f"auto {auto_t:.2f} s; {name} reached the target at 0 s")
     ratio = auto_t / other_t
     # One more digit where three would print the limit itself for a ratio just above it.
     shown = f"{ratio:.3f}" if f"{ratio:.3f}" != f"{limit:.3f}" else f"{ratio:.4f}"

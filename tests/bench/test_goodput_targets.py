@@ -72,6 +72,10 @@ def test_never_reaching_the_target_and_what_a_subset_did_not_measure() -> None:
     checks = check(slow)
     best = next(c for c in checks if c.scenario == "one-straggler" and "best other" in c.target)
     assert best.met is True and "ddp 18.30 s" in best.figure
+    # A tiny run's baseline can reach the target at its first validation (0 s): no ratio, no crash.
+    instant = _full([0.5, 0.5, 0.5], [0.0, 0.0, 0.0])
+    zero = next(c for c in check(instant) if c.scenario == "one-straggler" and "best other" in c.target)
+    assert zero.met is False and zero.figure == "auto 0.50 s; ddp-drop reached the target at 0 s"
 
 
 def test_accuracy_kept_within_half_a_point_and_unexplained_decisions() -> None:
