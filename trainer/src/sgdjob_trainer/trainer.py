@@ -152,6 +152,7 @@ class Trainer:
             parts.schedule,
             self.telemetry,
             ps,
+            self.ctl,
         )
         self.interrupted = False  # the run ended by a graceful stop before its last step
         self.stop_seen = False

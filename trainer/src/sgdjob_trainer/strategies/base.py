@@ -88,6 +88,9 @@ class Context:
     schedule: Callable[[int], float]
     telemetry: Telemetry
     ps: ParameterServer | None = None
+    # The CPU (gloo) group for small control exchanges when training runs on nccl; None: the
+    # default group is gloo already.
+    ctl: dist.ProcessGroup | None = None
     # Set (from the SIGTERM handler) when this process is asked to stop gracefully.
     stopping: threading.Event = field(default_factory=threading.Event)
     # Process groups are made collectively and never freed mid-run; reuse them across switches.

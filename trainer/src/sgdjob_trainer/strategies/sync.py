@@ -37,7 +37,7 @@ class SyncStrategy(Strategy):
         pos = stream.position
         mine = torch.tensor([pos.epoch, pos.base, pos.offset], dtype=torch.int64)
         every = [torch.zeros_like(mine) for _ in range(ctx.info.world_size)]
-        dist.all_gather(every, mine)
+        dist.all_gather(every, mine, group=ctx.ctl)  # CPU tensors: the gloo group under nccl
         positions = [DataPosition(epoch=int(t[0]), base=int(t[1]), offset=int(t[2])) for t in every]
         if all(p == positions[0] for p in positions):
             return
