@@ -1,5 +1,9 @@
 """The changes worth considering for the fleet's shape, each with its predicted useful throughput.
 
+A straggler's remedies within sync are two splits of the step: `rebalance` keeps the job's global
+batch and hands the slow ranks' share to the fast ones; `trim` keeps the fast ranks' batch and gives
+each slow rank what it finishes in their step, so the global batch shrinks (see `_trim` for when).
+
 Only actions in allowedActions are built; a job with a fixed mode gets no mode switch; a
 homogeneous fleet gets only the way back: to plain sync, and to the replicas the job should run
 (`_grow`), so measurement noise has nothing to act on.
@@ -39,6 +43,7 @@ from sgdjob_operator.policy.plans import (
     paced_group_batches,
     rebalanced_batches,
     speed_groups,
+    trimmed_batches,
 )
 
 # A decision factory: (reason, predicted gain) -> Decision.
@@ -87,6 +92,10 @@ class Candidate:
 # alternatives keep paying for the bad node, and a rebalance's prediction profits from noise in
 # the measured speeds that a replacement's (everyone at the typical speed) does not.
 REPLACE_PREFERENCE = 0.10
+# A trimmed split is proposed only when the noise scale values its smaller batch at least this much
+# more per sample: below, the two splits differ by their rounding to whole samples (about 1 % of
+# the step at 32 samples a rank), and the job's own global batch is kept.
+TRIM_WORTH = 0.02
 # Speed clusters lean to hierarchical only as a tie-break.
 CLUSTER_PREFERENCE = 0.03
 
@@ -135,12 +144,17 @@ def build(ctx: DecisionContext) -> list[Candidate]:
     steps = ctx.sync_steps()
     out: list[Candidate] = []
     if shape is Shape.HOMOGENEOUS:
+        # An equal fleet runs plain sync at its median speed: a rank measured at a smaller batch than
+        # the job's (a straggler's share, kept after it recovered) reads slower per sample than it
+        # would at the job's batch (a step's fixed part weighs more), and read as such it would hold
+        # the way back to plain sync up for as long as its small batch lasts.
+        even = {r: ctx.health.median_speed for r in ctx.speeds} if ctx.health.median_speed > 0 else ctx.speeds
         if view.mode == "sync" and unequal and view.allows(Action.REBALANCE):
             out.append(
                 _candidate(
                     "plain",
                     lambda why, g: Rebalance(plain, why, g),
-                    predict_sync(ctx.speeds, plain, ctx.ci, "plain sync", steps=steps),
+                    predict_sync(even, plain, ctx.ci, "plain sync"),
                     view.rebalance_seconds,
                     restoring=True,
                     batch_only=True,
@@ -148,7 +162,7 @@ def build(ctx: DecisionContext) -> list[Candidate]:
             )
         elif view.mode != "sync" and switch:
             back = plain if unequal else None
-            pred = predict_sync(ctx.speeds, plain, ctx.ci, "plain sync", steps=steps)
+            pred = predict_sync(even, plain, ctx.ci, "plain sync")
             out.append(
                 _candidate(
                     "switch:sync",
@@ -175,6 +189,7 @@ def build(ctx: DecisionContext) -> list[Candidate]:
         in_sync = view.mode == "sync"
         cost = view.rebalance_seconds if in_sync else view.switch_seconds
         out.append(_candidate("rebalance", make, pred, cost, batch_only=in_sync))
+        out.extend(_trim(ctx, steps, caps, in_sync))
     if switch:
         if view.mode != "sync":
             back = plain if unequal else None
@@ -208,6 +223,28 @@ def build(ctx: DecisionContext) -> list[Candidate]:
                 )
             )
     return out
+
+
+def _trim(
+    ctx: DecisionContext, steps: Mapping[int, StepTime], caps: Mapping[int, int], in_sync: bool
+) -> list[Candidate]:
+    """Sync with the fast ranks at the job's batch and each slow one at what it finishes in their
+    step (`plans.trimmed_batches`): the global batch shrinks, and under a linear lrScaling the
+    learning rate with it, which the measured noise scale says is worth more per sample
+    (`Efficiency.sync_batch_worth`). Proposed only where it is: measured, a plain optimizer, linear
+    lrScaling; the prior would value it as a rebalance that loses a little to more exchanges."""
+    view = ctx.view
+    rates = {r: st.rate for r, st in steps.items()}
+    t = trimmed_batches(rates, view.base_batch, caps, {r: st.fixed for r, st in steps.items()})
+    total = sum(t.values())
+    if total >= view.base_batch * len(ctx.speeds) or ctx.ci.efficiency.sync_batch_worth(total) < 1.0 + TRIM_WORTH:
+        return []
+    pred = predict_sync(ctx.speeds, t, ctx.ci, f"trimmed sync ({total} samples a step)", steps=steps)
+    make: Make = (
+        (lambda why, g: Rebalance(t, why, g)) if in_sync else (lambda why, g: SwitchMode("sync", why, None, t, g))
+    )
+    cost = view.rebalance_seconds if in_sync else view.switch_seconds
+    return [_candidate("trim", make, pred, cost, batch_only=in_sync)]
 
 
 def _candidate(

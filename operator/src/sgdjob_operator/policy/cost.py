@@ -91,7 +91,8 @@ def predict_sync(
     slowest = max(model[r].at(batches[r]) if r in model else batches[r] / speeds[r] for r in speeds)
     step = slowest * _noise(ci, n) + ci.comm.allreduce_s(n)
     total = sum(batches[r] for r in speeds)
-    worth = ci.efficiency.per_sample(lr_ratio) * ci.efficiency.batch_worth(total)
+    eff = ci.efficiency
+    worth = eff.per_sample(lr_ratio) * eff.batch_worth(total) * eff.sync_batch_worth(total)
     return Prediction(label, total / step, 0.0, worth)
 
 

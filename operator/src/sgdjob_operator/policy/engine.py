@@ -124,7 +124,9 @@ def evaluate(state: PolicyState, samples: Sequence[WorkerSample], job: JobView, 
     nodes = {r: (a.ranks[r].node if r in a.ranks else None) for r in speeds}
     pods = {r: (window.latest[r].pod if r in window.latest else None) for r in speeds}
     stale = [w.staleness for w in window.ranks.values() if w.mode == "async"]
-    efficiency = estimate(window.latest.values(), p.staleness_penalty, job.staleness_lr, job.global_batch)
+    efficiency = estimate(
+        window.latest.values(), p.staleness_penalty, job.staleness_lr, job.planned_batch, job.lr_scaling
+    )
     ci = CostInputs(
         comm,
         jitter,

@@ -98,6 +98,11 @@ class JobView:
         return sum(self.batch(r) for r in range(self.world_size))
 
     @property
+    def planned_batch(self) -> int:
+        """The global batch of plain sync on this world (a trimmed split's is smaller)."""
+        return self.base_batch * self.world_size
+
+    @property
     def plain(self) -> bool:
         """Synchronous with every rank at the spec batch: where a job rests when nothing is wrong."""
         return self.mode == SyncMode.SYNC.value and all(

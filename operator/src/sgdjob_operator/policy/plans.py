@@ -7,6 +7,11 @@ from collections.abc import Mapping, Sequence
 
 from sgdjob_operator.policy.stats import gap_clusters
 
+# Ranks whose step at the job's batch is within this fraction of the fastest one's keep the job's batch
+# in a trimmed split: a speed measured over a few steps is known to a few per cent, and a sample taken
+# off within that noise would chase it.
+TRIM_TOLERANCE = 0.03
+
 
 def proportional_batches(
     weights: Mapping[int, float],
@@ -82,6 +87,29 @@ def rebalanced_batches(
     `fixed` seconds per step (speeds then are the rates of the part that grows with the batch),
     equal fixed + batch / speed."""
     return proportional_batches(speeds, total, caps, fixed)
+
+
+def trimmed_batches(
+    rates: Mapping[int, float], base: int, caps: Mapping[int, int], fixed: Mapping[int, float] | None = None
+) -> dict[int, int]:
+    """Sync's split that keeps the step the fastest ranks take for the job's batch `base`: those within
+    TRIM_TOLERANCE of the fastest keep `base`, and every other rank gets the whole samples it finishes
+    in their step (fixed + batch / rate), at least 1 and at most `base` and its cap. The global batch
+    shrinks by what the slow ranks cannot finish, instead of the fast ranks taking it over
+    (`rebalanced_batches`)."""
+    f = {r: max((fixed or {}).get(r, 0.0), 0.0) for r in rates}
+    times = {r: _step(base, v, f[r]) for r, v in rates.items() if v > 0}
+    if not times:
+        return {r: base for r in rates}
+    fastest = min(times.values())
+    kept = {r for r, t in times.items() if t <= fastest * (1 + TRIM_TOLERANCE)}
+    step = max(times[r] for r in kept)
+    out: dict[int, int] = {}
+    for r, v in rates.items():
+        # A hair of tolerance: a share that is exactly whole is not one sample less by rounding.
+        fits = base if r in kept else math.floor((step - f[r]) * v * (1 + 1e-9)) if v > 0 else 1
+        out[r] = max(1, min(base, caps.get(r, base), fits))
+    return out
 
 
 def group_size_target(world: int) -> int:

@@ -106,6 +106,18 @@ class Context:
     def total_batch(self) -> int:
         return sum(self.batch_size(r) for r in range(self.info.world_size))
 
+    def batch_lr_scale(self) -> float:
+        """The learning rate of an update over the world's batches relative to one over the job's
+        global batch (`batchSize` x world), by training.lrScaling: 1 for any split that keeps the
+        global batch; a trimmed one (the policy's `trim`: the fast ranks keep their batch, the slow
+        ones take what they finish in the same time) moves the rate with the batch, as a resized
+        world does."""
+        planned = self.training.batch_size * self.info.world_size
+        total = self.total_batch()
+        if planned <= 0 or total <= 0 or total == planned:
+            return 1.0
+        return self.training.lr_scaling.factor(total, planned)
+
 
 class Strategy(ABC):
     mode: ClassVar[SyncMode]
@@ -256,7 +268,9 @@ class Strategy(ABC):
         """One update at the scheduled learning rate; skipped for a non-finite (fp16) gradient."""
         start = time.perf_counter()
         ctx = self.ctx
-        set_lr(ctx.state.optimizer, ctx.lr_scale * ctx.schedule(ctx.state.step))
+        # Sync's update is over the global batch, whose size a trimmed split changes.
+        batch = ctx.batch_lr_scale() if self.global_batch else 1.0
+        set_lr(ctx.state.optimizer, ctx.lr_scale * batch * ctx.schedule(ctx.state.step))
         if finite:
             ctx.state.optimizer.step()
         return time.perf_counter() - start
