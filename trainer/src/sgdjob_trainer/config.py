@@ -264,7 +264,13 @@ class TrainingConfig(CamelModel):
         OptimizerConfig, Field(description="The optimizer: sgd, adam or adamw and their parameters.")
     ] = OptimizerConfig()
     lr_scaling: Annotated[
-        LrScaling, Field(description="How the learning rate follows a world-size change: linear, sqrt or none.")
+        LrScaling,
+        Field(
+            description=(
+                "How the learning rate follows a change of the global batch (a resized world, or auto's trimmed "
+                "split of sync's batch): linear, sqrt or none. Only under linear may auto trim the global batch."
+            )
+        ),
     ] = LrScaling.LINEAR
     steps: Annotated[
         int,
