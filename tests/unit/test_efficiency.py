@@ -94,13 +94,18 @@ def test_an_async_job_whose_measured_gradients_start_to_turn_goes_back_to_sync()
     assert isinstance(d, SwitchMode) and d.mode == "sync", d.reason
     assert "correlation 0.200" in d.reason and "steps in async" in d.reason, d.reason
     # Steady gradients keep async against sync over the job's global batch (sqrt lrScaling: a smaller
-    # batch is not credited). Under the linear rule the one sync that beats it is the trimmed split,
-    # whose smaller global batch the measured noise scale (100 samples) values at 228/206 per sample.
+    # batch is not credited), and under linear with the default actions. Under linear, with trimBatch
+    # allowed, the one sync that beats it is the trimmed split, whose smaller global batch the measured
+    # noise scale (100 samples) values at 228/206 per sample.
     steady = _straggler_job(0.999, start_mode="async", lr_scaling="sqrt")
     for _ in range(8):
         decision = steady.step().decision
         assert not isinstance(decision, SwitchMode), decision.reason
-    trimmed = _first_change(_straggler_job(0.999, start_mode="async"))
+    steady = _straggler_job(0.999, start_mode="async")
+    for _ in range(8):
+        decision = steady.step().decision
+        assert not isinstance(decision, SwitchMode), decision.reason
+    trimmed = _first_change(_straggler_job(0.999, start_mode="async", trim=True))
     assert isinstance(trimmed, SwitchMode) and trimmed.mode == "sync" and trimmed.batch_sizes, trimmed.reason
     assert trimmed.batch_sizes[0] == 32 and sum(trimmed.batch_sizes.values()) < 128, trimmed.batch_sizes
     assert "trimmed sync" in trimmed.reason and "smaller sync batch counts more" in trimmed.reason
@@ -120,12 +125,13 @@ def _straggler_job(
     start_mode: str | None = None,
     steps: int = 50,
     lr_scaling: str = "linear",
+    trim: bool = False,
 ) -> Harness:
     gradient = None if correlation is None else GradientSignal(steps, 1.0, variance, correlation)
     return Harness(
         [FAST, FAST, FAST, SLOW],
         jitter=0.4,
-        policy={"allowedActions": ["switchMode", "rebalance"]},
+        policy={"allowedActions": ["switchMode", "rebalance", *(["trimBatch"] if trim else [])]},
         training={"async": {"stalenessLr": "none"}, "lrScaling": lr_scaling},
         gradient=gradient,
         async_capable=async_capable,

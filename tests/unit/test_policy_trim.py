@@ -7,6 +7,7 @@ import math
 
 import pytest
 
+from sgdjob_operator.api.models import Action, PolicySpec
 from sgdjob_operator.policy import Rebalance, SwitchMode
 from sgdjob_operator.policy.efficiency import Efficiency
 from sgdjob_operator.policy.plans import trimmed_batches
@@ -47,13 +48,14 @@ def dataclasses_replace(e: Efficiency, **changes: object) -> Efficiency:
     return dataclasses.replace(e, **changes)  # type: ignore[arg-type]
 
 
-def _job(variance: float | None, lr_scaling: str = "linear", steps: int = 50) -> Harness:
+def _job(variance: float | None, lr_scaling: str = "linear", steps: int = 50, trim: bool = True) -> Harness:
     """A 2.8x straggler of 4 in plain sync; every rank reports gradients of squared norm 1 and the
-    given variance (noise scale = variance samples), measured over `steps` steps."""
+    given variance (noise scale = variance samples), measured over `steps` steps. `trim`: the job
+    lists trimBatch in allowedActions."""
     gradient = None if variance is None else GradientSignal(steps, 1.0, variance, 0.95)
     return Harness(
         [FAST, FAST, FAST, SLOW],
-        policy={"allowedActions": ["rebalance"]},
+        policy={"allowedActions": ["rebalance", "trimBatch"] if trim else ["rebalance"]},
         training={"lrScaling": lr_scaling},
         gradient=gradient,
     )
@@ -78,6 +80,19 @@ def test_the_measured_noise_scale_moves_the_split_between_rebalanced_and_trimmed
     assert sum(kept.values()) == 128 and kept[3] < 32 < kept[0], kept
     assert sum(_first_split(_job(None)).values()) == 128, "the prior: no trim"
     assert sum(_first_split(_job(300.0, lr_scaling="sqrt")).values()) == 128, "the rule's premise is linear lrScaling"
+
+
+def test_a_job_that_does_not_list_trim_batch_keeps_its_global_batch() -> None:
+    """The trim is opt-in: the noise scale that trims a job listing trimBatch leaves the default job's
+    global batch alone (rebalanced, then kept), however long it runs."""
+    h = _job(300.0, trim=False)
+    assert sum(_first_split(h).values()) == 128
+    for _ in range(10):
+        d = h.step().decision
+        if isinstance(d, Rebalance | SwitchMode):
+            assert d.batch_sizes and sum(d.batch_sizes.values()) == 128, d.reason
+    assert not any("trimmed sync" in e.decision.reason for e in h.history)
+    assert PolicySpec().allowed_actions == [Action.SWITCH_MODE, Action.REBALANCE, Action.REPLACE_WORKER]
 
 
 @pytest.mark.parametrize("fixed", [0.0, 0.004])

@@ -82,6 +82,7 @@ class Action(StrEnum):
     REBALANCE = "rebalance"
     REPLACE_WORKER = "replaceWorker"
     RESCALE = "rescale"
+    TRIM_BATCH = "trimBatch"
 
 
 class CleanPodPolicy(StrEnum):
@@ -175,7 +176,15 @@ class PolicySpec(CamelModel):
     ] = 3600.0
     allowed_actions: Annotated[
         list[Action],
-        Field(max_length=4, description="Actions the policy may take: switchMode, rebalance, replaceWorker, rescale."),
+        Field(
+            max_length=5,
+            description=(
+                "Actions the policy may take: switchMode, rebalance, replaceWorker, rescale, trimBatch. trimBatch (not "
+                "in the default) lets a straggler's step shrink the global batch under linear lrScaling where the "
+                "measured gradient noise scale says a smaller batch is worth more per sample; on the goodput "
+                "benchmark it trained no sooner than the rebalanced split (bench/README)."
+            ),
+        ),
     ] = [
         Action.SWITCH_MODE,
         Action.REBALANCE,
