@@ -12,15 +12,29 @@ from bench.results import ddp_result, sgdjob_result
 from bench.systems import RunRecord
 
 SYSTEMS = ("ddp", "ddp-drop", "lb-bsp", "sync", "hierarchical", "async", "auto")
+# A model is trained to a quality when its validations hold it, not when one of them lands above it:
+# this task's accuracy swings by 10-20 points between neighbouring validations (every 5 steps), so the
+# first single validation over the target rewards a noisier trajectory (measured over 10 seeds of a 3x
+# straggler: the trimmed split's first single crossing came 4 % sooner than the rebalanced split's, its
+# mean of three 6 % later, and its accuracy at the budget was lower; see bench/README). Both figures
+# are therefore taken over SUSTAIN consecutive validations; the single-validation ones are kept beside.
+SUSTAIN = 3
+
 DEFINITIONS = {
     "time_to_target_s": (
-        "seconds since that run's training start until rank 0's first validation on the held-out split "
-        "at or above the target accuracy; None when no validation of the run reached it"
+        f"seconds since that run's training start until the first validation of rank 0 (on the held-out split) "
+        f"at which the mean accuracy of it and the {SUSTAIN - 1} validations before it is at or above the target; "
+        f"None when that never happened"
     ),
     "accuracy_at_budget": (
-        "validation accuracy of the last validation at or before the wall-time budget (seconds since training "
-        "start); a run that ended before the budget keeps its final model's accuracy"
+        f"mean validation accuracy of the last {SUSTAIN} validations at or before the wall-time budget (seconds "
+        f"since training start); a run that ended before the budget keeps its final validations"
     ),
+    "first_crossing_s": (
+        "seconds since training start until the first single validation at or above the target (the definition "
+        "before the sustained one); None when none was"
+    ),
+    "last_accuracy_at_budget": "accuracy of the single last validation at or before the budget",
     "throughput": (
         "applied samples of all ranks / the longest rank's training wall time (start-up excluded); only samples "
         "whose gradients were applied count (ddp-drop: the N-1 workers it runs on)"
@@ -45,15 +59,44 @@ def accuracy_points(rows: Sequence[Mapping[str, Any]] | None) -> Points:
     return sorted(out)
 
 
-def time_to_accuracy(points: Points, target: float) -> float | None:
-    """First time a validation is at or above `target`; None when none is."""
-    return next((t for t, acc in points if acc >= target), None)
+def time_to_accuracy(points: Points, target: float, sustain: int = 1) -> float | None:
+    """First time the mean accuracy of a validation and the `sustain` - 1 before it is at or above
+    `target` (sustain 1: a single validation); None when it never is."""
+    for i in range(sustain - 1, len(points)):
+        window = points[i - sustain + 1 : i + 1]
+        if sum(acc for _, acc in window) / sustain >= target:
+            return points[i][0]
+    return None
 
 
-def accuracy_at(points: Points, budget_s: float) -> float | None:
-    """The accuracy of the last validation at or before `budget_s`; None when there was none by then."""
-    before = [acc for t, acc in points if t <= budget_s]
-    return before[-1] if before else None
+def accuracy_at(points: Points, budget_s: float, sustain: int = 1) -> float | None:
+    """The mean accuracy of the last `sustain` validations at or before `budget_s` (fewer when fewer
+    had run by then); None when there was none by then."""
+    before = [acc for t, acc in points if t <= budget_s][-sustain:]
+    return sum(before) / len(before) if before else None
+
+
+def curve_figures(points: Points, target: float, budget_s: float) -> dict[str, float | None]:
+    """A run's quality figures from its validation curve (see DEFINITIONS)."""
+    return {
+        "time_to_target_s": time_to_accuracy(points, target, SUSTAIN),
+        "accuracy_at_budget": accuracy_at(points, budget_s, SUSTAIN),
+        "first_crossing_s": time_to_accuracy(points, target),
+        "last_accuracy_at_budget": accuracy_at(points, budget_s),
+    }
+
+
+def rescore(results: Sequence[Mapping[str, Any]], target: float, budget_s: float) -> list[dict[str, Any]]:
+    """A finished run's results with every run's figures recomputed from its stored curve by the
+    current definitions (a goodput.json written before them included), and aggregated again."""
+    out: list[dict[str, Any]] = []
+    for r in results:
+        systems: dict[str, Any] = {}
+        for name, s in r["systems"].items():
+            runs = [{**run, **curve_figures([(t, a) for t, a in run["curve"]], target, budget_s)} for run in s["runs"]]
+            systems[name] = aggregate(runs)
+        out.append({**r, "systems": systems})
+    return out
 
 
 def spread(values: Sequence[float | None], missing: float) -> dict[str, float | None]:
@@ -95,8 +138,7 @@ def run_result(record: RunRecord, workers: int, target: float, budget_s: float) 
         base, points, modes = {"ok": False}, [], []
     ok = bool(base.get("ok")) and record.error is None
     return {
-        "time_to_target_s": time_to_accuracy(points, target),
-        "accuracy_at_budget": accuracy_at(points, budget_s),
+        **curve_figures(points, target, budget_s),
         "final_accuracy": points[-1][1] if points else None,
         "throughput": base.get("throughput"),
         "wall_s": base.get("wall_s"),
@@ -116,6 +158,8 @@ def aggregate(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     return {
         "time_to_target_s": spread([r["time_to_target_s"] for r in runs], math.inf),
         "accuracy_at_budget": spread([r["accuracy_at_budget"] for r in runs], -math.inf),
+        "first_crossing_s": spread([r.get("first_crossing_s") for r in runs], math.inf),
+        "last_accuracy_at_budget": spread([r.get("last_accuracy_at_budget") for r in runs], -math.inf),
         "throughput": spread([r["throughput"] for r in runs], -math.inf),
         "reached": sum(r["time_to_target_s"] is not None for r in runs),
         "seeds": len(runs),
@@ -139,8 +183,10 @@ def _cell(s: Mapping[str, Any], spec: str, none: str = "—") -> str:
 def markdown_table(results: Sequence[Mapping[str, Any]]) -> str:
     """One row per scenario and system: median [min-max] over seeds (pure)."""
     lines = [
-        "| scenario | system | time to target (s) | reached | accuracy at budget | throughput (samples/s) | modes |",
-        "|---|---|---:|---:|---:|---:|---|",
+        f"| scenario | system | time to target (s, mean of {SUSTAIN}) | reached "
+        f"| accuracy at budget (mean of {SUSTAIN}) | first single crossing (s) | single accuracy at budget "
+        "| throughput (samples/s) | modes |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in results:
         for system in SYSTEMS:
@@ -152,6 +198,8 @@ def markdown_table(results: Sequence[Mapping[str, Any]]) -> str:
             lines.append(
                 f"| {r['scenario']} | {system} | {_cell(s['time_to_target_s'], '.1f', 'not reached')} "
                 f"| {s['reached']}/{s['seeds']} | {_cell(s['accuracy_at_budget'], '.3f')} "
+                f"| {_cell(s['first_crossing_s'], '.1f', 'not reached')} "
+                f"| {_cell(s['last_accuracy_at_budget'], '.3f')} "
                 f"| {_cell(s['throughput'], '.0f')} | {'ERROR ' + errors[0] if errors else modes} |"
             )
     return "\n".join(lines) + "\n"

@@ -1,7 +1,8 @@
 """The goodput benchmark's targets, checked against a run's results (pure), so a full run says itself
 which it met, with the figures and the per-seed ratios behind each verdict.
 
-    python -m bench.goodput_targets DIR/goodput.json     # re-check a finished run
+    python -m bench.goodput_targets DIR/goodput.json             # re-check a finished run
+    python -m bench.goodput_targets --rescore DIR/goodput.json   # by the current definitions, from its curves
 
 A target needs its scenario and systems in the run; one that a subset run did not measure says so.
 Medians are compared as the targets state them (auto's median against the other's median); the
@@ -19,6 +20,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from bench.goodput_scoring import markdown_table, rescore
 
 # Accuracy is compared in points (0.005 = half a point).
 ACCURACY_SLACK = 0.005
@@ -158,12 +161,23 @@ def as_json(checks: Sequence[Check]) -> list[dict[str, Any]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("goodput_json", type=Path, help="a run's goodput.json")
+    parser.add_argument(
+        "--rescore",
+        action="store_true",
+        help="recompute every run's figures from its stored validation curve by the current definitions "
+        "(bench.goodput_scoring), e.g. for a run written before them; prints the table too",
+    )
     args = parser.parse_args(argv)
     try:
         doc = json.loads(args.goodput_json.read_text())
         results = doc["results"]
+        if args.rescore:
+            meta = doc["metadata"]
+            results = rescore(results, float(meta["target_accuracy"]), float(meta["budget_s"]))
     except (OSError, ValueError, KeyError, TypeError) as err:
         parser.error(f"{args.goodput_json}: not a goodput.json ({err})")
+    if args.rescore:
+        print(markdown_table(results))
     checks = check(results)
     print(markdown(checks), end="")
     return 0 if all(c.met is not False for c in checks) else 1

@@ -103,3 +103,35 @@ def test_the_recheck_command_reads_a_goodput_json(tmp_path: Path, capsys: pytest
     with pytest.raises(SystemExit):
         main([str(tmp_path / "bad.json")])
     assert "not a goodput.json" in capsys.readouterr().err
+
+
+def _curved(single_hit: float, held_from: float) -> dict[str, Any]:
+    """A run whose one validation at `single_hit` s reads 0.95 between ones at 0.7, and whose
+    validations read 0.92 from `held_from` s on (every 0.5 s to 12 s)."""
+    times = [0.5 * k for k in range(1, 25)]
+    curve = [[t, 0.95 if t == single_hit else (0.92 if t >= held_from else 0.7)] for t in times]
+    return {"time_to_target_s": single_hit, "accuracy_at_budget": 0.9, "throughput": 1.0, "ok": True,
+            "decisions": [EXPLAINED], "curve": curve, "modes": ["sync@0"]}  # fmt: skip
+
+
+def test_rescore_recomputes_an_older_run_by_the_sustained_definitions(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A goodput.json scored by single validations: auto's lucky early validation met the target there;
+    rescored from the stored curves, three validations hold 0.9 only from 9.5 s on, and it is not met."""
+    systems = {
+        "ddp": aggregate([_curved(18.0, 18.0)] * 3),
+        "lb-bsp": aggregate([_curved(8.0, 8.0)] * 3),
+        "auto": aggregate([_curved(5.0, 9.5)] * 3),
+    }
+    doc = {"results": [{"scenario": "one-straggler", "systems": systems}],
+           "metadata": {"target_accuracy": 0.9, "budget_s": 8.0}}  # fmt: skip
+    path = tmp_path / "goodput.json"
+    path.write_text(json.dumps(doc))
+    assert main([str(path)]) == 0  # as stored: auto 5.0 s against lb-bsp 8.0 s
+    capsys.readouterr()
+    assert main(["--rescore", str(path)]) == 1
+    out = capsys.readouterr().out
+    assert "| one-straggler | auto | 10.5 [10.5-10.5] | 3/3 |" in out  # 9.5, 10.0, 10.5 at 0.92: held at 10.5
+    assert "| 5.0 [5.0-5.0] |" in out  # the single crossing, kept beside
+    assert "auto 10.50 s / lb-bsp 9.00 s" in out
