@@ -177,6 +177,14 @@ def run_system(cfg: BenchConfig, scenario: Scenario, system: str, run_dir: Path,
     return guarded(system, run_dir, lambda: run_sgdjob(cfg, scenario, system, run_dir, timeout_s))
 
 
+def run_order(systems: Sequence[str], index: int) -> list[str]:
+    """The systems of the `index`-th seed, rotated by one place a seed: each system runs early in some
+    seeds and late in others, so a machine that drifts over a scenario's minutes (this VM's speed
+    moved 2-6 % in a day) does not always favour the same system of a side-by-side comparison."""
+    k = index % len(systems) if systems else 0
+    return [*systems[k:], *systems[:k]]
+
+
 def run_benchmark(
     cfg: BenchConfig,
     scenarios: Sequence[str],
@@ -198,9 +206,9 @@ def run_benchmark(
     for name in scenarios:
         scenario = build_scenario(name, cfg)
         per_system: dict[str, list[dict[str, Any]]] = {s: [] for s in systems}
-        for seed in seeds:
+        for i, seed in enumerate(seeds):
             seeded = replace(cfg, seed=seed)
-            for system in systems:
+            for system in run_order(systems, i):
                 print(f"[{time.monotonic() - wall0:6.0f}s] {name}: {system} seed {seed} ...", file=log, flush=True)
                 record = run_system(seeded, scenario, system, out / "runs" / name / system / f"seed-{seed}", timeout_s)
                 workers = cfg.workers - 1 if system == "ddp-drop" else cfg.workers
@@ -235,6 +243,7 @@ def run_benchmark(
             "date": started,
             "config": asdict(cfg),
             "seeds": list(seeds),
+            "run_order": "each seed runs every system of a scenario, rotated by one place a seed (run_order)",
             "systems": list(systems),
             "target_accuracy": target,
             "budget_s": budget_s,

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from bench.goodput import CONFIG, lb_batches, step_aligned, time_aligned
+from bench.goodput import CONFIG, lb_batches, run_order, step_aligned, time_aligned
 from bench.goodput_scoring import (
     SYSTEMS,
     accuracy_at,
@@ -123,6 +123,17 @@ def test_run_results_aggregate_and_table() -> None:
         "| 160 [160-160] |"
     )
     assert lines[3].startswith("| one-straggler | lb-bsp | 3.0 [3.0-not reached] | 2/3 | 0.540 [0.350-0.540] | 2.0 [")
+
+
+def test_each_seed_runs_every_system_in_a_rotated_order() -> None:
+    # Over as many seeds as systems, each system takes every place in the order once: none always
+    # runs first (or last) on a machine whose speed drifts through a scenario.
+    orders = [run_order(SYSTEMS, i) for i in range(len(SYSTEMS))]
+    assert all(sorted(o) == sorted(SYSTEMS) for o in orders)
+    for place in range(len(SYSTEMS)):
+        assert sorted(o[place] for o in orders) == sorted(SYSTEMS)
+    assert orders[0] == list(SYSTEMS)
+    assert [o[0] for o in orders[:3]] == list(SYSTEMS[:3])
 
 
 def test_ddp_drop_and_lb_bsp_setups() -> None:
