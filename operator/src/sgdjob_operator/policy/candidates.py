@@ -31,6 +31,7 @@ from sgdjob_operator.policy.cost import (
     CostInputs,
     Prediction,
     StepTime,
+    pooled,
     predict_async,
     predict_hierarchical,
     predict_sync,
@@ -68,8 +69,11 @@ class DecisionContext:
 
     def sync_steps(self) -> dict[int, StepTime]:
         """The ranks' step-time models at their measured speeds and current batches, for the sync
-        predictions over the same ranks (proportional to the batch where no fixed part is known)."""
-        return step_times(self.speeds, {r: self.view.batch(r) for r in self.speeds}, self.fixed)
+        predictions over the same ranks (proportional to the batch where no fixed part is known),
+        each speed class at its mean (`cost.pooled`): the current split and every new one are
+        judged by the same models, and a split gives ranks of one class the same batch."""
+        own = step_times(self.speeds, {r: self.view.batch(r) for r in self.speeds}, self.fixed)
+        return pooled(own, self.view.base_batch)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,36 @@
+"""A split of sync's batch gives ranks the measurement cannot tell apart the same batch (`cost.pooled`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from sgdjob_operator.policy import Rebalance
+from sgdjob_operator.policy.cost import SAME_SPEED, StepTime, pooled, step_times
+from tests.unit.test_policy_harness import Harness
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_a_noisy_bimodal_fleet_splits_equal_ranks_equally(seed: int) -> None:
+    # Two pairs of equal ranks, the second pair 2x slower, every window's speeds off by up to 3 %:
+    # each rank's own estimate would hand one rank of a pair a sample more than its twin, and that
+    # rank would set every step. (The pairs' ratio is still read with the noise: 44/44/20/20 is a split
+    # of measured speeds, not of a class's.)
+    h = Harness([580.0, 580.0, 290.0, 290.0], noise=0.03, seed=seed, policy={"persistenceIntervals": 1})
+    for _ in range(8):
+        h.step()
+    splits = [e.decision.batch_sizes for e in h.history if isinstance(e.decision, Rebalance)]
+    assert splits, [e.decision.reason for e in h.history]
+    assert all(s[0] == s[1] and s[2] == s[3] and sum(s.values()) == 128 for s in splits), splits
+
+
+def test_only_ranks_set_apart_from_the_rest_form_a_class() -> None:
+    steps = step_times({0: 100.0, 1: 102.0, 2: 50.0, 3: 51.0}, {r: 32 for r in range(4)}, {})
+    out = pooled(steps, 32)
+    assert out[0] == out[1] == StepTime(101.0) and out[2] == out[3] == StepTime(50.5)
+    # Spread evenly, 3 % apart each: no gap sets a class apart, and a mean over ranks that differ by
+    # up to 9 % would hide the slowest one's step, so every rank keeps its own estimate.
+    even = step_times({r: 100.0 * (1.03**r) for r in range(4)}, {r: 32 for r in range(4)}, {})
+    assert pooled(even, 32) == even
+    # Ranks further apart than SAME_SPEED are two classes of one.
+    apart = step_times({0: 100.0, 1: 100.0 * (1 + 2 * SAME_SPEED)}, {0: 32, 1: 32}, {})
+    assert pooled(apart, 32) == apart
