@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from sgdjob_operator.policy.comm import CommModel
 from sgdjob_operator.policy.efficiency import Efficiency
+from sgdjob_operator.policy.stats import gap_clusters
 
 # Ranks whose steps at the job's batch are within this fraction of each other are one speed class for
 # a split of sync's batch (`pooled`): a speed averaged over 5-10 steps of 5 % jitter is known to about
@@ -85,15 +86,10 @@ def pooled(steps: Mapping[int, StepTime], batch: int, within: float = SAME_SPEED
     the run). A fleet spread evenly (no gap wider than `within`) keeps its own estimates: a mean over
     ranks that really differ would hide its slowest member's step."""
     times = {r: st.at(batch) for r, st in steps.items()}
-    order = sorted(times, key=lambda r: (times[r], r))
-    chunks: list[list[int]] = []
-    for r in order:
-        if chunks and times[r] <= times[chunks[-1][-1]] * (1 + within):
-            chunks[-1].append(r)
-        else:
-            chunks.append([r])
     out = dict(steps)
-    for members in chunks:
+    # Clusters of steps per second at `batch`, cut at gaps wider than `within` (the health check's
+    # clustering); a cluster wider than `within` end to end is an even spread, not a class.
+    for members in gap_clusters({r: 1.0 / t for r, t in times.items() if t > 0}, 1 + within):
         if len(members) < 2 or times[members[-1]] > times[members[0]] * (1 + within):
             continue
         rate = sum(steps[q].rate for q in members) / len(members)
