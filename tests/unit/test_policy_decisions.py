@@ -82,7 +82,8 @@ def test_speed_clusters_rebalance_when_communication_is_cheap() -> None:
     run(h, 6)
     changes = h.changes()
     assert len(changes) == 1 and isinstance(changes[0].decision, Rebalance)
-    assert changes[0].health.shape is Shape.CLUSTERS
+    # +49 %: made on the first window that shows it (test_policy_fast_split)
+    assert changes[0].health.raw_shape is Shape.CLUSTERS and "made at once" in changes[0].decision.reason
     batches = changes[0].decision.batch_sizes
     assert batches[0] == pytest.approx(2 * batches[7], abs=1)
 
@@ -90,10 +91,11 @@ def test_speed_clusters_rebalance_when_communication_is_cheap() -> None:
 def test_speed_clusters_with_heavy_step_noise_favour_hierarchical() -> None:
     # At 256 ranks with large per-step noise, a sync step waits for the noisiest of 256; groups
     # of 16 wait for the noisiest of 16. The policy learns the noise from sync's waits.
-    # The parameter servers are slow (2 ms of work per push), so async is no way out here.
+    # The parameter servers are slow (2 ms of work per push), so async is no way out here. (Hierarchical
+    # predicts 16 % more than the split, so the split's +49 % is not made at once in front of it.)
     h = Harness(
         [200.0] * 128 + [100.0] * 128,
-        jitter=0.15,
+        jitter=0.25,
         nproc=8,
         comm=CommModel(latency_s=0.0, gradient_bytes=0, ps_apply_seconds=0.002),
     )

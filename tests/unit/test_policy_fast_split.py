@@ -34,8 +34,18 @@ def test_a_3x_straggler_present_from_the_start_is_split_on_the_first_window_with
     assert rest == []  # the split holds: nothing flaps after it
 
 
-def test_a_2x_slower_half_still_waits_out_persistence() -> None:
-    h = Harness([FAST, FAST, FAST / 2, FAST / 2], policy=SPLIT)
+def test_a_2x_slower_half_is_split_on_the_first_window_with_rates() -> None:
+    h = Harness([FAST, FAST, FAST / 2, FAST / 2], policy=SPLIT, noise=0.02)
+    run(h, 8)
+    (index, split), *rest = changes(h)
+    assert index == 1, "the split waited out persistence"
+    assert isinstance(split, Rebalance) and split.predicted_gain >= FAST_GAIN and "made at once" in split.reason
+    assert split.batch_sizes[2] == split.batch_sizes[3] < split.batch_sizes[0] == split.batch_sizes[1]
+    assert rest == []
+
+
+def test_a_mildly_slower_rank_still_waits_out_persistence() -> None:
+    h = Harness([FAST, FAST, FAST, FAST / 1.5], policy=SPLIT)  # at stragglerThreshold: +37 %
     run(h, 5)
     first = h.history[1].decision
     assert isinstance(first, Keep) and "persisting 1/3 intervals" in first.reason

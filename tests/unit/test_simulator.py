@@ -160,14 +160,15 @@ def test_auto_acts_once_and_stays_within_10_percent_of_the_best_static_mode(
 
 @pytest.mark.parametrize(
     ("slow", "persistence", "delay"),
-    [(700.0, 2, 20.0), (700.0, 3, 30.0), (400.0, 2, 10.0), (400.0, 3, 10.0)],
+    [(700.0, 2, 10.0), (700.0, 3, 10.0), (400.0, 2, 10.0), (400.0, 3, 10.0)],
 )
 def test_a_fleet_mixed_from_the_start_is_acted_on_within_persistence_intervals(
     slow: float, persistence: int, delay: float
 ) -> None:
     # The simulated workers date their training start (t=0), so the first policy call (t=10)
-    # already has a rate: the change comes after `persistence` intervals, not one more; a split
-    # gaining +100% or more (a 3.5x slower node: +218%; a 2x one: +87%) at that first call (engine.FAST_GAIN).
+    # already has a rate: the change comes after `persistence` intervals, not one more, or, for a split
+    # gaining +40% or more (a 3.5x slower node: +218%; a 2x one: +87%), at that first call
+    # (engine.FAST_GAIN; tests/unit/test_driver.py holds a straggler that waits out persistence).
     fleet = [{"name": "a100", "nodes": 7, "speed": 1400.0}, {"name": "slow", "nodes": 1, "speed": slow}]
     policy = {"intervalSeconds": 10, "persistenceIntervals": persistence, "allowedActions": ["rebalance"]}
     sc = scenario(fleet=fleet, job={"training": {"batchSize": 50}, "policy": policy})

@@ -16,6 +16,7 @@ gradients waits for the measured statistical efficiency (MEASURE_WAIT_STEPS). A 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
@@ -56,6 +57,18 @@ MEASURE_WAIT_STEPS = 3 * MIN_STEPS
 # split over 3 digits-cnn runs (its speeds agree to a few per cent over ten steps).
 RESPLIT_MARGIN = 0.03
 RESPLIT_STEPS = 10
+# Once every speed's error is measured (`state.SpeedEstimate.error`, from the spread of its windows),
+# the margin is what that error allows: RESPLIT_SIGMAS standard errors of a gain that compares two
+# ranks' speeds (sqrt 2 times one speed's), between RESPLIT_FLOOR and RESPLIT_MARGIN. A split from
+# the first windows at equal batches can be off by one sample where a step has a part the speed
+# factor does not scale (measured on the bimodal benchmark: the 2x pair read 1.92x slower at 32
+# samples, 1.99x at the split, so 42/22 where 43/21 is right: +2 % predicted for the rest of the
+# run and never made under a flat 3 %).
+RESPLIT_SIGMAS = 2.0
+# ... and on at least this many windows: a window's noise is shared by its steps (one long window
+# of 30 steps is no better known than its noise), and a second window halves its variance.
+RESPLIT_WINDOWS = 1.9
+RESPLIT_FLOOR = 0.015
 # A new split of sync's batch predicting at least this gain is made on the first window that shows
 # it, every rank's speed resting on FAST_STEPS steps, without waiting for persistenceIntervals: when
 # the slowdown lasts, acting one interval sooner saves interval x gain/(1+gain) of the job's time,
@@ -63,8 +76,12 @@ RESPLIT_STEPS = 10
 # 3-step window, was split one interval later, 3 straggler-bound steps, ~0.25 s of a 9-s run);
 # when it does not, the way back is one more split, and the wrong split in between (the straggler's
 # share spread over the others) costs under a fifth of the step for the persistence it must show.
-# Milder gains (2x on half the fleet: +50 %) keep the persistence rule.
-FAST_GAIN = 1.0
+# At +40 % the saving is 0.29 of an interval, and a wrong split costs 0.1-0.3 of each step for the
+# ~2 intervals the way back takes (a 1.5x rank of 4 / 2x on half the fleet), so acting at once pays
+# unless most such windows are one-off blips. Measured on the bimodal benchmark (2x on half the
+# fleet, +45 % on its first window): auto went from 1.03-1.05x to 1.00-1.01x the static
+# speed-proportional split (3 seeds each). Milder gains (a 1.3x rank: +22 %) keep the persistence rule.
+FAST_GAIN = 0.4
 FAST_STEPS = 2.0
 # A change must pay for its own pause (a restart costs a minute or more) within this many policy
 # intervals, or the cooldown if longer: long enough for a replacement to be worth it, short enough
@@ -147,6 +164,7 @@ def evaluate(state: PolicyState, samples: Sequence[WorkerSample], job: JobView, 
     trained = min((s.steps for s in window.latest.values()), default=0)
     waiting_for = ""
     evidence = efficiency.steps if efficiency.measured else trained
+    every = candidates
     if evidence < MEASURE_WAIT_STEPS:
         fresh = [c for c in candidates if c.prediction.staleness == 0]
         if len(fresh) < len(candidates):
@@ -154,7 +172,7 @@ def evaluate(state: PolicyState, samples: Sequence[WorkerSample], job: JobView, 
                 f"; stale modes wait for {MEASURE_WAIT_STEPS} steps of measured gradient statistics ({evidence} so far)"
             )
         candidates = fresh
-    settled = speeds_settled(health, job.world_size)
+    settled = split_margin(health, job.world_size)
     chosen = _choose(candidates, current, job, state.candidate, left, settled)
     if chosen is None:
         why = _keep_reason(health, current, candidates, job, left, bool(waiting_for), settled) + waiting_for
@@ -163,7 +181,9 @@ def evaluate(state: PolicyState, samples: Sequence[WorkerSample], job: JobView, 
     streak = state.candidate_streak + 1 if chosen.key == state.candidate else 1
     waiting = replace(base, candidate=chosen.key, candidate_streak=streak)
     gain = _gain(chosen.prediction, current)
-    basis = f"; speeds over {RESPLIT_STEPS}+ steps at each rank's batch" if chosen.batch_only and settled else ""
+    basis = ""
+    if chosen.batch_only and settled is not None:
+        basis = f"; speeds over {RESPLIT_STEPS}+ steps at each rank's batch (margin {_percent(settled)})"
     if fixed and chosen.prediction.staleness == 0:
         fits = ", ".join(f"rank {r} {v * 1000:.1f} ms" for r, v in sorted(fixed.items()))
         basis += f"; fixed step time fitted from two batch sizes: {fits}"
@@ -176,7 +196,7 @@ def evaluate(state: PolicyState, samples: Sequence[WorkerSample], job: JobView, 
         held = chosen.make(f"{health.summary}; {what}", round(gain, 4))
         return Evaluation(Keep(f"{health.summary}; {what}; held: {job.in_flight}"), health, base, predictions, held)
     if streak < p.persistence_intervals or health.shape is Shape.TRANSIENT:
-        if not _fast(chosen, gain, health, job.world_size):
+        if not _fast(chosen, gain, health, job.world_size, every, p.switch_margin):
             why = f"{health.summary}; {what}; persisting {streak}/{p.persistence_intervals} intervals"
             return Evaluation(Keep(why), health, waiting, predictions)
         what += f"; made at once: a new split gaining +{FAST_GAIN:.0%} or more does not wait out persistence"
@@ -195,11 +215,17 @@ def evaluate(state: PolicyState, samples: Sequence[WorkerSample], job: JobView, 
     return Evaluation(decision, health, changed, predictions)
 
 
-def _fast(chosen: Candidate, gain: float, health: JobHealth, world: int) -> bool:
+def _fast(
+    chosen: Candidate, gain: float, health: JobHealth, world: int, candidates: Sequence[Candidate], switch: float
+) -> bool:
     """A new split of sync's batch with a gain too large to wait a persistence out (FAST_GAIN),
-    every rank of the world measured this window over FAST_STEPS steps."""
+    every rank of the world measured this window over FAST_STEPS steps, and no other change (stale
+    modes waiting for their statistics included) predicting switchMargin more: that one (a mode
+    switch) must show its persistence, and a split made at once in front of it would take the gain it
+    is measured against and start the cooldown it must wait out."""
     big = chosen.batch_only and not chosen.restoring and gain >= FAST_GAIN
-    return big and speeds_settled(health, world, FAST_STEPS)
+    best = max((c.prediction.useful for c in candidates), default=0.0)
+    return big and best <= chosen.prediction.useful * (1 + switch) and speeds_settled(health, world, FAST_STEPS)
 
 
 def _world_speeds(health: JobHealth, world: int) -> dict[int, float]:
@@ -216,12 +242,30 @@ def speeds_settled(health: JobHealth, world: int, steps: float = RESPLIT_STEPS) 
     return all(h is not None and h.measured and h.evidence >= steps for h in ranks)
 
 
-def margin(c: Candidate, job: JobView, settled: bool) -> float:
-    """The predicted gain `c` needs: switchMargin, or RESPLIT_MARGIN for a new split of sync's batch
-    once the speeds are settled."""
-    if c.batch_only and settled:
-        return min(job.policy.switch_margin, RESPLIT_MARGIN)
+def split_margin(health: JobHealth, world: int) -> float | None:
+    """The predicted gain a new split of sync's batch needs once every rank's speed rests on
+    RESPLIT_STEPS steps and RESPLIT_WINDOWS windows (None before): what the speeds' measured errors
+    allow, else RESPLIT_MARGIN."""
+    if not speeds_settled(health, world) or any(health.ranks[r].windows < RESPLIT_WINDOWS for r in range(world)):
+        return None
+    errors = [health.ranks[r].error for r in range(world)]
+    if any(e is None for e in errors):
+        return RESPLIT_MARGIN
+    worst = max(e for e in errors if e is not None)
+    return min(RESPLIT_MARGIN, max(RESPLIT_FLOOR, RESPLIT_SIGMAS * math.sqrt(2.0) * worst))
+
+
+def margin(c: Candidate, job: JobView, split: float | None) -> float:
+    """The predicted gain `c` needs: switchMargin, or, for a new split of sync's batch once the speeds
+    are settled, `split` (`split_margin`) if smaller."""
+    if c.batch_only and split is not None:
+        return min(job.policy.switch_margin, split)
     return job.policy.switch_margin
+
+
+def _percent(x: float) -> str:
+    """+10%, +1.5%: a margin to the precision it was set at."""
+    return f"{x:+.0%}" if round(x * 100, 1) == round(x * 100) else f"{x:+.1%}"
 
 
 def _gain(pred: Prediction, current: Prediction) -> float:
@@ -246,7 +290,7 @@ def _horizon(job: JobView, left: float | None) -> float:
     return horizon if left is None else min(horizon, left)
 
 
-def _viable(c: Candidate, current: Prediction, job: JobView, left: float | None, settled: bool) -> bool:
+def _viable(c: Candidate, current: Prediction, job: JobView, left: float | None, settled: float | None) -> bool:
     if c.restoring:
         return c.prediction.useful >= current.useful and (left is None or c.cost_seconds < left)
     gain = _gain(c.prediction, current)
@@ -263,7 +307,7 @@ def _choose(
     job: JobView,
     previous: str | None,
     left: float | None,
-    settled: bool = False,
+    settled: float | None = None,
 ) -> Candidate | None:
     viable = [c for c in candidates if _viable(c, current, job, left, settled)]
     if not viable:
@@ -292,7 +336,7 @@ def _keep_reason(
     job: JobView,
     left: float | None,
     stale_waiting: bool = False,
-    settled: bool = False,
+    settled: float | None = None,
 ) -> str:
     ending = ""
     if left is not None and left < _horizon(job, None):
@@ -310,7 +354,7 @@ def _keep_reason(
     best = max(candidates, key=lambda c: c.prediction.useful)
     return (
         f"{health.summary}; best alternative {best.prediction.label} predicts {_gain(best.prediction, current):+.0%} "
-        f"(a change needs {margin(best, job, settled):+.0%} and must repay its pause{ending})"
+        f"(a change needs {_percent(margin(best, job, settled))} and must repay its pause{ending})"
     )
 
 

@@ -38,7 +38,9 @@ class RankHealth:
     at equal batch (3.0 = three times slower). `measured` is False for a rank whose speed is the
     last known one (restarted, idle or missing this window). `evidence`: the steps its speed rests
     on at its current batch and mode; `fixed`: the seconds of its step that do not grow with the
-    batch, where its step times at two batches tell (else 0.0; see speeds.py)."""
+    batch, where its step times at two batches tell (else 0.0; see speeds.py); `error`: its speed's
+    relative standard error, where enough windows tell (`state.SpeedEstimate.error`); `windows`: the
+    windows its estimate sums (decayed)."""
 
     rank: int
     node: str | None
@@ -51,6 +53,8 @@ class RankHealth:
     measured: bool
     evidence: float = 0.0
     fixed: float = 0.0
+    error: float | None = None
+    windows: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,6 +235,8 @@ def assess(window: Window, state: PolicyState, p: PolicySpec) -> Assessment:
             measured=r in measured,
             evidence=_evidence(ranks[r], window, r),
             fixed=step_overhead(ranks[r].estimate),
+            error=_error(ranks[r]),
+            windows=_windows(ranks[r]),
         )
         for r, v in sorted(known.items())
     }
@@ -257,6 +263,14 @@ def assess(window: Window, state: PolicyState, p: PolicySpec) -> Assessment:
         summary=_summary(shape, raw, table, clusters, spread, streak, p),
     )
     return Assessment(health, ranks, heterogeneous, key, streak)
+
+
+def _error(state: RankState) -> float | None:
+    return state.estimate.error if state.estimate is not None else None
+
+
+def _windows(state: RankState) -> float:
+    return state.estimate.windows if state.estimate is not None else 0.0
 
 
 def _evidence(state: RankState, window: Window, rank: int) -> float:

@@ -4,7 +4,8 @@ One window of a fast policy interval holds a few steps, so the speed it measures
 0.5-s window of a digits-cnn rank: ~4 steps, warm-up included), and a batch split made from it is
 off by a few samples. Summing work and compute since the rank's batch or mode last changed makes
 the estimate more precise the longer a split runs, so that a split made early can be corrected
-later by a small margin (`engine.RESPLIT_MARGIN`) instead of being kept for lack of evidence.
+later by a small margin (`engine.split_margin`) instead of being kept for lack of evidence. The spread
+of the summed windows' speeds gives the estimate's own error (`state.SpeedEstimate.error`).
 
 The sum starts over when the configuration changes (a rank's samples per second depend on its
 batch: a step has a cost that does not scale with it) and when a window departs from the estimate
@@ -26,6 +27,8 @@ weight (`MIXED_WEIGHT`), so the new point rests on whole windows at the new batc
 
 from __future__ import annotations
 
+import math
+
 from sgdjob_operator.policy.measure import RankWindow
 from sgdjob_operator.policy.state import SpeedEstimate
 
@@ -46,7 +49,18 @@ MAX_FIXED_SHARE = 0.6
 
 def _from_window(w: RankWindow, prior: tuple[int, float] = (0, 0.0), weight: float = 1.0) -> SpeedEstimate:
     work = w.speed * w.compute
-    return SpeedEstimate(work * weight, w.compute * weight, w.steps * weight, w.batch_size, w.mode, *prior)
+    log = math.log(w.speed)
+    return SpeedEstimate(
+        work * weight,
+        w.compute * weight,
+        w.steps * weight,
+        w.batch_size,
+        w.mode,
+        *prior,
+        windows=weight,
+        log_sum=log * weight,
+        log_squares=log * log * weight,
+    )
 
 
 def _mixed(w: RankWindow) -> bool:
@@ -111,5 +125,8 @@ def running_speed(
         w.mode,
         previous.prior_batch,
         previous.prior_step,
+        previous.windows * keep + fresh.windows,
+        previous.log_sum * keep + fresh.log_sum,
+        previous.log_squares * keep + fresh.log_squares,
     )
     return summed.speed, summed

@@ -16,8 +16,32 @@ STATE_VERSION = 1
 # compact enough for an object's status.
 _RANK_COLUMNS = ("rank", "time", "steps", "samples", "compute", "wait", "node", "speed", "streak", "flagged")
 # Columns of the running speed estimate (see speeds.py); a state written before them reads as no estimate.
-_ESTIMATE_COLUMNS = ("estWork", "estCompute", "estSteps", "estBatch", "estMode", "estPriorBatch", "estPriorStep")
-_ESTIMATE_FIELDS = ("work", "compute", "steps", "batch", "mode", "prior_batch", "prior_step")
+_ESTIMATE_COLUMNS = (
+    "estWork",
+    "estCompute",
+    "estSteps",
+    "estBatch",
+    "estMode",
+    "estPriorBatch",
+    "estPriorStep",
+    "estWindows",
+    "estLogSum",
+    "estLogSquares",
+)
+_ESTIMATE_FIELDS = (
+    "work",
+    "compute",
+    "steps",
+    "batch",
+    "mode",
+    "prior_batch",
+    "prior_step",
+    "windows",
+    "log_sum",
+    "log_squares",
+)
+# Windows an estimate must sum before the spread of their speeds says how well it is known.
+MIN_SPREAD_WINDOWS = 4.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,7 +50,9 @@ class SpeedEstimate:
     last changed or its speed last jumped: `work / compute` is its speed, more precise the longer
     the configuration runs; `steps` how many steps it rests on. `prior_batch`/`prior_step`: the
     rank's compute seconds per step at the batch it ran before this one in the same mode (0: none),
-    the second point of its step-time fit (speeds.step_overhead)."""
+    the second point of its step-time fit (speeds.step_overhead). `windows`, `log_sum`, `log_squares`:
+    the windows summed and the sums of their speeds' logarithms and squared logarithms (decayed
+    alike), whose spread says how well the speed is known (`error`)."""
 
     work: float
     compute: float
@@ -35,10 +61,25 @@ class SpeedEstimate:
     mode: str
     prior_batch: int = 0
     prior_step: float = 0.0
+    windows: float = 0.0
+    log_sum: float = 0.0
+    log_squares: float = 0.0
 
     @property
     def speed(self) -> float:
         return self.work / self.compute
+
+    @property
+    def error(self) -> float | None:
+        """The speed's relative standard error, from how much the summed windows' speeds differ
+        (None before MIN_SPREAD_WINDOWS windows). Measured rather than derived from the step count:
+        a window's noise (another tenant, a thermal state) is shared by its steps and does not
+        average out over them."""
+        if self.windows < MIN_SPREAD_WINDOWS:
+            return None
+        mean = self.log_sum / self.windows
+        variance = max(0.0, self.log_squares / self.windows - mean * mean)
+        return math.sqrt(variance / (self.windows - 1.0))
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,10 +191,11 @@ class PolicyState:
 
 
 def _estimate(row: tuple[Any, ...]) -> SpeedEstimate | None:
-    work, compute, steps, batch, mode, prior_batch, prior_step = row
+    work, compute, steps, batch, mode, prior_batch, prior_step, windows, log_sum, log_squares = row
     if work is None:
         return None
-    # A state written before the step-time fit has no prior columns: no prior point.
+    # A state written before the step-time fit (or the window spread) lacks those columns: no prior
+    # point (no spread known yet).
     out = SpeedEstimate(
         _finite(work),
         _finite(compute),
@@ -162,11 +204,16 @@ def _estimate(row: tuple[Any, ...]) -> SpeedEstimate | None:
         str(mode),
         int(prior_batch or 0),
         _finite(prior_step or 0.0),
+        _finite(windows or 0.0),
+        _finite(log_sum or 0.0),
+        _finite(log_squares or 0.0),
     )
     if out.compute <= 0 or out.work <= 0:
         raise ValueError("a speed estimate needs positive work and compute")
     if out.prior_batch < 0 or out.prior_step < 0:
         raise ValueError("a speed estimate's prior point needs a non-negative batch and step time")
+    if out.windows < 0 or out.log_squares < 0:
+        raise ValueError("a speed estimate's window count and squared sum must be non-negative")
     return out
 
 
