@@ -40,7 +40,8 @@ _ESTIMATE_FIELDS = (
     "log_sum",
     "log_squares",
 )
-# Windows an estimate must sum before the spread of their speeds says how well it is known.
+# Windows an estimate must sum (decayed: five windows in a row make 4.1) before the spread of their
+# speeds says how well it is known.
 MIN_SPREAD_WINDOWS = 4.0
 
 
