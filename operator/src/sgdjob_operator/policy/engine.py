@@ -2,7 +2,7 @@
 
 A change is made only when (1) the cost model predicts at least switchMargin more useful
 throughput than the job gets now (or, for the way back to plain sync, no loss; for a new split of
-sync's batch, RESPLIT_MARGIN once every speed rests on RESPLIT_STEPS steps), (2) the same change
+sync's batch, `split_margin` once every speed rests on RESPLIT_STEPS steps), (2) the same change
 has been the best for persistenceIntervals windows in a row (a new split of sync's batch with a
 very large gain at once, FAST_GAIN), (3) cooldownSeconds have passed since
 the last change (not for the way back to plain sync, nor for a new split of sync's batch; growing
@@ -65,10 +65,11 @@ RESPLIT_STEPS = 10
 # samples, 1.99x at the split, so 42/22 where 43/21 is right: +2 % predicted for the rest of the
 # run and never made under a flat 3 %).
 RESPLIT_SIGMAS = 2.0
-# ... and on at least this many windows: a window's noise is shared by its steps (one long window
-# of 30 steps is no better known than its noise), and a second window halves its variance.
-RESPLIT_WINDOWS = 1.9
 RESPLIT_FLOOR = 0.015
+# A re-split also needs every speed to rest on this many (decayed) windows: a window's noise is shared
+# by its steps (one long window of 30 steps is no better known than its noise), and a second window
+# halves its variance.
+RESPLIT_WINDOWS = 1.9
 # A new split of sync's batch predicting at least this gain is made on the first window that shows
 # it, every rank's speed resting on FAST_STEPS steps, without waiting for persistenceIntervals: when
 # the slowdown lasts, acting one interval sooner saves interval x gain/(1+gain) of the job's time,
@@ -172,18 +173,18 @@ def evaluate(state: PolicyState, samples: Sequence[WorkerSample], job: JobView, 
                 f"; stale modes wait for {MEASURE_WAIT_STEPS} steps of measured gradient statistics ({evidence} so far)"
             )
         candidates = fresh
-    settled = split_margin(health, job.world_size)
-    chosen = _choose(candidates, current, job, state.candidate, left, settled)
+    split = split_margin(health, job.world_size)
+    chosen = _choose(candidates, current, job, state.candidate, left, split)
     if chosen is None:
-        why = _keep_reason(health, current, candidates, job, left, bool(waiting_for), settled) + waiting_for
+        why = _keep_reason(health, current, candidates, job, left, bool(waiting_for), split) + waiting_for
         return Evaluation(Keep(why), health, base, predictions)
 
     streak = state.candidate_streak + 1 if chosen.key == state.candidate else 1
     waiting = replace(base, candidate=chosen.key, candidate_streak=streak)
     gain = _gain(chosen.prediction, current)
     basis = ""
-    if chosen.batch_only and settled is not None:
-        basis = f"; speeds over {RESPLIT_STEPS}+ steps at each rank's batch (margin {_percent(settled)})"
+    if chosen.batch_only and split is not None:
+        basis = f"; speeds over {RESPLIT_STEPS}+ steps at each rank's batch (margin {_percent(split)})"
     if fixed and chosen.prediction.staleness == 0:
         fits = ", ".join(f"rank {r} {v * 1000:.1f} ms" for r, v in sorted(fixed.items()))
         basis += f"; fixed step time fitted from two batch sizes: {fits}"
@@ -290,11 +291,11 @@ def _horizon(job: JobView, left: float | None) -> float:
     return horizon if left is None else min(horizon, left)
 
 
-def _viable(c: Candidate, current: Prediction, job: JobView, left: float | None, settled: float | None) -> bool:
+def _viable(c: Candidate, current: Prediction, job: JobView, left: float | None, split: float | None) -> bool:
     if c.restoring:
         return c.prediction.useful >= current.useful and (left is None or c.cost_seconds < left)
     gain = _gain(c.prediction, current)
-    if gain < margin(c, job, settled):
+    if gain < margin(c, job, split):
         return False
     horizon = _horizon(job, left)
     payback = c.cost_seconds * current.useful / (c.prediction.useful - current.useful)
@@ -307,9 +308,9 @@ def _choose(
     job: JobView,
     previous: str | None,
     left: float | None,
-    settled: float | None = None,
+    split: float | None = None,
 ) -> Candidate | None:
-    viable = [c for c in candidates if _viable(c, current, job, left, settled)]
+    viable = [c for c in candidates if _viable(c, current, job, left, split)]
     if not viable:
         return None
     best = max(viable, key=lambda c: c.prediction.useful)
@@ -336,12 +337,12 @@ def _keep_reason(
     job: JobView,
     left: float | None,
     stale_waiting: bool = False,
-    settled: float | None = None,
+    split: float | None = None,
 ) -> str:
     ending = ""
     if left is not None and left < _horizon(job, None):
         ending = f"; the job ends in about {left:.0f}s ({job.steps_left} steps)"
-    gainful = [c for c in candidates if _gain(c.prediction, current) >= margin(c, job, settled)]
+    gainful = [c for c in candidates if _gain(c.prediction, current) >= margin(c, job, split)]
     if health.shape is Shape.HOMOGENEOUS and not (ending and gainful):
         return f"{health.summary}; nothing to change"
     if not candidates and stale_waiting:
@@ -354,7 +355,7 @@ def _keep_reason(
     best = max(candidates, key=lambda c: c.prediction.useful)
     return (
         f"{health.summary}; best alternative {best.prediction.label} predicts {_gain(best.prediction, current):+.0%} "
-        f"(a change needs {_percent(margin(best, job, settled))} and must repay its pause{ending})"
+        f"(a change needs {_percent(margin(best, job, split))} and must repay its pause{ending})"
     )
 
 
