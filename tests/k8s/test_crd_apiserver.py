@@ -75,13 +75,24 @@ def test_get_shows_columns_and_scale_changes_replicas(k8s_crd: ControlPlane) -> 
     name = "cols"
     assert _apply(k8s_crd, _job(name)).returncode == 0
     header = k8s_crd.kubectl("get", "sgdjobs").stdout.splitlines()[0].split()
-    assert header == ["NAME", "PHASE", "MODE", "READY", "STEP", "STRAGGLERS", "AGE"]
-    assert "TARGET" in k8s_crd.kubectl("get", "sgdj", "-o", "wide").stdout
+    assert header == ["NAME", "PHASE", "MODE", "READY", "STEP", "STRAGGLERS", "ETA", "AGE"]
+    wide = k8s_crd.kubectl("get", "sgdj", "-o", "wide").stdout.splitlines()[0].split()
+    assert {"TARGET", "BATCHES", "LOSS", "ETA-TO"} <= set(wide), wide
 
     # Status is a subresource: what the operator writes there shows in the columns.
     api = client.CustomObjectsApi(config.new_client_from_config(str(k8s_crd.kubeconfig)))
     status = {
-        "status": {"phase": "Running", "mode": "sync", "ready": "2/2", "step": 42, "stragglerCount": 1, "loss": 0}
+        "status": {
+            "phase": "Running",
+            "mode": "sync",
+            "modeSummary": "sync (rebalanced)",
+            "batches": "40/40/16",
+            "ready": "2/2",
+            "step": 42,
+            "stragglerCount": 1,
+            "loss": 0,
+            "eta": "4m10s",
+        }
     }
     api.patch_namespaced_custom_object_status("sgdjob.dev", "v1alpha1", "default", "sgdjobs", name, status)
     # A spec write revalidates the stored status, an integral loss included (it once overflowed the bound).
@@ -89,7 +100,8 @@ def test_get_shows_columns_and_scale_changes_replicas(k8s_crd: ControlPlane) -> 
         "patch", "sgdjob", name, "--type=merge", "-p", '{"spec":{"runPolicy":{"ttlSecondsAfterFinished":0}}}'
     )
     row = k8s_crd.kubectl("get", "sgdjob", name, "--no-headers").stdout.split()
-    assert row[:6] == [name, "Running", "sync", "2/2", "42", "1"]
+    assert row[:8] == [name, "Running", "sync", "(rebalanced)", "2/2", "42", "1", "4m10s"]
+    assert "40/40/16" in k8s_crd.kubectl("get", "sgdjob", name, "-o", "wide").stdout
 
     k8s_crd.kubectl("scale", f"sgdjob/{name}", "--replicas=3")
     spec = json.loads(k8s_crd.kubectl("get", "sgdjob", name, "-o", "json").stdout)["spec"]

@@ -54,6 +54,14 @@ def test_review_names_the_field_and_lets_unchanged_specs_pass() -> None:
         review(bad, _job("x")["spec"])
 
 
+def test_review_refuses_a_new_job_whose_name_cannot_name_its_service_but_not_an_update() -> None:
+    spec = _job("x")["spec"]
+    with pytest.raises(kopf.AdmissionError, match=r"metadata\.name: 'team\.a' cannot name the job's Service"):
+        review(spec, None, name="team.a")
+    review(spec, None, name="team-a")
+    review({**spec, "replicas": 3}, spec, name="team.a")  # a job stored before the rule can still be changed
+
+
 def test_webhook_flags_are_checked() -> None:
     assert check(OperatorSettings()) is None
     assert "needs --webhook-cert" in str(check(OperatorSettings(webhook_port=9443)))

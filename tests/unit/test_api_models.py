@@ -152,3 +152,42 @@ def test_quickstart_is_the_documented_shape() -> None:
     emulation = job.spec.training.emulation
     assert job.spec.replicas * job.spec.nproc_per_node == 4 and job.spec.mode is JobMode.AUTO
     assert emulation is not None and [(s.rank, s.factor) for s in emulation.slowdowns] == [(3, 3.0)]
+
+
+@pytest.mark.parametrize(
+    ("name", "says"),
+    [
+        (None, "missing"),
+        ("My_Job", "not a DNS-1123 name"),
+        ("job-", "not a DNS-1123 name"),
+        ("9lives", "start with a letter"),
+        ("team.job", "start with a letter and leave out '.'"),
+        ("j" * 52, "at most 51"),
+    ],
+)
+def test_a_name_kubectl_apply_or_the_operator_would_refuse_is_refused_naming_metadata_name(
+    name: str | None, says: str
+) -> None:
+    doc = {**_doc(), "metadata": {} if name is None else {"name": name}}
+    with pytest.raises(SpecError) as err:
+        validate_job(doc)
+    (problem,) = err.value.problems
+    assert problem.startswith("metadata.name: ") and says in problem
+
+
+def test_names_that_fit_every_derived_object_pass_and_generate_name_is_checked_as_generated() -> None:
+    for name in ("j", "mnist-ddp-2", "j" * 51):
+        validate_job({**_doc(), "metadata": {"name": name}})
+    validate_job({**_doc(), "metadata": {"generateName": "sweep-"}})
+    with pytest.raises(SpecError, match=r"metadata\.name"):
+        validate_job({**_doc(), "metadata": {"generateName": "Sweep-"}})
+
+
+def test_validate_cli_reports_a_bad_name_with_the_fix(tmp_path: Path) -> None:
+    path = tmp_path / "job.yaml"
+    path.write_text(
+        "apiVersion: sgdjob.dev/v1alpha1\nkind: SGDJob\nmetadata: {name: Quick_Start}\nspec: {replicas: 2}\n"
+    )
+    result = CliRunner().invoke(main, ["validate", str(path)])
+    assert result.exit_code == 1
+    assert "metadata.name: 'Quick_Start' is not a DNS-1123 name" in result.output

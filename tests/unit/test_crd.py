@@ -65,7 +65,7 @@ def test_enums_defaults_and_subresources() -> None:
     version = build_crd()["spec"]["versions"][0]
     assert version["subresources"]["scale"]["specReplicasPath"] == ".spec.replicas"
     names = [c["name"] for c in version["additionalPrinterColumns"] if c.get("priority", 0) == 0]
-    assert names == ["Phase", "Mode", "Ready", "Step", "Stragglers", "Age"]
+    assert names == ["Phase", "Mode", "Ready", "Step", "Stragglers", "ETA", "Age"]
     assert yaml.safe_load(CRD_FILE.read_text())["spec"]["names"]["shortNames"] == ["sgdj"]
 
 

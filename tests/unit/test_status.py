@@ -395,6 +395,7 @@ def test_replace_rescale_rebalance_and_keep() -> None:
     assert out.scale_to == 4 and st.decisions[-1].replicas == 4  # clamped to maxReplicas
     out = apply_decision(st, spec, Rebalance(batch_sizes={0: 40, 1: 24}, reason="even out"))
     assert controller(st).command is not None and controller(st).command["batchSizes"] == {"0": 40, "1": 24}
+    assert out.events[-1].message == "per-rank batch sizes rank0=40 rank1=24: even out"
     before = st.model_copy(deep=True)
     assert apply_decision(st, spec, Keep("fine")).applied is None and st == before
     fixed = running()
@@ -417,3 +418,34 @@ def test_only_pod_events_that_change_what_a_pass_reads_wake_the_job() -> None:
     ready = {**bound, "status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]}}
     assert pod_changed(seen, "MODIFIED", ready)
     assert pod_changed(seen, "DELETED", ready) and seen == {}
+
+
+def test_kubectl_get_shows_rounded_figures_and_a_rebalanced_sync() -> None:
+    st = running()
+    rank0 = WorkerStatus(rank=0, step=10, validation_loss=0.31834566593170166, validation_accuracy=0.9123456)
+    batches = [dataclasses.replace(_sample(r), batch_size=b, loss=2.718281828) for r, b in enumerate((40, 40, 16))]
+    record_observation(st, Observation(T0, tuple(batches), {}, control_status=rank0), None)
+    assert (st.loss, st.validation_loss, st.validation_accuracy) == (2.718, 0.3183, 0.9123)
+    assert (st.mode, st.mode_summary, st.batches) == ("sync", "sync (rebalanced)", "40/40/16")
+    record_observation(st, Observation(T0, (_sample(0), _sample(1)), {}), None)  # back to equal batches
+    assert (st.mode, st.mode_summary, st.batches) == ("sync", "sync", None)
+    many = tuple(dataclasses.replace(_sample(r), batch_size=24 if r == 7 else 32) for r in range(20))
+    record_observation(st, Observation(T0, many, {}), None)
+    assert st.batches == "24..32 over 20 ranks"
+
+
+def test_status_eta_counts_to_the_target_from_the_validation_trend_then_to_the_last_step() -> None:
+    spec = _spec(training={"steps": 1000, "dataset": "digits", "target": {"metric": "accuracy", "value": 0.9}})
+    st = running()
+    for i, acc in enumerate((0.5, 0.6, 0.7)):  # 10 steps a second, +0.1 accuracy every 100 steps
+        rank0 = WorkerStatus(rank=0, step=100 * (i + 1), validation_accuracy=acc, validation_step=100 * (i + 1))
+        obs = Observation(T0 + 10 * i, (_sample(0),), {}, job_step=100 * (i + 1), control_status=rank0)
+        record_observation(st, obs, None, spec)
+    # 0.9 at step 500, 200 steps from step 300 at 10 steps/s
+    assert (st.eta, st.eta_seconds, st.eta_basis) == ("20s", 20.0, "target")
+    no_target = running()
+    for i in range(3):
+        obs = Observation(T0 + 10 * i, (_sample(0),), {}, job_step=100 * (i + 1))
+        record_observation(no_target, obs, None, _spec(training={"steps": 1000}))
+    assert (no_target.eta, no_target.eta_basis) == ("1m10s", "last step")
+    assert load_status(dump_status(st)).eta == "20s"  # the points survive in status (an operator restart)

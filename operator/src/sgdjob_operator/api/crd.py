@@ -112,7 +112,12 @@ def _drop_defaults(node: dict[str, Any]) -> None:
 
 PRINTER_COLUMNS = [
     {"name": "Phase", "type": "string", "jsonPath": ".status.phase", "description": "Lifecycle phase."},
-    {"name": "Mode", "type": "string", "jsonPath": ".status.mode", "description": "Active synchronisation mode."},
+    {
+        "name": "Mode",
+        "type": "string",
+        "jsonPath": ".status.modeSummary",
+        "description": "Active synchronisation mode; '(rebalanced)' while the ranks' batch sizes differ.",
+    },
     {"name": "Ready", "type": "string", "jsonPath": ".status.ready", "description": "Ready/desired worker pods."},
     {"name": "Step", "type": "integer", "jsonPath": ".status.step", "description": "Latest optimizer step."},
     {
@@ -127,6 +132,13 @@ PRINTER_COLUMNS = [
         "jsonPath": ".status.targetMode",
         "priority": 1,
         "description": "Mode being switched to.",
+    },
+    {
+        "name": "Batches",
+        "type": "string",
+        "jsonPath": ".status.batches",
+        "priority": 1,
+        "description": "Per-rank batch sizes while they differ.",
     },
     {
         "name": "Loss",
@@ -148,6 +160,19 @@ PRINTER_COLUMNS = [
         "jsonPath": ".status.validationAccuracy",
         "priority": 1,
         "description": "Latest validation accuracy (classification).",
+    },
+    {
+        "name": "ETA",
+        "type": "string",
+        "jsonPath": ".status.eta",
+        "description": "Predicted time left, from the measured pace and validation trend.",
+    },
+    {
+        "name": "ETA-To",
+        "type": "string",
+        "jsonPath": ".status.etaBasis",
+        "priority": 1,
+        "description": "What ETA counts to: target or last step.",
     },
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]

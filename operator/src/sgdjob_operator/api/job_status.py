@@ -135,6 +135,14 @@ class ControllerState(CamelModel):
             description="spec.replicas as the policy last set it (another value means a person scaled the job since).",
         ),
     ] = None
+    progress: Annotated[
+        list[Annotated[list[float], Field(min_length=2, max_length=2)]],
+        Field(max_length=16, description="Recent [time, step] points, for the ETA's pace (policy.eta)."),
+    ] = []
+    validations: Annotated[
+        list[Annotated[list[float], Field(min_length=2, max_length=2)]],
+        Field(max_length=16, description="Rank 0's recent [step, value] validations of the target's metric (ETA)."),
+    ] = []
     counted_failures: Annotated[
         list[Annotated[str, Field(max_length=64)]],
         Field(max_length=256, description="UIDs of failed worker pods already counted in restarts."),
@@ -161,6 +169,22 @@ class SGDJobStatus(CamelModel):
         Phase.PENDING
     )
     mode: Annotated[str | None, Field(max_length=32, description="Mode the workers report now.")] = None
+    mode_summary: Annotated[
+        str | None,
+        Field(
+            max_length=64,
+            description="The mode as kubectl get shows it: 'sync (rebalanced)' while the ranks' batch sizes differ.",
+        ),
+    ] = None
+    batches: Annotated[
+        str | None,
+        Field(
+            max_length=128,
+            description=(
+                "Per-rank batch sizes in rank order ('40/40/16') while they differ; a range for more than 16 ranks."
+            ),
+        ),
+    ] = None
     target_mode: Annotated[
         str | None,
         Field(max_length=32, description="Mode the controller wants; differs from mode while a switch is in flight."),
@@ -202,6 +226,14 @@ class SGDJobStatus(CamelModel):
     time_to_target_seconds: Annotated[
         float | None,
         Field(ge=0.0, le=1e9, description="Seconds of training until the validation reached spec.training.target."),
+    ] = None
+    eta: Annotated[
+        str | None,
+        Field(max_length=32, description="Predicted time left, to spec.training.target or the last step (etaBasis)."),
+    ] = None
+    eta_seconds: Annotated[float | None, Field(ge=0.0, le=1e9, description="eta in seconds.")] = None
+    eta_basis: Annotated[
+        str | None, Field(max_length=16, description="What eta counts to: 'target' or 'last step'.")
     ] = None
     restarts: Annotated[int, Field(ge=0, le=10**6, description="Worker restarts so far.")] = 0
     conditions: Annotated[list[Condition], Field(max_length=16, description="Kubernetes-style conditions.")] = []

@@ -14,6 +14,7 @@ import yaml
 from pydantic import ValidationError
 
 from sgdjob_operator.api.models import SGDJob, SGDJobSpec
+from sgdjob_operator.api.names import name_problem
 
 
 class SpecError(ValueError):
@@ -62,9 +63,26 @@ def validate_job(doc: dict[str, Any], source: str = "") -> SGDJob:
     if "spec" not in doc:
         raise SpecError(["spec: missing; an SGDJob needs a spec (see examples/quickstart.yaml)"], source)
     try:
-        return SGDJob.model_validate(doc)
+        job = SGDJob.model_validate(doc)
     except ValidationError as err:
-        raise SpecError(format_errors(err), source) from err
+        problems = format_errors(err)
+        if (name := document_name_problem(doc)) is not None:
+            problems.insert(0, name)
+        raise SpecError(problems, source) from err
+    if (name := document_name_problem(doc)) is not None:
+        raise SpecError([name], source)
+    return job
+
+
+def document_name_problem(doc: dict[str, Any]) -> str | None:
+    """'metadata.name: why' when the document's name is one kubectl apply or the operator would refuse."""
+    meta = doc.get("metadata")
+    if not isinstance(meta, dict):
+        return "metadata: missing; give the job a name (metadata: {name: my-job}), as kubectl apply requires"
+    generated = meta.get("generateName")
+    # The API server appends five characters to a generateName; check the name it would make.
+    problem = name_problem(meta.get("name") or (f"{generated}x0000" if generated else None))
+    return None if problem is None else f"metadata.name: {problem}"
 
 
 def validate_spec(spec: dict[str, Any]) -> SGDJobSpec:

@@ -31,7 +31,7 @@ from sgdjob_operator.k8s.membership import (
 )
 from sgdjob_operator.k8s.observe import Observation
 from sgdjob_operator.k8s.status import Event, PodView, controller, record_decision, rfc3339
-from sgdjob_operator.policy.decisions import SwitchMode
+from sgdjob_operator.policy.decisions import SwitchMode, per_rank_text
 from sgdjob_operator.policy.driver import (
     DriverState,
     Observed,
@@ -136,8 +136,8 @@ class StatusActuator:
             self.out.events.append(Event("Normal", "SwitchMode", f"switching to {d.mode}: {d.reason}"))
             self.out.config_changed = True
             return
-        sizes = {str(r): int(b) for r, b in d.batch_sizes.items()}
         record_decision(self.st, self.now, d.action, d.reason)
+        sizes = per_rank_text(d.batch_sizes)
         self.out.events.append(Event("Normal", "Rebalance", f"per-rank batch sizes {sizes}: {d.reason}"))
 
     def replace(self, action: Replace) -> None:

@@ -8,6 +8,7 @@ in status by `k8s.actuator`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -17,10 +18,14 @@ import aiohttp
 from sgdjob_operator.api.models import LOSS_BOUND, SGDJobSpec, SGDJobStatus, Straggler
 from sgdjob_operator.k8s.status import FINISHED, Event, PodView, controller, in_flight, workers
 from sgdjob_operator.policy.driver import load_state, pending, unanimous_mode
+from sgdjob_operator.policy.eta import goal, keep_point, keep_validation, predict
 from sgdjob_operator.policy.samples import WorkerSample
 from sgdjob_operator.workers.scrape import Endpoint, scrape
 from sgdjob_trainer.wire.control import ControlCommand
 from sgdjob_trainer.wire.worker_status import TARGET_REACHED, WorkerStatus
+
+SHOWN_DIGITS = 4  # significant digits of the losses and accuracies kubectl get prints
+MAX_LISTED_RANKS = 16  # past this, the BATCHES column gives the range
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,8 +81,49 @@ async def observe(
     return Observation(now, samples, errors, control, epoch, job_step, control_status)
 
 
-def record_observation(st: SGDJobStatus, obs: Observation, health: Any | None) -> list[Event]:
-    """Progress fields from the workers (and the policy's health when it ran)."""
+def shown(value: float, digits: int = SHOWN_DIGITS) -> float:
+    """`value` clamped to the status bounds and rounded to `digits` significant digits: what `kubectl
+    get` prints is read by a person (0.3183, not 0.31834566593170166); the workers' /metrics keep
+    every digit."""
+    value = max(-LOSS_BOUND, min(LOSS_BOUND, value))
+    if value == 0 or not math.isfinite(value):
+        return value
+    return round(value, digits - 1 - math.floor(math.log10(abs(value))))
+
+
+def batches_column(batches: Mapping[int, int]) -> str | None:
+    """The BATCHES column: per-rank batch sizes while they differ (None when every rank has the same)."""
+    if len(set(batches.values())) <= 1:
+        return None
+    if len(batches) <= MAX_LISTED_RANKS:
+        return "/".join(str(batches[r]) for r in sorted(batches))
+    return f"{min(batches.values())}..{max(batches.values())} over {len(batches)} ranks"
+
+
+def record_eta(st: SGDJobStatus, spec: SGDJobSpec, obs: Observation) -> None:
+    """Keep the pace and validation points in status and predict the time left from them."""
+    ctl, target, rank0 = controller(st), spec.training.target, obs.control_status
+    points = keep_point([(p[0], int(p[1])) for p in ctl.progress], obs.time, st.step)
+    validations = [(int(v[0]), v[1]) for v in ctl.validations]
+    if target is not None and rank0 is not None:
+        validations = keep_validation(
+            validations,
+            target,
+            rank0.validation_step,
+            rank0.validation_loss,
+            rank0.validation_accuracy,
+            rank0.validation_metric,
+        )
+    ctl.progress = [[t, float(s)] for t, s in points]
+    ctl.validations = [[float(s), v] for s, v in validations]
+    eta = predict(points, spec.training.steps, validations, goal(target) if target else None)
+    st.eta, st.eta_seconds, st.eta_basis = (eta.text, round(eta.seconds, 1), eta.basis) if eta else (None, None, None)
+
+
+def record_observation(
+    st: SGDJobStatus, obs: Observation, health: Any | None, spec: SGDJobSpec | None = None
+) -> list[Event]:
+    """Progress fields from the workers (and the policy's health when it ran; the ETA when `spec` is given)."""
     events: list[Event] = []
     mode = obs.mode
     if mode is not None and mode != st.mode:
@@ -90,20 +136,24 @@ def record_observation(st: SGDJobStatus, obs: Observation, health: Any | None) -
         else:
             st.step = max(st.step if mode is None else 0, max(s.steps for s in obs.samples))
         losses = [s.loss for s in sorted(obs.samples, key=lambda s: s.rank) if s.loss is not None]
-        st.loss = max(-LOSS_BOUND, min(LOSS_BOUND, losses[0])) if losses else st.loss
+        st.loss = shown(losses[0]) if losses else st.loss
+        st.batches = batches_column({s.rank: s.batch_size for s in obs.samples})
+    st.mode_summary = f"{st.mode} (rebalanced)" if st.mode is not None and st.batches else st.mode
     rank0 = obs.control_status
     if rank0 is not None:
         if rank0.validation_loss is not None:
-            st.validation_loss = max(-LOSS_BOUND, min(LOSS_BOUND, rank0.validation_loss))
+            st.validation_loss = shown(rank0.validation_loss)
         if rank0.validation_accuracy is not None:
-            st.validation_accuracy = max(0.0, min(1.0, rank0.validation_accuracy))
+            st.validation_accuracy = shown(max(0.0, min(1.0, rank0.validation_accuracy)))
         if rank0.validation_metric is not None:
-            st.validation_metric = max(-LOSS_BOUND, min(LOSS_BOUND, rank0.validation_metric))
+            st.validation_metric = shown(rank0.validation_metric)
         if rank0.target_step is not None and st.target_step is None:
             # Kept: the workers exit soon after, and the pods alone do not say why they succeeded.
             st.target_step = rank0.target_step
             st.time_to_target_seconds = max(0.0, min(1e9, rank0.time_to_target_s or 0.0))
             events.append(Event("Normal", TARGET_REACHED, f"validation reached the target at step {st.target_step}"))
+    if spec is not None and obs.samples:
+        record_eta(st, spec, obs)
     if health is not None:
         st.throughput = round(float(health.throughput), 3) if health.throughput else st.throughput
         st.stragglers = [Straggler.model_validate(r) for r in health.straggler_records()]

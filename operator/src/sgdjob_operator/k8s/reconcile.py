@@ -120,7 +120,7 @@ async def _monitor(
     busy = in_flight(st, spec, pods)
     step, problem = evaluate_job(spec, st, obs, now, busy)
     events += await _once(rt, ref, "PolicyError", problem)
-    events += record_observation(st, obs, step.health)
+    events += record_observation(st, obs, step.health, spec)
     outcome = apply_step(st, step, now, spec, pods)
     if outcome.applied:
         metrics.DECISIONS.labels(action=outcome.applied, reason=metrics.reason_label(step.decision.reason)).inc()

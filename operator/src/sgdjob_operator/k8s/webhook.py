@@ -16,6 +16,7 @@ from typing import Any
 import kopf
 
 from sgdjob_operator.api.models import GROUP, PLURAL, VERSION
+from sgdjob_operator.api.names import name_problem
 from sgdjob_operator.api.validation import SpecError, validate_spec
 from sgdjob_operator.k8s.settings import OperatorSettings
 
@@ -24,21 +25,27 @@ HANDLER_ID = "validate"
 PATH = f"/{HANDLER_ID}"
 
 
-def review(spec: dict[str, Any] | None, old_spec: dict[str, Any] | None) -> None:
-    """Raise kopf.AdmissionError naming the fields when the spec breaks the model's rules. An update
-    that leaves the spec as it was (metadata, finalizers, annotations) always passes, so a job stored
+def review(spec: dict[str, Any] | None, old_spec: dict[str, Any] | None, name: str | None = None) -> None:
+    """Raise kopf.AdmissionError naming the fields when the spec breaks the model's rules, or when a
+    new job's name cannot name the objects the operator makes for it (`api.names`). An update that
+    leaves the spec as it was (metadata, finalizers, annotations) always passes, so a job stored
     before the webhook existed can still be patched, labelled and deleted."""
     if old_spec is not None and old_spec == spec:
         return
+    problems: list[str] = []
+    if old_spec is None and name and (problem := name_problem(name)) is not None:
+        problems.append(f"metadata.name: {problem}")
     try:
         validate_spec(dict(spec or {}))
     except SpecError as err:
-        raise kopf.AdmissionError("invalid SGDJob: " + "; ".join(err.problems), code=422) from err
+        problems += err.problems
+    if problems:
+        raise kopf.AdmissionError("invalid SGDJob: " + "; ".join(problems), code=422)
 
 
 def _validate(spec: kopf.Spec, **kwargs: Any) -> None:
     old = kwargs.get("old")  # the stored object on UPDATE (kopf passes it; not in WebhookFn's signature)
-    review(dict(spec), dict(old.get("spec") or {}) if old else None)
+    review(dict(spec), dict(old.get("spec") or {}) if old else None, name=kwargs.get("name"))
 
 
 async def _serve(settings: kopf.OperatorSettings, **_: Any) -> None:

@@ -15,18 +15,11 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from sgdjob_operator.local.progress import ProgressFrame, RunInfo
+from sgdjob_operator.local.progress import EtaTracker, ProgressFrame, RunInfo, eta_text
 from sgdjob_operator.local.report import summary_lines
+from sgdjob_operator.policy.eta import Eta
 
 MAX_NOTES = 8
-
-
-def eta_seconds(snap: ProgressFrame, total_steps: int, first: ProgressFrame | None) -> float | None:
-    """Seconds left at the average step rate so far; None before there is a rate."""
-    if first is None or snap.step <= first.step or snap.time <= first.time:
-        return None
-    rate = (snap.step - first.step) / (snap.time - first.time)
-    return max(0.0, (total_steps - snap.step) / rate)
 
 
 class RichDisplay:
@@ -36,11 +29,13 @@ class RichDisplay:
         self.console = console or Console()
         self._live: Live | None = None
         self._info: RunInfo | None = None
-        self._first: ProgressFrame | None = None
+        self._eta = EtaTracker(0)
+        self._last_eta: Eta | None = None
         self._notes: deque[str] = deque(maxlen=MAX_NOTES)
 
     def start(self, info: RunInfo) -> None:
         self._info = info
+        self._eta = EtaTracker(info.steps, info.target)
         for line in info.notes:
             self.console.print(f"[yellow]note:[/] {line}")
         self.console.print(
@@ -54,7 +49,7 @@ class RichDisplay:
     def render(self, snap: ProgressFrame) -> Panel:
         info = self._info
         total = info.steps if info else 0
-        eta = eta_seconds(snap, total, self._first)
+        eta = self._last_eta
         rate = f"{snap.samples_per_s:,.0f}" if snap.samples_per_s is not None else "-"
         bound = snap.bound_per_s
         eff = f" ({snap.samples_per_s / bound:.0%} of bound)" if snap.samples_per_s is not None and bound > 0 else ""
@@ -63,7 +58,7 @@ class RichDisplay:
             ("mode ", "dim"), (snap.mode, "bold cyan"), ("   step ", "dim"), (f"{snap.step}/{total}", "bold"),
             ("   loss ", "dim"), (loss, "bold"), ("   samples/s ", "dim"), (rate, "bold"),
             (f" vs bound {bound:,.0f}{eff}", "dim"),
-            ("   ETA ", "dim"), (f"{eta:.0f}s" if eta is not None else "-", "bold"),
+            ("   ETA ", "dim"), (eta_text(eta), "bold"),
         )  # fmt: skip
         table = Table(expand=True, box=None, pad_edge=False)
         for column in ("rank", "node", "speed (samples/s, never waiting)", "", "step", "wait s", "mode"):
@@ -81,8 +76,7 @@ class RichDisplay:
         return Panel(Group(*parts), title=info.job if info else "sgdjob", subtitle=f"{snap.elapsed_s:.0f}s")
 
     def update(self, snap: ProgressFrame) -> None:
-        if self._first is None and snap.step > 0:
-            self._first = snap
+        self._last_eta = self._eta.update(snap)
         if self._live is not None:
             self._live.update(self.render(snap))
 
@@ -95,7 +89,7 @@ class RichDisplay:
     def resize(self, nodes: int, workers: int) -> None:
         if self._info is not None:
             self._info = replace(self._info, nodes=nodes, workers=workers)
-        self._first = None  # the ETA restarts from the new world's pace
+        self._eta.reset()  # the ETA restarts from the new world's pace
 
     def finish(self, report: Mapping[str, Any] | None, message: str) -> None:
         if self._live is not None:

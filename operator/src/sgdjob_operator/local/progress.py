@@ -14,7 +14,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, TextIO
 
 from sgdjob_operator.local.report import rank_speed, summary_lines
+from sgdjob_operator.policy.eta import Eta, goal, keep_point, keep_validation, predict
 from sgdjob_operator.workers.scrape import ScrapeResult
+from sgdjob_trainer.config import Target
 from sgdjob_trainer.wire.worker_status import WorkerStatus
 
 
@@ -32,6 +34,11 @@ class WorkerView:
     mode: str
     done: bool
     fresh: bool = True
+    # Rank 0's latest validation on the held-out split (None: none yet, or another rank).
+    validation_step: int | None = None
+    validation_loss: float | None = None
+    validation_accuracy: float | None = None
+    validation_metric: float | None = None
 
     @property
     def speed(self) -> float:
@@ -88,7 +95,46 @@ def worker_from_status(status: WorkerStatus) -> WorkerView:
         loss=loss if loss is not None and math.isfinite(loss) else None,
         mode=status.mode.value if status.mode is not None else "unknown",
         done=status.done,
+        validation_step=status.validation_step,
+        validation_loss=status.validation_loss,
+        validation_accuracy=status.validation_accuracy,
+        validation_metric=status.validation_metric,
     )
+
+
+class EtaTracker:
+    """The time left as both displays show it: `policy.eta` over this run's recent polls and rank 0's
+    validations of the target's metric (to the last step when the job has no target)."""
+
+    def __init__(self, steps: int, target: Target | None = None) -> None:
+        self.steps = steps
+        self.target = target
+        self.points: list[tuple[float, int]] = []
+        self.validations: list[tuple[int, float]] = []
+
+    def reset(self) -> None:
+        """A new world: its pace is not the old one's."""
+        self.points = []
+
+    def update(self, snap: ProgressFrame) -> Eta | None:
+        if snap.step > 0:
+            self.points = keep_point(self.points, snap.time, snap.step)
+        rank0 = next((w for w in snap.workers if w.rank == 0), None)
+        if self.target is not None and rank0 is not None:
+            self.validations = keep_validation(
+                self.validations,
+                self.target,
+                rank0.validation_step,
+                rank0.validation_loss,
+                rank0.validation_accuracy,
+                rank0.validation_metric,
+            )
+        return predict(self.points, self.steps, self.validations, goal(self.target) if self.target else None)
+
+
+def eta_text(eta: Eta | None) -> str:
+    """'4m10s to target', '35s to last step' or '-'."""
+    return f"{eta.text} to {eta.basis}" if eta is not None else "-"
 
 
 def summarize(
@@ -111,14 +157,14 @@ def summarize(
     return ProgressFrame(time=now, elapsed_s=now - start, workers=workers, samples_per_s=rate, errors=tuple(errors))
 
 
-def progress_line(snap: ProgressFrame, total_steps: int, expected_workers: int) -> str:
+def progress_line(snap: ProgressFrame, total_steps: int, expected_workers: int, eta: Eta | None = None) -> str:
     """One plain progress line."""
     loss = f"{snap.loss:.4f}" if snap.loss is not None else "n/a"
     rate = f"{snap.samples_per_s:.1f}" if snap.samples_per_s is not None else "n/a"
     return (
         f"[{snap.elapsed_s:6.1f}s] step {snap.step}/{total_steps}  loss {loss}  "
         f"samples/s {rate} (bound {snap.bound_per_s:.1f})  mode {snap.mode}  "
-        f"workers {snap.reachable}/{expected_workers}"
+        f"workers {snap.reachable}/{expected_workers}  ETA {eta_text(eta)}"
     )
 
 
@@ -133,6 +179,7 @@ class RunInfo:
     steps: int
     out_dir: str
     notes: tuple[str, ...] = field(default_factory=tuple)
+    target: Target | None = None  # spec.training.target: the ETA counts to it
 
 
 class Display(Protocol):
@@ -156,12 +203,14 @@ class PlainDisplay:
         self._info: RunInfo | None = None
         self._last: float | None = None
         self._last_body = ""
+        self._eta = EtaTracker(0)
 
     def _print(self, text: str) -> None:
         print(text, file=self.stream, flush=True)
 
     def start(self, info: RunInfo) -> None:
         self._info = info
+        self._eta = EtaTracker(info.steps, info.target)
         for line in info.notes:
             self._print(f"note: {line}")
         self._print(
@@ -171,11 +220,12 @@ class PlainDisplay:
         self._print(f"output: {info.out_dir}")
 
     def update(self, snap: ProgressFrame) -> None:
+        eta = self._eta.update(snap)
         if self._last is not None and snap.time - self._last < self.every_s:
             return
         info = self._info
-        line = progress_line(snap, info.steps if info else 0, info.workers if info else len(snap.workers))
-        body = line.split("]", 1)[1]
+        line = progress_line(snap, info.steps if info else 0, info.workers if info else len(snap.workers), eta)
+        body = line.split("]", 1)[1].rsplit("  ETA ", 1)[0]
         if body == self._last_body:  # nothing moved (e.g. workers finishing): say it once
             return
         self._last, self._last_body = snap.time, body
@@ -187,6 +237,7 @@ class PlainDisplay:
     def resize(self, nodes: int, workers: int) -> None:
         if self._info is not None:
             self._info = replace(self._info, nodes=nodes, workers=workers)
+        self._eta.reset()
 
     def finish(self, report: Mapping[str, Any] | None, message: str) -> None:
         if report is not None:

@@ -330,6 +330,7 @@ async def run_local(job: SGDJob, options: RunOptions, display: Display, on_poll:
             steps=job.spec.training.steps,
             out_dir=str(plan.out_dir),
             notes=plan.notes,
+            target=job.spec.training.target,
         )
     )
     stop = asyncio.Event()

@@ -121,3 +121,8 @@ class Rescale:
 
 
 Decision = Keep | SwitchMode | Rebalance | ReplaceWorker | Rescale
+
+
+def per_rank_text(values: Mapping[int, int] | Mapping[str, int]) -> str:
+    """`rank0=40 rank1=40 rank2=16`: per-rank values as Events and logs print them, in rank order."""
+    return " ".join(f"rank{r}={v}" for r, v in sorted(((int(r), v) for r, v in values.items())))
