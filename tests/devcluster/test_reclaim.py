@@ -13,13 +13,17 @@ from pathlib import Path
 import pytest
 
 from devcluster import realnet
+from devcluster.pytest_plugin import unavailable
 from devcluster.realconf import Layout
 from devcluster.realnodes import reclaim_abandoned
 
-pytestmark = pytest.mark.skipif(
-    os.geteuid() != 0 or shutil.which("ip") is None, reason="network namespaces need root and iproute2"
-)
 PREFIX = "sgdjunit"
+
+
+@pytest.fixture(autouse=True)
+def _root_and_iproute2() -> None:
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        unavailable("network namespaces need root and iproute2")
 
 
 @pytest.fixture

@@ -25,6 +25,7 @@ import yaml
 
 from devcluster import realnet
 from devcluster.controlplane import free_port
+from devcluster.pytest_plugin import unavailable
 from devcluster.realnodes import RealCluster
 from devcluster.testing import wait_for
 from tests.e2e.helpers import assert_children_gone, job_status
@@ -68,7 +69,7 @@ class Prometheus:
     def __init__(self, cluster: RealCluster, folder: Path) -> None:
         binary = shutil.which("prometheus")
         if binary is None:
-            pytest.skip("prometheus not installed (Debian: apt-get install prometheus; .ci/run installs it)")
+            unavailable("prometheus not installed (Debian: apt-get install prometheus; .ci/run installs it)")
         rules = next(d for d in _render("--set", "prometheusRule.enabled=true") if d["kind"] == "PrometheusRule")
         (folder / "rules.yaml").write_text(yaml.safe_dump({"groups": rules["spec"]["groups"]}))
         config = {

@@ -3,7 +3,6 @@ workers) for the runner's own behaviour and with the real trainer for each fixed
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import json
 import os
@@ -198,13 +197,6 @@ def test_cli_names_the_bad_field_and_exits_2(tmp_path: Path) -> None:
     assert result.exit_code == 2 and "--mode" in result.output
 
 
-needs_trainer = pytest.mark.skipif(
-    importlib.util.find_spec("sgdjob_trainer.__main__") is None,
-    reason="the trainer entry point (sgdjob_trainer.__main__) is not in the tree yet",
-)
-
-
-@needs_trainer
 @pytest.mark.parametrize("mode", ["sync", "hierarchical", "async"])
 def test_real_trainer_fixed_mode(tmp_path: Path, mode: str) -> None:
     """Two workers, rank 1 emulated 2x slower. The spec says auto; --mode fixes the mode for the run."""
@@ -229,7 +221,6 @@ def test_real_trainer_fixed_mode(tmp_path: Path, mode: str) -> None:
     assert slow["speed_samples_per_s"] < fast["speed_samples_per_s"]
 
 
-@needs_trainer
 def test_real_trainer_survives_an_emulated_fault(tmp_path: Path) -> None:
     """Two agents (emulated nodes); rank 1 exits abruptly at step 15 on its first life. torchrun
     (--max-restarts from runPolicy.backoffLimit) restarts both workers, they resume from the
@@ -256,7 +247,6 @@ def test_real_trainer_survives_an_emulated_fault(tmp_path: Path) -> None:
     assert (out / "checkpoints" / "step-0000000040" / "COMPLETE").exists()
 
 
-@needs_trainer
 def test_a_users_metric_hook_is_validated_reported_and_ends_the_job_at_its_target(tmp_path: Path) -> None:
     """training.evaluation.metric names the user's function; the curve carries it and a `minimize`
     target on it ends the run (error rate at or below 0.25 on digits)."""
@@ -295,7 +285,6 @@ def test_a_users_metric_hook_is_validated_reported_and_ends_the_job_at_its_targe
     assert ended is not None and ended.end_reason == "TargetReached" and ended.target_step == report["target_step"]
 
 
-@needs_trainer
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_real_trainer_ends_when_the_validation_reaches_the_target(tmp_path: Path, mode: str) -> None:
     """digits-mlp on two workers with an accuracy target a short run reaches: every rank stops at an

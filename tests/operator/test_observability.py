@@ -22,6 +22,7 @@ import pytest
 import yaml
 
 from devcluster.controlplane import free_port
+from devcluster.pytest_plugin import unavailable
 from sgdjob_operator.policy.state import PolicyState
 from tests.operator.conftest import GROUP, PLURAL, VERSION, Cluster, Operator, wait_for
 from tests.operator.test_adaptation import BATCH, FakeWorker, _free_port
@@ -155,7 +156,7 @@ def test_prometheus_scrapes_the_operator_and_the_workers_and_the_charts_rules_ev
     rules loaded: the straggler and mode series are there, and every rule evaluates."""
     binary = shutil.which("prometheus")
     if binary is None:
-        pytest.skip("prometheus not installed (Debian: apt-get install prometheus)")
+        unavailable("prometheus not installed (Debian: apt-get install prometheus)")
     groups = _render("--set", "prometheusRule.enabled=true")
     rules = next(d for d in groups if d["kind"] == "PrometheusRule")["spec"]["groups"]
     (tmp_path / "rules.yaml").write_text(yaml.safe_dump({"groups": rules}))

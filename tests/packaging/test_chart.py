@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from devcluster.controlplane import ControlPlane
+from devcluster.pytest_plugin import unavailable
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "sgdjob-operator"
@@ -64,7 +65,7 @@ def _helm() -> str:
     for path in candidates:
         if path.is_file():
             return str(path)
-    pytest.skip("helm not found in KUBEBUILDER_ASSETS or on PATH: run ../shared/k8s/install.sh")
+    unavailable("helm not found in KUBEBUILDER_ASSETS or on PATH: run ../shared/k8s/install.sh")
 
 
 def _helm_run(*args: str) -> subprocess.CompletedProcess[str]:

@@ -12,9 +12,9 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-import pytest
 import yaml
 
+from devcluster.pytest_plugin import unavailable
 from sgdjob_operator.api.validation import validate_spec
 from sgdjob_operator.k8s import metrics as operator_metrics
 from sgdjob_operator.k8s.builders import JobRef, build_worker_pod
@@ -167,7 +167,7 @@ def test_the_dashboard_is_a_grafana_dashboard_with_the_job_variables() -> None:
 def _promtool() -> str:
     path = shutil.which("promtool")
     if path is None:
-        pytest.skip("promtool not installed (Debian: apt-get install prometheus)")
+        unavailable("promtool not installed (Debian: apt-get install prometheus)")
     return path
 
 
