@@ -156,6 +156,10 @@ def test_summarize_rates_and_keeps_workers_that_stop_answering() -> None:
     assert first.samples_per_s is None and first.step == 10 and first.elapsed_s == 10.0
     assert first.bound_per_s == pytest.approx(320 + 320 / 3)
     assert first.loss == pytest.approx(1.5) and first.mode == "sync" and first.reachable == 2
+    split = summarize(
+        [status_result(0, 320, 1.0, batchSize=40), status_result(1, 320, 3.0, batchSize=24)], now=100.0, start=90.0
+    )
+    assert (split.mode, split.mode_shown, first.mode_shown) == ("sync", "sync (rebalanced)", "sync")
     gone = ScrapeResult(Endpoint("http://127.0.0.1:9401"), 0.0, error="timed out")
     second = summarize([status_result(0, 960, 3.0, mode="async"), gone], now=102.0, start=90.0, previous=first)
     assert second.samples_per_s == pytest.approx((960 + 320 - 640) / 2.0)

@@ -55,7 +55,7 @@ class RichDisplay:
         eff = f" ({snap.samples_per_s / bound:.0%} of bound)" if snap.samples_per_s is not None and bound > 0 else ""
         loss = f"{snap.loss:.4f}" if snap.loss is not None else "-"
         head = Text.assemble(
-            ("mode ", "dim"), (snap.mode, "bold cyan"), ("   step ", "dim"), (f"{snap.step}/{total}", "bold"),
+            ("mode ", "dim"), (snap.mode_shown, "bold cyan"), ("   step ", "dim"), (f"{snap.step}/{total}", "bold"),
             ("   loss ", "dim"), (loss, "bold"), ("   samples/s ", "dim"), (rate, "bold"),
             (f" vs bound {bound:,.0f}{eff}", "dim"),
             ("   ETA ", "dim"), (eta_text(eta), "bold"),

@@ -34,6 +34,7 @@ class WorkerView:
     mode: str
     done: bool
     fresh: bool = True
+    batch_size: int = 0  # this rank's batch now (0: not said)
     # Rank 0's latest validation on the held-out split (None: none yet, or another rank).
     validation_step: int | None = None
     validation_loss: float | None = None
@@ -78,6 +79,12 @@ class ProgressFrame:
         return "/".join(modes) if modes else "starting"
 
     @property
+    def mode_shown(self) -> str:
+        """The mode as the displays (and kubectl get) show it: 'sync (rebalanced)' while batches differ."""
+        batches = {w.batch_size for w in self.workers if w.fresh and not w.done and w.batch_size > 0}
+        return self.mode + (" (rebalanced)" if len(batches) > 1 else "")
+
+    @property
     def reachable(self) -> int:
         return sum(1 for w in self.workers if w.fresh)
 
@@ -95,6 +102,7 @@ def worker_from_status(status: WorkerStatus) -> WorkerView:
         loss=loss if loss is not None and math.isfinite(loss) else None,
         mode=status.mode.value if status.mode is not None else "unknown",
         done=status.done,
+        batch_size=status.batch_size,
         validation_step=status.validation_step,
         validation_loss=status.validation_loss,
         validation_accuracy=status.validation_accuracy,
@@ -163,7 +171,7 @@ def progress_line(snap: ProgressFrame, total_steps: int, expected_workers: int, 
     rate = f"{snap.samples_per_s:.1f}" if snap.samples_per_s is not None else "n/a"
     return (
         f"[{snap.elapsed_s:6.1f}s] step {snap.step}/{total_steps}  loss {loss}  "
-        f"samples/s {rate} (bound {snap.bound_per_s:.1f})  mode {snap.mode}  "
+        f"samples/s {rate} (bound {snap.bound_per_s:.1f})  mode {snap.mode_shown}  "
         f"workers {snap.reachable}/{expected_workers}  ETA {eta_text(eta)}"
     )
 
