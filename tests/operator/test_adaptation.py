@@ -62,6 +62,8 @@ class FakeWorker:
                 if self.path == "/metrics":
                     self._send(200, generate_latest(worker.reg), "text/plain; version=0.0.4")
                 elif self.path == "/status":
+                    # Rank 0's /status is read once a monitor pass: the count says how many passes ran.
+                    worker.shared["status_reads"] = worker.shared.get("status_reads", 0) + (worker.rank == 0)
                     body = {
                         "rank": worker.rank,
                         "mode": worker.shared["mode"],
@@ -204,9 +206,10 @@ def test_simulated_straggler_drives_a_mode_switch(cluster: Cluster, operator: Op
         )
         assert status["targetMode"] == target
         wait_for("ModeSwitched event", lambda: "ModeSwitched" in cluster.reasons("adapt"))
-        pushes = len(shared["posts"])
-        time.sleep(3)
-        assert len(shared["posts"]) == pushes  # applied: no more pushes
+        pushes, reads = len(shared["posts"]), shared.get("status_reads", 0)
+        # Applied: the next passes (seen reading rank 0's /status) push nothing more.
+        wait_for("three more monitor passes", lambda: shared.get("status_reads", 0) >= reads + 3, timeout=30)
+        assert len(shared["posts"]) == pushes
         assert status["throughput"] and status["loss"] is not None
         run_config = json.loads(
             cluster.core.read_namespaced_config_map("adapt-config", cluster.ns).data["run-config.json"]
@@ -299,8 +302,9 @@ def test_rescale_removes_the_slow_ranks_pod_and_a_healthy_job_grows_back(cluster
 
         # A restarted operator keeps the same three pods: no duplicate, no other pod removed.
         operator.kill()
+        reads = shared.get("status_reads", 0)
         operator.start()
-        time.sleep(4)
+        wait_for("the restarted operator's passes", lambda: shared.get("status_reads", 0) >= reads + 3, timeout=30)
         assert {n: p.metadata.uid for n, p in cluster.pods("mid").items()} == kept
 
         # The world re-forms from the three pods left (ranks 0..2), all fast: the fleet is healthy,
