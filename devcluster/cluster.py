@@ -1,14 +1,19 @@
-"""A local Kubernetes cluster on loopback: control plane with controllers + our node agent.
+"""A local Kubernetes cluster: the real control plane plus real kubelet nodes (or, as a test double,
+our process node agent).
 
-    python -m devcluster up      # starts it in the background, prints `export KUBECONFIG=...`
+    python -m devcluster up      # root: 3 real kubelet nodes with containerd (devcluster/realcli.py)
     python -m devcluster status  # is it up, where are its files
     python -m devcluster down    # stops everything it started; nothing is left running
-    python -m devcluster up --real-nodes 3   # root: real kubelets + containerd instead (devcluster/realcli.py)
+    python -m devcluster up --process-nodes  # the test double: pods as local processes, no root
 
-`up` starts a daemon (`serve`) in its own session that owns the cluster and writes a state file
-(pids, kubeconfig, workdir, the agent's process tag). `down` asks it to stop (SIGTERM), then kills
-whatever survived by pid and by tag and removes the files, so even a SIGKILLed daemon leaves nothing.
-Tests use LocalCluster directly (the `cluster` fixture in devcluster/pytest_plugin.py).
+Real nodes are what a user meets. The process node agent (node_agent.py, pod_runner.py, podspec.py)
+stays as a named test double for the tiers whose hundreds of short-lived pods would each pay a
+container's set-up on two cores (the operator and packaging tiers, the 100-job scale benchmark); see
+devcluster/README.md. With it, `up` starts a daemon (`serve`) in its own session that owns the
+cluster and writes a state file (pids, kubeconfig, workdir, the agent's process tag). `down` asks it
+to stop (SIGTERM), then kills whatever survived by pid and by tag and removes the files, so even a
+SIGKILLed daemon leaves nothing. Tests use LocalCluster directly (the `cluster` fixture in
+devcluster/pytest_plugin.py).
 """
 
 from __future__ import annotations
@@ -166,9 +171,13 @@ def _up(args: argparse.Namespace) -> int:
     reap_orphans()  # pods left by an earlier agent that was SIGKILLed
     state = Path(args.state)
     info = _read_state(state)
-    if args.real_nodes or (info and info.get("kind") == "real"):
+    if not args.process_nodes:
+        if info and info.get("kind") != "real" and alive(int(info["pid"])):
+            return _refuse_mixed("a process-node cluster")
         ensure_assets()
-        return realcli.up(args, info) if args.real_nodes else _refuse_mixed()
+        return realcli.up(args, info)
+    if info and info.get("kind") == "real":
+        return _refuse_mixed("a real-node cluster")
     if info and alive(int(info["pid"])):
         print(f"already up (pid {info['pid']}); take it down with: python -m devcluster down", file=sys.stderr)
         print(f"export KUBECONFIG={info['kubeconfig']}")
@@ -205,8 +214,8 @@ def _up(args: argparse.Namespace) -> int:
     return 1
 
 
-def _refuse_mixed() -> int:
-    print("a real-node cluster is up with this state file: python -m devcluster down first", file=sys.stderr)
+def _refuse_mixed(what: str) -> int:
+    print(f"{what} is up with this state file: python -m devcluster down first", file=sys.stderr)
     return 1
 
 
@@ -256,20 +265,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("command", choices=["up", "down", "status", "serve", "images"])
     parser.add_argument("--state", default=str(DEFAULT_STATE), help=f"state file (default {DEFAULT_STATE})")
-    parser.add_argument("--gpu-nodes", type=int, default=4, help="nodes with one nvidia.com/gpu each (default 4)")
-    parser.add_argument("--cpu-nodes", type=int, default=1, help="nodes without GPUs (default 1)")
-    parser.add_argument("--timeout", type=float, default=120.0, help="seconds `up` waits for the cluster")
-    real = parser.add_argument_group("real nodes (root; kubelet + containerd per node, devcluster/realnodes.py)")
-    real.add_argument("--real-nodes", type=int, default=0, help="up: this many real kubelet nodes instead")
+    parser.add_argument(
+        "--timeout", type=float, default=None, help="seconds `up` waits (default 300, 120 with process nodes)"
+    )
+    real = parser.add_argument_group(
+        "real nodes (the default; root; kubelet + containerd per node, devcluster/realnodes.py)"
+    )
+    real.add_argument("--real-nodes", type=int, default=3, help="up: this many real kubelet nodes (default 3)")
     real.add_argument("--workdir", default=str(realcli.DEFAULT_WORKDIR), help="up: the real cluster's folder")
     real.add_argument("--images", default="", help="up: also import these images, e.g. operator,trainer")
     real.add_argument(
         "--only", default="operator,trainer", help="images: which (pause,python,torch,operator,trainer,charlm)"
     )
     real.add_argument("--rebuild", action="store_true", help="images: build even when the cache is current")
+    double = parser.add_argument_group("process nodes (a test double: pods as local processes, no root)")
+    double.add_argument("--process-nodes", action="store_true", help="up: the process node agent instead of kubelets")
+    double.add_argument(
+        "--gpu-nodes", type=int, default=4, help="process nodes with one nvidia.com/gpu each (default 4)"
+    )
+    double.add_argument("--cpu-nodes", type=int, default=1, help="process nodes without GPUs (default 1)")
     args = parser.parse_args(argv)
-    if args.real_nodes and args.timeout == 120.0:
-        args.timeout = 300.0  # image imports and three kubelets on two cores
+    if args.timeout is None:
+        args.timeout = 120.0 if args.process_nodes else 300.0  # image imports and three kubelets on two cores
     if args.command == "images":
         ensure_assets()
         return realcli.images(args, _read_state(Path(args.state)))

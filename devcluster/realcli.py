@@ -1,6 +1,6 @@
 """The real-node side of `python -m devcluster` (devcluster/cluster.py parses the arguments):
 
-    eval "$(python -m devcluster up --real-nodes 3 [--images operator,trainer])"   # root; sets KUBECONFIG, PATH
+    eval "$(python -m devcluster up [--real-nodes 3] [--images operator,trainer])"   # root; sets KUBECONFIG, PATH
     python -m devcluster images [--only operator] [--rebuild]            # build (cached) + import into the nodes
     python -m devcluster status
     python -m devcluster down                                            # stops everything it started

@@ -1,4 +1,5 @@
-"""`python -m devcluster up|down` as a person uses it: a cluster that runs pods, and nothing left after."""
+"""`python -m devcluster up --process-nodes|down` (the test double; `up` without it starts real nodes, which
+tests/devcluster/test_realnodes.py covers): a cluster that runs pods, and nothing left after."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ def test_cluster_command_brings_a_cluster_up_and_leaves_nothing_behind(k8s_asset
     state = tmp_path / "state.json"
     cli = [sys.executable, "-m", "devcluster"]
     up = subprocess.run(
-        [*cli, "up", "--state", str(state), "--gpu-nodes", "1", "--cpu-nodes", "0"],
+        [*cli, "up", "--process-nodes", "--state", str(state), "--gpu-nodes", "1", "--cpu-nodes", "0"],
         cwd=ROOT,
         capture_output=True,
         text=True,
