@@ -23,9 +23,9 @@ import os
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from bench import goodput_targets
 from bench.goodput_scoring import (
@@ -49,11 +49,6 @@ from bench.scenarios import (
     without_rank,
 )
 from bench.systems import RunRecord, guarded, run_ddp, run_sgdjob
-
-if TYPE_CHECKING:
-    from sgdjob_operator.local.progress import ProgressFrame
-    from sgdjob_operator.local.runner import LocalRun
-    from sgdjob_operator.workers.scrape import ScrapeResult
 
 QUICK_SCENARIOS = ("homogeneous", "one-straggler")
 TARGET_ACCURACY = 0.9
@@ -139,30 +134,6 @@ def lb_batches(cfg: BenchConfig, scenario: Scenario) -> dict[int, int]:
     return rebalanced_batches(speeds, total, {r: total for r in speeds})
 
 
-@dataclass(slots=True)
-class StaticBatches:
-    """A poll hook for the local runner: pushes one control command with fixed per-rank batch sizes
-    to rank 0 until rank 0 reports it applied, then does nothing (no policy, no other change)."""
-
-    batch_sizes: dict[int, int]
-    applied: dict[str, Any] = field(default_factory=dict)
-
-    async def __call__(self, run: LocalRun, results: list[ScrapeResult], snapshot: ProgressFrame) -> None:
-        from sgdjob_trainer.wire.control import ControlCommand
-
-        status = run.last_status.get(0)
-        if status is None:
-            return
-        if status.control_epoch >= 1:
-            if not self.applied:
-                self.applied = {"batch_sizes": self.batch_sizes, "seen_applied_at_step": status.step}
-                run.report_extra["static_batches"] = self.applied
-            return
-        await run.push(
-            ControlCommand(epoch=1, batch_sizes=self.batch_sizes, reason="lb-bsp: static speed-proportional batches")
-        )
-
-
 def run_system(cfg: BenchConfig, scenario: Scenario, system: str, run_dir: Path, timeout_s: float) -> RunRecord:
     if system == "ddp":
         return guarded(system, run_dir, lambda: run_ddp(cfg, scenario, run_dir, timeout_s))
@@ -170,9 +141,12 @@ def run_system(cfg: BenchConfig, scenario: Scenario, system: str, run_dir: Path,
         small_cfg, small = without_rank(cfg, scenario, slowest_rank(cfg, scenario))
         return guarded(system, run_dir, lambda: run_ddp(small_cfg, small, run_dir, timeout_s, system=system))
     if system == "lb-bsp":
-        hook = StaticBatches(lb_batches(cfg, scenario))
+        # In the job from step 0 (training.rankBatchSizes), as a user who knows the fleet would set it.
+        split = [b for _, b in sorted(lb_batches(cfg, scenario).items())]
         return guarded(
-            system, run_dir, lambda: run_sgdjob(cfg, scenario, "sync", run_dir, timeout_s, system=system, on_poll=hook)
+            system,
+            run_dir,
+            lambda: run_sgdjob(cfg, scenario, "sync", run_dir, timeout_s, system=system, rank_batches=split),
         )
     return guarded(system, run_dir, lambda: run_sgdjob(cfg, scenario, system, run_dir, timeout_s))
 

@@ -129,11 +129,10 @@ def run_result(record: RunRecord, workers: int, target: float, budget_s: float) 
         modes = list(base["modes"])
         # Mode switches are in the timeline already; a rebalance or a resize is not.
         modes.extend(f"{d.get('action')}@{d.get('step')}" for d in decisions if d.get("action") != "switchMode")
-        static = record.report.get("static_batches")
-        if isinstance(static, Mapping):
-            modes.append(
-                f"batches {static.get('batch_sizes')} seen applied at step {static.get('seen_applied_at_step')}"
-            )
+        # Per-rank batches at the end (a static split, or the policy's last rebalance).
+        sizes = [r.get("batch_size") for r in record.report.get("per_rank") or [] if isinstance(r, Mapping)]
+        if len(set(sizes)) > 1:
+            modes.append(f"batches {sizes} at the end")
     else:
         base, points, modes = {"ok": False}, [], []
     ok = bool(base.get("ok")) and record.error is None

@@ -14,6 +14,7 @@ slightly above what any system can reach (efficiencies are, if anything, underst
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -156,12 +157,16 @@ def training(cfg: BenchConfig, scenario: Scenario, *, hierarchical_groups: bool)
     return doc
 
 
-def job_doc(cfg: BenchConfig, scenario: Scenario, mode: str) -> dict[str, Any]:
+def job_doc(
+    cfg: BenchConfig, scenario: Scenario, mode: str, rank_batches: Sequence[int] | None = None
+) -> dict[str, Any]:
     """The SGDJob `sgdjob run` starts: one node of `workers` worker processes under one torchrun
     agent, the DDP baseline's layout (`torchrun --standalone --nproc-per-node=N`), so both pay the
     same launcher and no system has processes on the two cores that another has not. The workers
     are fixed (the policy may switch modes and rebalance, not replace or rescale), and
-    minReplicas = replicas, so the learning rate is used unscaled, as the DDP baseline uses it."""
+    minReplicas = replicas, so the learning rate is used unscaled, as the DDP baseline uses it.
+    `rank_batches`: a static split of sync's step from step 0 (training.rankBatchSizes, lb-bsp)."""
+    extra = {"rankBatchSizes": list(rank_batches)} if rank_batches is not None else {}
     return {
         "apiVersion": "sgdjob.dev/v1alpha1",
         "kind": "SGDJob",
@@ -172,7 +177,7 @@ def job_doc(cfg: BenchConfig, scenario: Scenario, mode: str) -> dict[str, Any]:
             "maxReplicas": 1,
             "nprocPerNode": cfg.workers,
             "mode": mode,
-            "training": training(cfg, scenario, hierarchical_groups=mode == "hierarchical"),
+            "training": training(cfg, scenario, hierarchical_groups=mode == "hierarchical") | extra,
             "policy": dict(cfg.policy),
         },
     }

@@ -12,7 +12,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -92,11 +92,13 @@ def run_ddp(cfg: BenchConfig, scenario: Scenario, out_dir: Path, timeout_s: floa
     return RunRecord(system, out_dir, harness, rank_docs=docs, error=error)
 
 
-def write_job(cfg: BenchConfig, scenario: Scenario, mode: str, path: Path) -> Path:
+def write_job(
+    cfg: BenchConfig, scenario: Scenario, mode: str, path: Path, rank_batches: Sequence[int] | None = None
+) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(
         f"# EMULATED compute: {scenario.name} ({scenario.description}); written by the benchmark (bench/)\n"
-        + yaml.safe_dump(job_doc(cfg, scenario, mode), sort_keys=False)
+        + yaml.safe_dump(job_doc(cfg, scenario, mode, rank_batches), sort_keys=False)
     )
     return path
 
@@ -133,11 +135,13 @@ def run_sgdjob(
     *,
     system: str | None = None,
     on_poll: PollHook | None = None,
+    rank_batches: Sequence[int] | None = None,
 ) -> RunRecord:
     """Our trainer in `mode` (sync, hierarchical, async, or auto: the policy drives it), exactly as
     `sgdjob run JOB --mode MODE --out DIR` runs it, minus the CLI's plots. `on_poll` is the local
-    runner's poll hook (e.g. one that pushes a control command); `system` names the record."""
-    job_path = write_job(cfg, scenario, mode, out_dir / "job.yaml")
+    runner's poll hook; `system` names the record; `rank_batches` is a static split of sync's step
+    from step 0 (training.rankBatchSizes)."""
+    job_path = write_job(cfg, scenario, mode, out_dir / "job.yaml", rank_batches)
     code_dirs = tuple(Path(p) for p in code_paths(cfg))
     outcome, harness = run_job_file(job_path, mode, out_dir, timeout_s, on_poll=on_poll, code_dirs=code_dirs)
     error = None if outcome.exit_code == 0 else outcome.message.splitlines()[0]

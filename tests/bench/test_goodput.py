@@ -83,7 +83,7 @@ def _report(curve: list[dict[str, Any]]) -> dict[str, Any]:
         "throughput_samples_per_s": 500.0,
         "validation_curve": curve,
         "mode_timeline": [{"mode": "sync", "step": 0}],
-        "static_batches": {"batch_sizes": {"0": 40, "1": 24}, "seen_applied_at_step": 3},
+        "per_rank": [{"rank": 0, "batch_size": 40}, {"rank": 1, "batch_size": 24}],
     }
 
 
@@ -94,7 +94,7 @@ def test_run_results_aggregate_and_table() -> None:
     assert ours["accuracy_at_budget"] == pytest.approx((0.1 + 0.6 + 0.92) / 3)
     assert ours["last_accuracy_at_budget"] == 0.92 and ours["final_accuracy"] == 0.88
     assert ours["ok"] and ours["throughput"] == 500.0
-    assert ours["modes"] == ["sync@0", "batches {'0': 40, '1': 24} seen applied at step 3"]
+    assert ours["modes"] == ["sync@0", "batches [40, 24] at the end"]
     docs: list[dict[str, Any]] = [
         {"rank": 0, "samples": 320, "wallSeconds": 2.0, "validationCurve": CURVE[:2]},
         {"rank": 1, "samples": 320, "wallSeconds": 4.0},

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from sgdjob_operator.api.models import JobMode, SGDJob
 from sgdjob_operator.api.validation import SpecError, validate_job, validate_spec
 from sgdjob_operator.cli import main
-from sgdjob_trainer.config import SyncMode
+from sgdjob_trainer.config import SyncMode, initial_batches
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -191,3 +191,27 @@ def test_validate_cli_reports_a_bad_name_with_the_fix(tmp_path: Path) -> None:
     result = CliRunner().invoke(main, ["validate", str(path)])
     assert result.exit_code == 1
     assert "metadata.name: 'Quick_Start' is not a DNS-1123 name" in result.output
+
+
+def test_a_static_split_is_for_mode_sync_with_one_batch_per_rank() -> None:
+    split = {"rankBatchSizes": [40, 40, 16]}
+    job = validate_job(_doc(replicas=3, mode="sync", training=split))
+    assert job.spec.training.rank_batch_sizes == [40, 40, 16]
+    assert initial_batches(job.spec.training, 3) == {0: 40, 1: 40, 2: 16}
+    assert initial_batches(job.spec.training, 2) == {}  # another world: every rank takes batchSize
+    (auto,) = _problems(replicas=3, training=split)
+    assert auto.startswith("spec.training.rankBatchSizes: a static split is for mode sync, not auto")
+    (count,) = _problems(replicas=2, nprocPerNode=2, mode="sync", training=split)
+    assert count == (
+        "spec.training.rankBatchSizes: 3 batch sizes for 4 processes (replicas x nprocPerNode): give one per rank"
+    )
+
+
+def test_run_refuses_a_mode_override_of_a_static_split(tmp_path: Path) -> None:
+    path = tmp_path / "job.yaml"
+    path.write_text(
+        "apiVersion: sgdjob.dev/v1alpha1\nkind: SGDJob\nmetadata: {name: lb}\n"
+        "spec: {replicas: 2, mode: sync, training: {rankBatchSizes: [40, 24]}}\n"
+    )
+    result = CliRunner().invoke(main, ["run", str(path), "--mode", "auto"])
+    assert result.exit_code == 2 and "spec.training.rankBatchSizes is a static split for mode sync" in result.output

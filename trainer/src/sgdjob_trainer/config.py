@@ -255,6 +255,17 @@ class TrainingConfig(CamelModel):
         Field(max_length=256, description="Loss: auto (from the dataset), mse, cross-entropy, or a 'module:function'."),
     ] = "auto"
     batch_size: Annotated[int, Field(ge=1, le=65_536, description="Samples per step per worker process.")] = 32
+    rank_batch_sizes: Annotated[
+        list[Annotated[int, Field(ge=1, le=65_536)]] | None,
+        Field(
+            max_length=65_536,
+            description=(
+                "A static split of sync's step from step 0 (LB-BSP): one batch size per rank, for a fleet whose "
+                "speeds you know; the global batch is their sum. mode sync only, one entry per process "
+                "(replicas x nprocPerNode); a world of another size uses batchSize. Auto finds the split itself."
+            ),
+        ),
+    ] = None
     learning_rate: Annotated[
         float,
         Field(gt=0.0, le=10.0, description="Learning rate at the reference world size (minReplicas x nprocPerNode)."),
@@ -400,6 +411,15 @@ class TrainingConfig(CamelModel):
                             f"hierarchical.groups[{i}]",
                             f"rank {rank} does not exist in a world of at most {world_size} processes",
                         )
+
+
+def initial_batches(training: TrainingConfig, world_size: int) -> dict[int, int]:
+    """Per-rank batch sizes a fresh world starts with: training.rankBatchSizes when it has one entry
+    per rank of this world, else none (every rank takes batchSize)."""
+    sizes = training.rank_batch_sizes
+    if sizes is None or len(sizes) != world_size:
+        return {}
+    return dict(enumerate(sizes))
 
 
 def load_training_config(data: dict[str, Any]) -> TrainingConfig:

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from sgdjob_trainer.assembly import assemble
-from sgdjob_trainer.config import Precision, SyncMode, TargetMetric, TrainingConfig
+from sgdjob_trainer.config import Precision, SyncMode, TargetMetric, TrainingConfig, initial_batches
 from sgdjob_trainer.data import DataPosition
 from sgdjob_trainer.emulation import ComputeEmulator
 from sgdjob_trainer.levers import LossScaler
@@ -105,6 +105,7 @@ class Trainer:
             optimizer=optimizer,
             mode=config.mode,
             groups=t.hierarchical.groups,
+            batch_sizes=initial_batches(t, self.info.world_size),
             data=position,
             jitter_rng=self.emulator.rng,
             scaler=scaler,
@@ -154,6 +155,14 @@ class Trainer:
             ps,
             self.ctl,
         )
+        self.telemetry.set_batch_size(self.ctx.batch_size())  # a static split's from the start
+        if t.rank_batch_sizes is not None and not self.state.batch_sizes and self.info.rank == 0:
+            log.warning(
+                "training.rankBatchSizes has %d entries but the world has %d ranks: every rank takes batchSize %d",
+                len(t.rank_batch_sizes),
+                self.info.world_size,
+                t.batch_size,
+            )
         self.interrupted = False  # the run ended by a graceful stop before its last step
         self.stop_seen = False
         # Checkpoints, resume, emulated faults and SIGTERM; resumes here (collective) when a

@@ -309,6 +309,19 @@ class SGDJobSpec(CamelModel):
             )
         if self.run_policy.scheduling_policy is not None:
             check_against_spec(self.run_policy.scheduling_policy, self.template, self.max_workers)
+        if (sizes := self.training.rank_batch_sizes) is not None:
+            if self.mode is not JobMode.SYNC:
+                raise cross_field_error(
+                    "training.rankBatchSizes",
+                    f"a static split is for mode sync, not {self.mode.value}: set mode: sync, or drop rankBatchSizes "
+                    "(auto rebalances sync's batch itself from the measured speeds)",
+                )
+            if len(sizes) != self.replicas * self.nproc_per_node:
+                raise cross_field_error(
+                    "training.rankBatchSizes",
+                    f"{len(sizes)} batch sizes for {self.replicas * self.nproc_per_node} processes "
+                    "(replicas x nprocPerNode): give one per rank",
+                )
         try:
             self.training.check_world(self.max_world_size)
         except PydanticCustomError as err:

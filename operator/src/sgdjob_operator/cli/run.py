@@ -80,6 +80,13 @@ def run(
             click.echo(f"{file}: {problem}", err=True)
         sys.exit(EXIT_USAGE)
     job = _select(jobs, name, file)
+    if mode is not None and mode != JobMode.SYNC.value and job.spec.training.rank_batch_sizes is not None:
+        click.echo(
+            f"{file}: --mode {mode}: spec.training.rankBatchSizes is a static split for mode sync; "
+            "drop --mode or rankBatchSizes",
+            err=True,
+        )
+        sys.exit(EXIT_USAGE)
     options = RunOptions(
         out_dir=out_dir or default_out_dir(job),
         mode=mode,
