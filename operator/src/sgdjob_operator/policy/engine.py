@@ -197,7 +197,7 @@ def evaluate(state: PolicyState, samples: Sequence[WorkerSample], job: JobView, 
         held = chosen.make(f"{health.summary}; {what}", round(gain, 4))
         return Evaluation(Keep(f"{health.summary}; {what}; held: {job.in_flight}"), health, base, predictions, held)
     if streak < p.persistence_intervals or health.shape is Shape.TRANSIENT:
-        if not _fast(chosen, gain, health, job.world_size, every, p.switch_margin):
+        if not _fast(chosen, gain, health, job.world_size, every, p.switch_margin, state.ranks):
             why = f"{health.summary}; {what}; persisting {streak}/{p.persistence_intervals} intervals"
             return Evaluation(Keep(why), health, waiting, predictions)
         what += f"; made at once: a new split gaining +{FAST_GAIN:.0%} or more does not wait out persistence"
@@ -217,16 +217,40 @@ def evaluate(state: PolicyState, samples: Sequence[WorkerSample], job: JobView, 
 
 
 def _fast(
-    chosen: Candidate, gain: float, health: JobHealth, world: int, candidates: Sequence[Candidate], switch: float
+    chosen: Candidate,
+    gain: float,
+    health: JobHealth,
+    world: int,
+    candidates: Sequence[Candidate],
+    switch: float,
+    before: Mapping[int, RankState],
 ) -> bool:
     """A new split of sync's batch with a gain too large to wait a persistence out (FAST_GAIN),
-    every rank of the world measured this window over FAST_STEPS steps, and no other change (stale
-    modes waiting for their statistics included) predicting switchMargin more: that one (a mode
-    switch) must show its persistence, and a split made at once in front of it would take the gain it
-    is measured against and start the cooldown it must wait out."""
+    every rank of the world measured this window over FAST_STEPS steps, every slow rank slow since
+    it began (`slow_from_start`), and no other change (stale modes waiting for their statistics
+    included) predicting switchMargin more: that one (a mode switch) must show its persistence, and a
+    split made at once in front of it would take the gain it is measured against and start the
+    cooldown it must wait out."""
     big = chosen.batch_only and not chosen.restoring and gain >= FAST_GAIN
     best = max((c.prediction.useful for c in candidates), default=0.0)
-    return big and best <= chosen.prediction.useful * (1 + switch) and speeds_settled(health, world, FAST_STEPS)
+    return (
+        big
+        and best <= chosen.prediction.useful * (1 + switch)
+        and speeds_settled(health, world, FAST_STEPS)
+        and slow_from_start(health, before)
+    )
+
+
+def slow_from_start(health: JobHealth, before: Mapping[int, RankState]) -> bool:
+    """Every rank flagged slow this window has no earlier window in this world: it has been slow since
+    it began, so the slowdown covers its whole first window. A rank that was measured at its normal
+    speed before and is slow now may be in a hiccup shorter than a window (a window's mean cannot
+    tell a 4x hiccup over a third of it from a steady 2x): that waits out persistence, as any change.
+    Fitted on: the shipped hiccups-256 scenario (40 hiccups of 1-6 s at 4x in 10-s windows made 12
+    rebalances under the fast rule alone) and the goodput benchmark's stragglers from step 0 (split
+    on their first window)."""
+    flagged = [r for r, h in health.ranks.items() if h.flagged]
+    return bool(flagged) and all(before.get(r) is None or before[r].speed is None for r in flagged)
 
 
 def _world_speeds(health: JobHealth, world: int) -> dict[int, float]:
