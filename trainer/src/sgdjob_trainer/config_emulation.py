@@ -76,6 +76,19 @@ class Emulation(CamelModel):
         list[SpeedChange],
         Field(max_length=1024, description="Slowdowns by rank or node, optionally limited to a step range."),
     ] = []
+    cpu_limits: Annotated[
+        list[Annotated[float, Field(ge=0.01, le=1024.0)]] | None,
+        Field(
+            max_length=1024,
+            description=(
+                "Real slow nodes, not a sleep: one CPU limit per worker (agent local-0, local-1, ...), in CPUs, "
+                "applied by `sgdjob run` as a real cgroup CPU quota on that agent and its trainer processes "
+                "(0.27 = 27 ms of CPU per 100 ms). One value per replica; agents added later (replacements, "
+                "scale-up) run unlimited. Set computeSeconds: 0 for real compute only. Ignored on Kubernetes, "
+                "where a pod's resources.limits.cpu does the same."
+            ),
+        ),
+    ] = None
 
 
 class FaultKind(StrEnum):
