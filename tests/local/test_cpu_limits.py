@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -52,3 +54,32 @@ def test_a_cpu_limited_rank_computes_slower_for_real_and_its_cgroups_are_removed
     assert per_step[1] >= 2.0 * per_step[0], (per_step, output)
     after = {p.name for p in HIERARCHY.base.iterdir() if p.name.startswith("sgdjob-")}
     assert after <= before, f"cgroups left behind: {after - before}"
+
+
+def test_ctrl_c_removes_the_cgroups_of_the_run(tmp_path: Path) -> None:
+    """The stand-in trainer (torch-free) under CPU limits: its workers are inside their agent's group
+    while they run, and Ctrl-C to the runner leaves no group behind."""
+    from tests.local.test_run import recorded_pids, start_runner, write_job
+
+    assert HIERARCHY is not None
+    job = write_job(tmp_path / "job.yaml", replicas=2, emulation={"computeSeconds": 0, "cpuLimits": [1.0, 0.5]})
+    out = tmp_path / "out"
+    proc = start_runner(job, out)
+    parent = HIERARCHY.base / f"sgdjob-{proc.pid}-tiny"
+    deadline = time.monotonic() + 120
+    while len(list((out / "ranks").glob("pids-*.json"))) < 2:
+        assert proc.poll() is None, proc.communicate()[0]
+        assert time.monotonic() < deadline, "workers did not start"
+        time.sleep(0.2)
+    held = {int(p) for node in ("local-0", "local-1") for p in (parent / node / "cgroup.procs").read_text().split()}
+    assert set(recorded_pids(out)) <= held  # agents, workers and the workers' own children
+    assert (
+        (parent / "local-1" / ("cpu.cfs_quota_us" if HIERARCHY.version == 1 else "cpu.max"))
+        .read_text()
+        .startswith("50000")
+    )
+    proc.send_signal(signal.SIGINT)
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, output
+    assert not parent.exists(), output
+    assert json.loads((out / "report.json").read_text())["cpu_limits"]["left_behind"] == []

@@ -21,6 +21,7 @@ from sgdjob_operator.local.cpulimit import (
     quota_files,
     quota_us,
     run_group_name,
+    stale_run_groups,
 )
 
 V1_MOUNTINFO = """\
@@ -117,3 +118,8 @@ def test_unwritable_cgroups_fail_naming_the_field_and_the_fix(tmp_path: Path) ->
     text = str(err.value)
     assert "training.emulation.cpuLimits" in text and "--cpu-limits" in text and "root" in text
     assert str(missing.base) in text
+
+
+def test_groups_of_a_runner_that_is_gone_are_found_for_removal() -> None:
+    names = ["sgdjob-10-a", "sgdjob-11-b", "user.slice", "sgdjob-x-c"]
+    assert stale_run_groups(names, lambda pid: pid == 11) == ["sgdjob-10-a"]

@@ -20,7 +20,7 @@ import contextlib
 import os
 import re
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -109,6 +109,16 @@ def run_group_name(job: str, pid: int) -> str:
     return f"sgdjob-{pid}-{re.sub(r'[^A-Za-z0-9_.-]', '_', job)[:64]}"
 
 
+def stale_run_groups(names: Iterable[str], alive: Callable[[int], bool]) -> list[str]:
+    """Run groups left by a runner that is gone (killed with SIGKILL before it could remove them)."""
+    out = []
+    for name in names:
+        found = re.fullmatch(r"sgdjob-(\d+)-.*", name)
+        if found and not alive(int(found.group(1))):
+            out.append(name)
+    return out
+
+
 def limits_by_node(limits: Sequence[float]) -> dict[str, float]:
     """The i-th limit belongs to agent local-i (the nodes `sgdjob run` starts with)."""
     return {node_name(i): float(v) for i, v in enumerate(limits)}
@@ -163,6 +173,7 @@ class CpuLimits:
         if hierarchy is None:
             raise CpuLimitError(_fix("no cgroup hierarchy with the cpu controller is mounted"))
         made = cls(hierarchy, hierarchy.base / run_group_name(job, os.getpid()), dict(limits))
+        _remove_stale(hierarchy.base)
         try:
             made.parent.mkdir()
             if hierarchy.version == 2:  # children may use the cpu controller only if the parent hands it down
@@ -208,6 +219,22 @@ class CpuLimits:
             "period_us": PERIOD_US,
             "by_node": {node: {"cpus": cpus, "quota_us": quota_us(cpus)} for node, cpus in self.limits.items()},
         }
+
+
+def _pid_alive(pid: int) -> bool:
+    return Path(f"/proc/{pid}").exists()
+
+
+def _remove_stale(base: Path) -> None:
+    """Delete the empty groups of runners that are gone; a group still holding a process stays."""
+    with contextlib.suppress(OSError):
+        for name in stale_run_groups((p.name for p in base.iterdir() if p.is_dir()), _pid_alive):
+            parent = base / name
+            with contextlib.suppress(OSError):
+                for child in parent.iterdir():
+                    if child.is_dir():
+                        child.rmdir()
+                parent.rmdir()
 
 
 def detect() -> CpuHierarchy | None:
