@@ -36,9 +36,11 @@ def _select(jobs: list[SGDJob], name: str | None, path: Path) -> SGDJob:
 def with_cpu_limits(job: SGDJob, limits: list[float]) -> SGDJob:
     """The job with `--cpu-limits` as its training.emulation.cpuLimits, validated like the file (so a
     wrong count names the field). A job without emulation gets one that does not sleep."""
-    doc = job.model_dump(mode="json", by_alias=True, exclude_none=True)
+    doc = job.model_dump(mode="json", by_alias=True)  # None kept: an explicit null may differ from the default
     training = doc["spec"].setdefault("training", {})
-    training.setdefault("emulation", {"computeSeconds": 0.0})["cpuLimits"] = limits
+    if training.get("emulation") is None:
+        training["emulation"] = {"computeSeconds": 0.0}
+    training["emulation"]["cpuLimits"] = limits
     try:
         return validate_job(doc)
     except SpecError as err:
