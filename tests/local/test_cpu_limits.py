@@ -30,7 +30,7 @@ pytestmark = [
 
 def test_a_cpu_limited_rank_computes_slower_for_real_and_its_cgroups_are_removed(tmp_path: Path) -> None:
     # digits-cnn at 256 samples a step: ~10 ms of real compute per step on a free core, so a quota of
-    # 0.25 CPU (25 ms per 100 ms) shows in every step's compute time.
+    # 0.25 CPU (2.5 ms in every 10 ms) shows in every step's compute time.
     training = {"model": "digits-cnn", "dataset": "digits", "batchSize": 256, "steps": 20,
                 "emulation": {"computeSeconds": 0}}  # fmt: skip
     spec = {"replicas": 2, "nprocPerNode": 1, "mode": "sync", "training": training}
@@ -48,7 +48,7 @@ def test_a_cpu_limited_rank_computes_slower_for_real_and_its_cgroups_are_removed
     report = json.loads((out / "report.json").read_text())
     limits = report["cpu_limits"]
     assert "real cgroup CPU quota" in limits["kind"] and limits["left_behind"] == []
-    assert limits["by_node"]["local-1"] == {"cpus": 0.25, "quota_us": 25_000}
+    assert limits["by_node"]["local-1"] == {"cpus": 0.25, "quota_us": 2_500, "period_us": 10_000}
     fast, slow = sorted(report["per_rank"], key=lambda r: r["rank"])
     per_step = [r["compute_s"] / r["steps"] for r in (fast, slow)]
     assert per_step[1] >= 2.0 * per_step[0], (per_step, output)

@@ -18,6 +18,7 @@ from sgdjob_operator.local.cpulimit import (
     find_cpu_hierarchy,
     limits_by_node,
     parse_cpu_limits,
+    period_us,
     quota_files,
     quota_us,
     run_group_name,
@@ -55,12 +56,16 @@ def test_a_mount_showing_a_subtree_maps_the_own_path_inside_it() -> None:
 
 
 def test_quota_per_period_and_files_per_version() -> None:
-    assert quota_us(0.27) == 27_000 and quota_us(2.0) == 200_000
-    assert quota_us(0.001) == 1_000  # the kernel's smallest quota
+    assert quota_us(0.27) == 2_700 and quota_us(2.0) == 20_000 and period_us(0.27) == 10_000
+    # Under 0.1 CPU the period grows so the quota stays at the kernel's smallest, 1 ms.
+    assert (quota_us(0.05), period_us(0.05)) == (1_000, 20_000) and (quota_us(0.01), period_us(0.01)) == (
+        1_000,
+        100_000,
+    )
     with pytest.raises(ValueError, match="cpuLimits"):
         quota_us(0.0)
-    assert quota_files(1, 0.8) == {"cpu.cfs_period_us": "100000", "cpu.cfs_quota_us": "80000"}
-    assert quota_files(2, 0.8) == {"cpu.max": "80000 100000"}
+    assert quota_files(1, 0.8) == {"cpu.cfs_period_us": "10000", "cpu.cfs_quota_us": "8000"}
+    assert quota_files(2, 0.8) == {"cpu.max": "8000 10000"}
 
 
 def test_names_and_description_say_what_the_limit_is() -> None:

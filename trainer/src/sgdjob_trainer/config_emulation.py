@@ -151,7 +151,7 @@ class Emulation(CamelModel):
             description=(
                 "Real slow nodes, not a sleep: one CPU limit per worker (agent local-0, local-1, ...), in CPUs, "
                 "applied by `sgdjob run` as a real cgroup CPU quota on that agent and its trainer processes "
-                "(0.27 = 27 ms of CPU per 100 ms). One value per replica; agents added later (replacements, "
+                "(0.27 = 2.7 ms of CPU in every 10 ms). One value per replica; agents added later (replacements, "
                 "scale-up) run unlimited. Set computeSeconds: 0 for real compute only. Ignored on Kubernetes, "
                 "where a pod's resources.limits.cpu does the same."
             ),

@@ -17,6 +17,7 @@ them.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import re
 import time
@@ -28,7 +29,11 @@ from sgdjob_operator.local.launch import node_name
 
 CGROUP_MOUNTINFO = Path("/proc/self/mountinfo")
 CGROUP_SELF = Path("/proc/self/cgroup")
-PERIOD_US = 100_000  # the kernel's default CFS period
+# A 10-ms period, not the kernel's default 100 ms: a rank at 0.25 CPU then runs 2.5 ms in every 10,
+# so it is slower in every step, as a smaller machine is. With 100 ms it ran 25 ms at full speed and
+# stalled 75: a short step often fitted in the 25 ms and the stall fell between steps (measured: a
+# 0.25-CPU rank's compute per step 1.7-2.2x an unlimited one's, where 4x is meant).
+PERIOD_US = 10_000
 MIN_QUOTA_US = 1_000  # the kernel refuses a smaller quota
 FIELD = "training.emulation.cpuLimits"
 KIND = "real cgroup CPU quota (the kernel throttles the rank; no sleep)"
@@ -89,19 +94,25 @@ def find_cpu_hierarchy(mountinfo: str, proc_cgroup: str, v2_controllers: str | N
     return None
 
 
-def quota_us(cpus: float, period_us: int = PERIOD_US) -> int:
-    """Microseconds of CPU per period for a limit of `cpus` (0.27 -> 27000 of 100000)."""
-    if cpus <= 0:
+def period_us(cpus: float) -> int:
+    """The CFS period for a limit of `cpus`: PERIOD_US, longer only where the quota would fall below
+    the kernel's smallest (under 0.1 CPU)."""
+    if not cpus > 0:
         raise ValueError(f"{FIELD}: a CPU limit must be > 0, got {cpus}")
-    return max(MIN_QUOTA_US, round(cpus * period_us))
+    return max(PERIOD_US, math.ceil(MIN_QUOTA_US / cpus))
 
 
-def quota_files(version: int, cpus: float, period_us: int = PERIOD_US) -> dict[str, str]:
+def quota_us(cpus: float) -> int:
+    """Microseconds of CPU per period for a limit of `cpus` (0.27 -> 2700 of 10000)."""
+    return max(MIN_QUOTA_US, round(cpus * period_us(cpus)))
+
+
+def quota_files(version: int, cpus: float) -> dict[str, str]:
     """What to write into the agent's group, file by file, in this order."""
-    quota = quota_us(cpus, period_us)
+    quota, period = quota_us(cpus), period_us(cpus)
     if version == 1:
-        return {"cpu.cfs_period_us": str(period_us), "cpu.cfs_quota_us": str(quota)}
-    return {"cpu.max": f"{quota} {period_us}"}
+        return {"cpu.cfs_period_us": str(period), "cpu.cfs_quota_us": str(quota)}
+    return {"cpu.max": f"{quota} {period}"}
 
 
 def run_group_name(job: str, pid: int) -> str:
@@ -129,7 +140,7 @@ def describe(limits: Mapping[str, float], version: int) -> list[str]:
     files = "cpu.cfs_quota_us/cpu.cfs_period_us" if version == 1 else "cpu.max"
     return [
         f"{node} limited to {cpus:g} CPU: a real cgroup v{version} CPU quota "
-        f"({quota_us(cpus)} us per {PERIOD_US} us, {files}), not an emulated sleep"
+        f"({quota_us(cpus)} us per {period_us(cpus)} us, {files}), not an emulated sleep"
         for node, cpus in limits.items()
     ]
 
@@ -216,8 +227,10 @@ class CpuLimits:
         return {
             "kind": KIND,
             "cgroup_version": self.hierarchy.version,
-            "period_us": PERIOD_US,
-            "by_node": {node: {"cpus": cpus, "quota_us": quota_us(cpus)} for node, cpus in self.limits.items()},
+            "by_node": {
+                node: {"cpus": cpus, "quota_us": quota_us(cpus), "period_us": period_us(cpus)}
+                for node, cpus in self.limits.items()
+            },
         }
 
 
