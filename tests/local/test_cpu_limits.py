@@ -66,16 +66,20 @@ def test_ctrl_c_removes_the_cgroups_of_the_run(tmp_path: Path) -> None:
     out = tmp_path / "out"
     proc = start_runner(job, out)
     parent = HIERARCHY.base / f"sgdjob-{proc.pid}-tiny"
-    deadline = time.monotonic() + 120
-    while len(list((out / "ranks").glob("pids-*.json"))) < 2:
-        assert proc.poll() is None, proc.communicate()[0]
-        assert time.monotonic() < deadline, "workers did not start"
-        time.sleep(0.2)
-    held = {int(p) for node in ("local-0", "local-1") for p in (parent / node / "cgroup.procs").read_text().split()}
-    assert set(recorded_pids(out)) <= held  # agents, workers and the workers' own children
-    quota = parent / "local-1" / ("cpu.cfs_quota_us" if HIERARCHY.version == 1 else "cpu.max")
-    assert quota.read_text().split()[0] == "5000"  # 0.5 CPU: 5 ms in every 10
-    proc.send_signal(signal.SIGINT)
+    try:
+        deadline = time.monotonic() + 120
+        while len(list((out / "ranks").glob("pids-*.json"))) < 2:
+            assert proc.poll() is None, proc.communicate()[0]
+            assert time.monotonic() < deadline, "workers did not start"
+            time.sleep(0.2)
+        procs = [(parent / node / "cgroup.procs").read_text().split() for node in ("local-0", "local-1")]
+        held = {int(p) for group in procs for p in group}
+        assert set(recorded_pids(out)) <= held  # agents, workers and the workers' own children
+        quota = parent / "local-1" / ("cpu.cfs_quota_us" if HIERARCHY.version == 1 else "cpu.max")
+        assert quota.read_text().split()[0] == "5000"  # 0.5 CPU: 5 ms in every 10
+    finally:  # a failed check still stops the run (its processes and groups) the way a user would
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
     output, _ = proc.communicate(timeout=60)
     assert proc.returncode == 130, output
     assert not parent.exists(), output
