@@ -135,6 +135,21 @@ def lb_batches(cfg: BenchConfig, scenario: Scenario) -> dict[int, int]:
 
 
 def run_system(cfg: BenchConfig, scenario: Scenario, system: str, run_dir: Path, timeout_s: float) -> RunRecord:
+    if cfg.real_cpu is None:
+        return run_emulated_or_real(cfg, scenario, system, run_dir, timeout_s)
+    from bench.real_cpu import rank_groups
+
+    run_cfg, run_scenario = (
+        without_rank(cfg, scenario, slowest_rank(cfg, scenario)) if system == "ddp-drop" else (cfg, scenario)
+    )
+    target = "bench.ddp_baseline" if system in ("ddp", "ddp-drop") else "sgdjob_trainer"
+    with rank_groups(run_cfg, run_scenario, target):
+        return run_emulated_or_real(cfg, scenario, system, run_dir, timeout_s)
+
+
+def run_emulated_or_real(
+    cfg: BenchConfig, scenario: Scenario, system: str, run_dir: Path, timeout_s: float
+) -> RunRecord:
     if system == "ddp":
         return guarded(system, run_dir, lambda: run_ddp(cfg, scenario, run_dir, timeout_s))
     if system == "ddp-drop":
@@ -224,6 +239,9 @@ def run_benchmark(
             "emulation": (
                 "EMULATED accelerator compute (per-rank sleep per step, see each scenario's emulation); "
                 "gradients computed and exchanged for real over gloo on loopback"
+                if cfg.real_cpu is None
+                else f"REAL compute, no sleep: each rank in a cgroup with a real CPU quota of {cfg.real_cpu:g} CPU "
+                "over its scenario factor (bench.real_cpu); gradients over gloo on loopback"
             ),
             "ddp_drop": (
                 "DDP on the N-1 workers left after dropping the slowest (by emulated speed over the run): same batch "
@@ -297,6 +315,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         type=float,
         help="validate every S seconds of training instead (the digits tasks' schedule until 2026-12-02: 0.5)",
     )
+    parser.add_argument(
+        "--real-cpu",
+        type=float,
+        metavar="CPUS",
+        help="real slow ranks instead of the sleep: each rank gets a real cgroup CPU quota of CPUS / its factor "
+        "(needs root; homogeneous, one-straggler, bimodal)",
+    )
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds before one run is stopped")
     args = parser.parse_args(argv)
     overrides = {
@@ -306,6 +331,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     task = TASKS[args.task]
     cfg = replace(task.config, **overrides)
+    if args.real_cpu is not None:
+        overrides["real_cpu"] = args.real_cpu
+        cfg = replace(cfg, real_cpu=args.real_cpu)
     if args.interval_seconds is not None:
         overrides["interval_seconds"] = args.interval_seconds
         cfg = replace(cfg, policy={**cfg.policy, "intervalSeconds": args.interval_seconds})
@@ -329,6 +357,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = [s for s in scenarios if s not in GOODPUT_SCENARIOS] + [s for s in systems if s not in SYSTEMS]
     if unknown:
         parser.error(f"unknown scenario or system: {', '.join(unknown)}")
+    if cfg.real_cpu is not None:
+        from bench.real_cpu import rank_limits
+
+        try:
+            for name in scenarios:
+                rank_limits(cfg, build_scenario(name, cfg), cfg.real_cpu)
+        except ValueError as err:
+            parser.error(str(err))
     seeds = list(range(args.seeds or (1 if args.quick else FULL_SEEDS)))
     wall0 = time.monotonic()
     doc = run_benchmark(
@@ -339,8 +375,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"# Goodput benchmark ({'quick' if args.quick else 'full'}"
         f"{' with overrides ' + str(overrides) if overrides else ''}: {task.what}, "
         f"{cfg.workers} workers, {cfg.steps} steps, {len(seeds)} seed(s), {meta['date']})\n\n"
-        f"EMULATED compute: {cfg.compute_seconds:g} s/step x slowdown factor, jitter {cfg.jitter:g}; "
-        "real gradients over gloo on loopback. "
+        + (
+            f"EMULATED compute: {cfg.compute_seconds:g} s/step x slowdown factor, jitter {cfg.jitter:g}; "
+            if cfg.real_cpu is None
+            else f"REAL compute under real CPU quotas ({cfg.real_cpu:g} CPU / slowdown factor per rank, no sleep); "
+        )
+        + "real gradients over gloo on loopback. "
         f"Machine: {meta['machine']['cpus']} CPUs, no GPU, load average {meta['machine']['load_average_at_start']} "
         f"at start. Target validation accuracy {target:g}; budget {budget_s:g} s since training start. "
         f"Cells: median [min-max] over seeds. Bench wall {meta['bench_wall_s']:.0f}s; "
@@ -352,12 +392,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "goodput.json").write_text(json.dumps(doc, indent=2) + "\n")
     (args.out / "goodput.md").write_text(header + table)
+    compute = "EMULATED compute" if cfg.real_cpu is None else "REAL CPU quotas"
     for r in doc["results"]:
         plot_curves(
             {s: [run["curve"] for run in agg["runs"]] for s, agg in r["systems"].items()},
             args.out / f"goodput-{r['scenario']}.png",
-            f"{r['scenario']}: {r['description']} (EMULATED compute; {args.task}, {cfg.workers} workers, "
-            f"{meta['date']})",
+            f"{r['scenario']}: {r['description']} ({compute}; {args.task}, {cfg.workers} workers, {meta['date']})",
             target=target,
             budget_s=budget_s,
         )

@@ -60,6 +60,8 @@ class BenchConfig:
     # The world size the task's learning rate is meant for when it is not `workers` (ddp-drop runs
     # a task's optimizer on N-1 workers: the job's lrScaling rule then scales it as SGDJob would).
     reference_workers: int | None = None
+    # Real slow ranks instead of the sleep (bench.real_cpu): CPUs of a rank of factor 1; None: emulated.
+    real_cpu: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,7 +127,10 @@ def build_scenario(name: str, cfg: BenchConfig) -> Scenario:
 
 
 def emulation(cfg: BenchConfig, scenario: Scenario) -> dict[str, Any]:
-    """The `training.emulation` document of every run of the scenario."""
+    """The `training.emulation` document of every run of the scenario (no sleep with --real-cpu: the
+    ranks' real CPU quotas make them unequal, bench.real_cpu)."""
+    if cfg.real_cpu is not None:
+        return {"computeSeconds": 0.0, "jitter": 0.0, "slowdowns": []}
     return {
         "computeSeconds": cfg.compute_seconds,
         "jitter": cfg.jitter,

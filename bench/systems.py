@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -67,7 +67,7 @@ def run_ddp(cfg: BenchConfig, scenario: Scenario, out_dir: Path, timeout_s: floa
         "--standalone",
         f"--nproc-per-node={cfg.workers}",
         "-m",
-        "bench.ddp_baseline",
+        "bench.ddp_baseline" if cfg.real_cpu is None else "bench.real_cpu",  # real_cpu: joins, then runs it
         "--config",
         str(config),
     ]
@@ -97,7 +97,8 @@ def write_job(
 ) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(
-        f"# EMULATED compute: {scenario.name} ({scenario.description}); written by the benchmark (bench/)\n"
+        f"# {'REAL CPU quotas per rank' if cfg.real_cpu is not None else 'EMULATED compute'}: {scenario.name} "
+        f"({scenario.description}); written by the benchmark (bench/)\n"
         + yaml.safe_dump(job_doc(cfg, scenario, mode, rank_batches), sort_keys=False)
     )
     return path
@@ -111,6 +112,7 @@ def run_job_file(
     *,
     on_poll: PollHook | None = None,
     code_dirs: tuple[Path, ...] = (),
+    trainer_module: str | None = None,
 ) -> tuple[RunOutcome, float]:
     """`sgdjob run JOB --mode MODE --out DIR` minus the CLI's plots, progress to DIR/progress.log;
     `code_dirs` go first on the workers' PYTHONPATH. Returns the outcome and the seconds it took."""
@@ -120,6 +122,8 @@ def run_job_file(
 
     job = load_jobs(job_path)[0]
     options = RunOptions(out_dir=out_dir, mode=mode, timeout_s=timeout_s, code_dirs=code_dirs)
+    if trainer_module is not None:
+        options = replace(options, trainer_module=trainer_module)
     start = time.monotonic()
     with (out_dir / "progress.log").open("w") as log:
         outcome = asyncio.run(run_local(job, options, PlainDisplay(stream=log, every_s=5.0), on_poll))
@@ -143,6 +147,11 @@ def run_sgdjob(
     from step 0 (training.rankBatchSizes)."""
     job_path = write_job(cfg, scenario, mode, out_dir / "job.yaml", rank_batches)
     code_dirs = tuple(Path(p) for p in code_paths(cfg))
-    outcome, harness = run_job_file(job_path, mode, out_dir, timeout_s, on_poll=on_poll, code_dirs=code_dirs)
+    module = None
+    if cfg.real_cpu is not None:  # each worker joins its rank's CPU quota first (bench.real_cpu)
+        module, code_dirs = "bench.real_cpu", (REPO_ROOT, *code_dirs)
+    outcome, harness = run_job_file(
+        job_path, mode, out_dir, timeout_s, on_poll=on_poll, code_dirs=code_dirs, trainer_module=module
+    )
     error = None if outcome.exit_code == 0 else outcome.message.splitlines()[0]
     return RunRecord(system or mode, out_dir, harness, report=outcome.report, error=error)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ from bench.scenarios import (
 )
 from bench.systems import RunRecord
 from sgdjob_operator.api.validation import validate_job
+from sgdjob_operator.local.cpulimit import detect
 
 CURVE: list[dict[str, Any]] = [
     {"step": 0, "time_s": 0.0, "samples": 0, "loss": 2.3, "accuracy": 0.1},
@@ -234,3 +236,40 @@ def test_the_transformer_task_runs_under_ddp_and_ours_with_a_next_character_accu
         assert len(curve) >= 2 and curve[-1][1] > curve[0][1], (name, curve)  # it learned to predict characters
     assert doc["metadata"]["config"]["task"] == "charlm.task:build"
     assert code == 0
+
+
+def test_real_cpu_limits_follow_the_scenarios_factors_and_refuse_changing_ones() -> None:
+    from bench.real_cpu import rank_limits
+
+    cfg = BenchConfig(workers=3, steps=40, real_cpu=0.9)
+    assert rank_limits(cfg, build_scenario("one-straggler", cfg), 0.9) == pytest.approx(
+        {"rank-0": 0.9, "rank-1": 0.9, "rank-2": 0.3}
+    )
+    assert job_doc(cfg, build_scenario("one-straggler", cfg), "sync")["spec"]["training"]["emulation"] == {
+        "computeSeconds": 0.0,
+        "jitter": 0.0,
+        "slowdowns": [],
+    }, "no sleep under real quotas"
+    with pytest.raises(ValueError, match="changes rank"):
+        rank_limits(cfg, build_scenario("intermittent", cfg), 0.9)
+
+
+@pytest.mark.multiproc
+@pytest.mark.skipif(os.geteuid() != 0 or detect() is None, reason="needs root and a cgroup cpu controller")
+def test_tiny_goodput_run_under_real_cpu_quotas(tmp_path: Path) -> None:
+    """--real-cpu: DDP and sync on one-straggler with real per-rank quotas (no sleep) start, finish and
+    say so; the groups are gone afterwards."""
+    from bench.goodput import main
+
+    hierarchy = detect()
+    assert hierarchy is not None
+    out = tmp_path / "goodput"
+    argv = "--task digits-mlp --workers 2 --steps 20 --scenarios one-straggler --systems ddp,sync --real-cpu 1"
+    main([*argv.split(), "--seeds", "1", "--budget", "1.0", "--target", "0.3", "--timeout", "240", "--out", str(out)])
+    doc = json.loads((out / "goodput.json").read_text())
+    systems = doc["results"][0]["systems"]
+    for name, agg in systems.items():
+        assert agg["ok"], (name, agg["runs"][0].get("error"))
+    assert "REAL compute" in doc["metadata"]["emulation"] and "REAL" in (out / "goodput.md").read_text()
+    assert doc["results"][0]["emulation"]["computeSeconds"] == 0.0
+    assert not [p for p in hierarchy.base.iterdir() if p.name.startswith(f"sgdjob-{os.getpid()}-")]

@@ -26,7 +26,7 @@ from sgdjob_trainer.config_base import (
     SyncMode,
     cross_field_error,
 )
-from sgdjob_trainer.config_emulation import Emulation, Fault, FaultKind, SpeedChange
+from sgdjob_trainer.config_emulation import Bursts, Emulation, Fault, FaultKind, SpeedChange
 from sgdjob_trainer.config_evaluation import Evaluation, Target, TargetMetric
 
 # The shared pieces and the emulation models live in their own modules; callers import every
@@ -37,6 +37,7 @@ __all__ = [
     "BUILTIN_MODELS",
     "HOOK_PATTERN",
     "AsyncConfig",
+    "Bursts",
     "CamelModel",
     "Checkpoint",
     "Compression",

@@ -15,7 +15,8 @@ from sgdjob_trainer.config_base import CamelModel, cross_field_error
 
 
 class SpeedChange(CamelModel):
-    """An emulated slowdown: one rank's (or every rank on one node's) compute time is multiplied."""
+    """An emulated slowdown (a spell): one rank's (or every rank on one node's) step time is multiplied,
+    over a step range or a time range (seconds since the worker process began training)."""
 
     rank: Annotated[
         int | None, Field(ge=0, le=65535, description="Global rank that slows down (omit when `node` is given).")
@@ -40,6 +41,30 @@ class SpeedChange(CamelModel):
         ),
     ] = None
 
+    start_seconds: Annotated[
+        float | None,
+        Field(
+            ge=0.0,
+            le=31_536_000.0,
+            description=(
+                "Start of the slowdown in seconds since the worker began training (instead of startStep; a "
+                "restarted worker counts from its restart)."
+            ),
+        ),
+    ] = None
+    end_seconds: Annotated[
+        float | None,
+        Field(
+            gt=0.0,
+            le=31_536_000.0,
+            description="End of the slowdown in seconds since the worker began training (exclusive; not with endStep).",
+        ),
+    ] = None
+
+    @property
+    def by_time(self) -> bool:
+        return self.start_seconds is not None or self.end_seconds is not None
+
     @model_validator(mode="after")
     def _target(self) -> Self:
         if (self.rank is None) == (self.node is None):
@@ -48,7 +73,33 @@ class SpeedChange(CamelModel):
             raise cross_field_error(
                 "endStep", f"endStep ({self.end_step}) must be greater than startStep ({self.start_step})"
             )
+        if self.by_time and (self.start_step != 0 or self.end_step is not None):
+            raise cross_field_error(
+                "startSeconds", "give the slowdown's range in steps (startStep/endStep) or in seconds, not both"
+            )
+        if self.end_seconds is not None and self.end_seconds <= (self.start_seconds or 0.0):
+            raise cross_field_error(
+                "endSeconds",
+                f"endSeconds ({self.end_seconds:g}) must be greater than startSeconds ({self.start_seconds or 0.0:g})",
+            )
         return self
+
+
+class Bursts(CamelModel):
+    """Noise that comes in bursts, not independently per step: the run is cut into blocks of `steps`
+    steps, and each block of each rank is, with `probability`, a burst whose steps all take `factor`
+    times as long (a noisy neighbour, a GC pause, a thermal dip). Drawn from the job's seed, rank and
+    block, so a rerun or a resumed worker sees the same bursts."""
+
+    probability: Annotated[
+        float, Field(ge=0.0, le=1.0, description="Chance that a block of steps is a burst (per rank and block).")
+    ] = 0.05
+    steps: Annotated[int, Field(ge=1, le=1_000_000, description="Length of a block (and so of a burst), in steps.")] = (
+        10
+    )
+    factor: Annotated[
+        float, Field(ge=1.0, le=100.0, description="Multiplier of the step time during a burst: 2 = twice as long.")
+    ] = 2.0
 
 
 class Emulation(CamelModel):
@@ -63,9 +114,26 @@ class Emulation(CamelModel):
         Field(
             ge=0.0,
             le=60.0,
-            description="Emulated compute seconds per step of one worker at factor 1 (for the configured batch size).",
+            description=(
+                "Emulated per-sample compute of one step at factor 1, given for the configured batch size: a step "
+                "of b samples takes fixedSeconds + computeSeconds x b / batchSize. 0 with no fixedSeconds: no sleep."
+            ),
         ),
     ] = 0.05
+    fixed_seconds: Annotated[
+        float,
+        Field(
+            ge=0.0,
+            le=60.0,
+            description=(
+                "Emulated per-step part that does not grow with the batch (launches, optimizer, framework "
+                "overhead); the slowdown factor applies to it too. 0 (the default): the step is all per-sample."
+            ),
+        ),
+    ] = 0.0
+    bursts: Annotated[
+        Bursts | None, Field(description="Bursty noise: runs of slow steps rather than independent per-step jitter.")
+    ] = None
     jitter: Annotated[
         float,
         Field(
@@ -76,6 +144,19 @@ class Emulation(CamelModel):
         list[SpeedChange],
         Field(max_length=1024, description="Slowdowns by rank or node, optionally limited to a step range."),
     ] = []
+    cpu_limits: Annotated[
+        list[Annotated[float, Field(ge=0.01, le=1024.0)]] | None,
+        Field(
+            max_length=1024,
+            description=(
+                "Real slow nodes, not a sleep: one CPU limit per worker (agent local-0, local-1, ...), in CPUs, "
+                "applied by `sgdjob run` as a real cgroup CPU quota on that agent and its trainer processes "
+                "(0.27 = 2.7 ms of CPU in every 10 ms). One value per replica; agents added later (replacements, "
+                "scale-up) run unlimited. Set computeSeconds: 0 for real compute only. Ignored on Kubernetes, "
+                "where a pod's resources.limits.cpu does the same."
+            ),
+        ),
+    ] = None
 
 
 class FaultKind(StrEnum):

@@ -307,6 +307,13 @@ class SGDJobSpec(CamelModel):
                 "policy.allowedActions",
                 "rescale is allowed but minReplicas == maxReplicas: widen the bounds or drop rescale",
             )
+        emulation = self.training.emulation
+        if emulation is not None and emulation.cpu_limits is not None and len(emulation.cpu_limits) != self.replicas:
+            raise cross_field_error(
+                "training.emulation.cpuLimits",
+                f"gives {len(emulation.cpu_limits)} CPU limits for {self.replicas} replicas: "
+                "give one limit (in CPUs) per worker, local-0 first",
+            )
         if self.run_policy.scheduling_policy is not None:
             check_against_spec(self.run_policy.scheduling_policy, self.template, self.max_workers)
         if (sizes := self.training.rank_batch_sizes) is not None:

@@ -9,7 +9,8 @@ from pathlib import Path
 import click
 
 from sgdjob_operator.api.models import JobMode, SGDJob
-from sgdjob_operator.api.validation import SpecError, load_jobs
+from sgdjob_operator.api.validation import SpecError, load_jobs, validate_job
+from sgdjob_operator.local.cpulimit import CpuLimitError, parse_cpu_limits
 from sgdjob_operator.local.launch import job_name
 from sgdjob_operator.local.live import RichDisplay
 from sgdjob_operator.local.progress import PlainDisplay
@@ -30,6 +31,20 @@ def _select(jobs: list[SGDJob], name: str | None, path: Path) -> SGDJob:
             return job
     click.echo(f"{path}: no SGDJob named {name!r} (found: {', '.join(job_name(j) for j in jobs)})", err=True)
     sys.exit(EXIT_USAGE)
+
+
+def with_cpu_limits(job: SGDJob, limits: list[float]) -> SGDJob:
+    """The job with `--cpu-limits` as its training.emulation.cpuLimits, validated like the file (so a
+    wrong count names the field). A job without emulation gets one that does not sleep."""
+    doc = job.model_dump(mode="json", by_alias=True)  # None kept: an explicit null may differ from the default
+    training = doc["spec"].setdefault("training", {})
+    if training.get("emulation") is None:
+        training["emulation"] = {"computeSeconds": 0.0}
+    training["emulation"]["cpuLimits"] = limits
+    try:
+        return validate_job(doc)
+    except SpecError as err:
+        raise SpecError([f"--cpu-limits: {p}" for p in err.problems]) from err
 
 
 @click.command("run")
@@ -63,8 +78,24 @@ def _select(jobs: list[SGDJob], name: str | None, path: Path) -> SGDJob:
     show_default=True,
     help="Seconds between polls of the workers (an auto run polls at least once per policy.intervalSeconds).",
 )
+@click.option(
+    "--cpu-limits",
+    "cpu_limits",
+    default=None,
+    metavar="CPUS,...",
+    help=(
+        "Real slow nodes: one CPU limit per worker (agent local-0 first), e.g. 0.8,0.8,0.27, applied as a real "
+        "cgroup CPU quota (needs root and the cgroup cpu controller); overrides training.emulation.cpuLimits."
+    ),
+)
 def run(
-    file: Path, mode: str | None, out_dir: Path | None, name: str | None, timeout_s: float | None, poll_s: float
+    file: Path,
+    mode: str | None,
+    out_dir: Path | None,
+    name: str | None,
+    timeout_s: float | None,
+    poll_s: float,
+    cpu_limits: str | None,
 ) -> None:
     """Run the SGDJob in FILE as local worker processes (one torchrun agent per emulated node).
 
@@ -87,6 +118,13 @@ def run(
             err=True,
         )
         sys.exit(EXIT_USAGE)
+    if cpu_limits is not None:
+        try:
+            job = with_cpu_limits(job, parse_cpu_limits(cpu_limits))
+        except (ValueError, SpecError) as err:
+            for problem in err.problems if isinstance(err, SpecError) else [str(err)]:
+                click.echo(f"{file}: {problem}", err=True)
+            sys.exit(EXIT_USAGE)
     options = RunOptions(
         out_dir=out_dir or default_out_dir(job),
         mode=mode,
@@ -95,7 +133,11 @@ def run(
         code_dirs=(file.parent,),
     )
     display = RichDisplay() if sys.stdout.isatty() else PlainDisplay()
-    outcome = asyncio.run(run_local(job, options, display))
+    try:
+        outcome = asyncio.run(run_local(job, options, display))
+    except CpuLimitError as err:
+        click.echo(f"{file}: {err}", err=True)
+        sys.exit(EXIT_USAGE)
     if outcome.report is not None and outcome.report_path is not None:
         from sgdjob_operator.local.plots import write_plots  # matplotlib: only when there is a report
 

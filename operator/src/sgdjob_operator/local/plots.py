@@ -28,8 +28,12 @@ def _mark_modes(ax: Axes, report: Mapping[str, Any]) -> None:
 
 
 def _subtitle(report: Mapping[str, Any]) -> str:
-    emulation = "emulated compute" if report.get("emulation") else "real compute"
-    return f"{report.get('job', '')} - {report.get('workers', '?')} workers, {emulation}"
+    emulation = report.get("emulation") or {}
+    slept = emulation.get("computeSeconds", 0) > 0
+    kind = "emulated compute" if slept else "real compute"
+    if report.get("cpu_limits"):
+        kind += ", real CPU quotas"
+    return f"{report.get('job', '')} - {report.get('workers', '?')} workers, {kind}"
 
 
 def write_plots(report: Mapping[str, Any], out_dir: Path) -> list[Path]:

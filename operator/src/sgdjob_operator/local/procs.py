@@ -20,11 +20,12 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Generic, Protocol, TypeVar
 
+from sgdjob_operator.local.cpulimit import join_cgroup
 from sgdjob_operator.local.launch import LOOPBACK
 
 _PR_SET_PDEATHSIG = 1
@@ -34,6 +35,20 @@ _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") el
 def _die_with_parent() -> None:  # runs in the child between fork and exec
     if _LIBC is not None:
         _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _child_setup(cgroup_procs: Path | None) -> Callable[[], None] | None:
+    """What a child runs before exec: the parent-death signal, and joining its CPU-limited cgroup
+    (local.cpulimit) so every process it forks is born inside the quota."""
+    if cgroup_procs is None:
+        return _die_with_parent if _LIBC is not None else None
+    target = str(cgroup_procs)
+
+    def setup() -> None:
+        _die_with_parent()
+        join_cgroup(target)
+
+    return setup
 
 
 # Below the kernel's ephemeral range (ip_local_port_range), from which connect() and bind(0) take
@@ -168,7 +183,7 @@ class Agent(Generic[P]):
     """One started process (a torchrun agent, the rendezvous store), leader of its own process
     group, logging to its log file. `retired` marks an agent the runner stopped on purpose."""
 
-    def __init__(self, plan: P) -> None:
+    def __init__(self, plan: P, cgroup_procs: Path | None = None) -> None:
         self.plan = plan
         self.retired = False
         plan.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -180,7 +195,7 @@ class Agent(Generic[P]):
             stdout=self._log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=_die_with_parent if _LIBC is not None else None,
+            preexec_fn=_child_setup(cgroup_procs),
         )
         self.id = proc_id(self.popen.pid) or ProcId(self.popen.pid, -1)
 
@@ -208,9 +223,10 @@ class ProcessSet(Generic[P]):
         self.services: list[Agent[Launchable]] = []
         self.known: set[ProcId] = set()
         self.hurry = threading.Event()  # set (from any thread) to cut a running `stop`'s grace short
+        self.cgroups: dict[str, Path] = {}  # node -> cgroup.procs of its CPU limit (local.cpulimit)
 
     def start(self, plans: Sequence[P]) -> list[Agent[P]]:
-        started = [Agent(plan) for plan in plans]
+        started = [Agent(plan, self.cgroups.get(plan.node)) for plan in plans]
         self.agents.extend(started)
         return started
 

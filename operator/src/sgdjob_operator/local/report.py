@@ -276,6 +276,10 @@ def summary_lines(report: Mapping[str, Any]) -> list[str]:
         ),
         "emulation: " + (json.dumps(emulation, sort_keys=True) if emulation else "none (real compute)"),
     ]
+    cpu = report.get("cpu_limits")
+    if isinstance(cpu, Mapping):
+        limited = ", ".join(f"{node} {v['cpus']:g} CPU" for node, v in cpu.get("by_node", {}).items())
+        lines.append(f"cpu limits: {limited} ({cpu.get('kind')}, cgroup v{cpu.get('cgroup_version')})")
     for r in report.get("per_rank", []):
         lines.append(
             f"  rank {r['rank']} ({r['node']}): {r['speed_samples_per_s']:.1f} samples/s when busy, "

@@ -26,6 +26,7 @@ import aiohttp
 
 from sgdjob_operator.api.models import SGDJob
 from sgdjob_operator.local.auto import AutoController
+from sgdjob_operator.local.cpulimit import describe, limits_for
 from sgdjob_operator.local.deaths import RestartPolicy
 from sgdjob_operator.local.fleet import Fleet, MembershipChange, plan_replace, plan_rescale
 from sgdjob_operator.local.launch import AgentPlan, LaunchPlan, job_name, plan_launch, resolve_mode, write_run_config
@@ -317,6 +318,8 @@ async def run_local(job: SGDJob, options: RunOptions, display: Display, on_poll:
     """Run the job's workers on this machine until they finish; always leaves no process behind.
     When the mode is auto and no hook is given, the policy core drives the run (`local.auto`)."""
     plan, token = prepare(job, options)
+    emulation = job.spec.training.emulation
+    cpu = limits_for(plan.job, emulation.cpu_limits if emulation is not None else None)  # CpuLimitError: the fix
     auto = resolve_mode(job.spec.mode, options.mode)[1]
     if on_poll is None and auto:
         on_poll = AutoController(job, display)
@@ -329,7 +332,7 @@ async def run_local(job: SGDJob, options: RunOptions, display: Display, on_poll:
             workers=plan.world_size,
             steps=job.spec.training.steps,
             out_dir=str(plan.out_dir),
-            notes=plan.notes,
+            notes=plan.notes + (tuple(describe(cpu.limits, cpu.hierarchy.version)) if cpu is not None else ()),
             target=job.spec.training.target,
         )
     )
@@ -344,6 +347,8 @@ async def run_local(job: SGDJob, options: RunOptions, display: Display, on_poll:
         stop.set()
 
     procs: ProcessSet[AgentPlan] = ProcessSet()
+    if cpu is not None:
+        procs.cgroups = {node: path for node in cpu.limits if (path := cpu.procs_file(node)) is not None}
     fleet = Fleet(plan, procs, retire_grace_s=options.stop_grace_s)
     reviver = Reviver(restart_policy(job, options), display, plan.checkpoint_dir)
     for sig in SIGNAL_EXIT:
@@ -364,6 +369,8 @@ async def run_local(job: SGDJob, options: RunOptions, display: Display, on_poll:
         if procs.running() or procs.alive():
             display.note("stopping all worker processes ...")
         await loop.run_in_executor(None, procs.stop, options.stop_grace_s)
+        if cpu is not None:
+            extra["cpu_limits"] = {**cpu.report(), "left_behind": cpu.remove()}
         for sig in SIGNAL_EXIT:
             loop.remove_signal_handler(sig)
     codes = {a.plan.node: a.returncode for a in procs.agents if not a.retired}
