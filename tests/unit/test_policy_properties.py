@@ -9,13 +9,12 @@ from hypothesis import strategies as st
 from sgdjob_operator.policy import Rebalance, ReplaceWorker, Rescale
 from tests.unit.test_policy_harness import Harness
 
-# A fixed set of examples: a random search also finds dispersed fleets with 3-4 % noise per window
-# whose split is corrected three times in a phase (+4-6 % each, the fixed-part fits chasing the
-# window noise; the same before the measured-error margin), a known weakness left for its own change,
-# which must not fail an unrelated CI run at random.
-SETTINGS = settings(
-    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True, database=None
-)
+# Randomized: every run searches new fleets. The known flapping (dispersed fleets with 3-4 % noise per
+# window split at once mid-phase, then corrected three times) came from the fast rule acting on one
+# window of a rank measured before; it now waits out persistence (engine.slow_from_start). Checked
+# with hypothesis seeds 1-3 x 300 examples of each property and seeds 4-9 of the flapping one (seed 3
+# of the flapping property fails on the fast rule before).
+SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow], database=None)
 
 
 @SETTINGS
