@@ -190,7 +190,7 @@ def evaluate(state: PolicyState, samples: Sequence[WorkerSample], job: JobView, 
         basis += f"; fixed step time fitted from two batch sizes: {fits}"
     what = (
         f"{chosen.prediction.label} predicts {chosen.prediction.useful:.4g} useful samples/s "
-        f"vs {current.useful:.4g} now ({gain:+.0%}){basis}; {efficiency.describe()}{waiting_for}"
+        f"vs {current.useful:.4g} now ({gain_text(gain)}){basis}; {efficiency.describe()}{waiting_for}"
     )
     if job.in_flight:
         # Persistence starts over once the change has landed: no cooldown starts, no streak grows.
@@ -293,6 +293,16 @@ def _percent(x: float) -> str:
     return f"{x:+.0%}" if round(x * 100, 1) == round(x * 100) else f"{x:+.1%}"
 
 
+def gain_text(gain: float) -> str:
+    """A predicted gain as a reason prints it: '+51%', or words where the current configuration
+    makes no measured useful progress (a gain over nothing is no percentage: never '+inf%' or 'nan%')."""
+    if math.isnan(gain):
+        return "gain unknown"
+    if math.isinf(gain):
+        return "no useful progress measured now"
+    return f"{gain:+.0%}"
+
+
 def _gain(pred: Prediction, current: Prediction) -> float:
     if current.useful <= 0:
         return float("inf") if pred.useful > 0 else 0.0
@@ -377,8 +387,9 @@ def _keep_reason(
             f"(allowedActions: {', '.join(a.value for a in job.policy.allowed_actions) or 'none'})"
         )
     best = max(candidates, key=lambda c: c.prediction.useful)
+    gain = gain_text(_gain(best.prediction, current))
     return (
-        f"{health.summary}; best alternative {best.prediction.label} predicts {_gain(best.prediction, current):+.0%} "
+        f"{health.summary}; best alternative {best.prediction.label} predicts {gain} "
         f"(a change needs {_percent(margin(best, job, split))} and must repay its pause{ending})"
     )
 
