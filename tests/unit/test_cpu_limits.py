@@ -1,5 +1,5 @@
 """Real CPU limits for `sgdjob run` (local.cpulimit): the pure parts, the spec's validation and the
-clear error where cgroups cannot be written. The real quota is measured in tests/local/test_cpu_limits.py."""
+clear error where cgroups cannot be written. The real quota is measured in tests/local/test_cpu_quota_runs.py."""
 
 from __future__ import annotations
 
