@@ -16,7 +16,7 @@ SYSTEMS = ("ddp", "ddp-drop", "lb-bsp", "sync", "hierarchical", "async", "auto")
 # this task's accuracy swings by 10-20 points between neighbouring validations (every 5 steps), so the
 # first single validation over the target rewards a noisier trajectory (measured over 10 seeds of a 3x
 # straggler: the trimmed split's first single crossing came 4 % sooner than the rebalanced split's, its
-# mean of three 6 % later, and its accuracy at the budget was lower; see bench/README). Both figures
+# mean of three 6 % later, and its accuracy at the budget was lower; see bench/HISTORY.md). Both figures
 # are therefore taken over SUSTAIN consecutive validations; the single-validation ones are kept beside.
 SUSTAIN = 3
 

@@ -182,7 +182,7 @@ class PolicySpec(CamelModel):
                 "Actions the policy may take: switchMode, rebalance, replaceWorker, rescale, trimBatch. trimBatch (not "
                 "in the default) lets a straggler's step shrink the global batch under linear lrScaling where the "
                 "measured gradient noise scale says a smaller batch is worth more per sample; on the goodput "
-                "benchmark it trained no sooner than the rebalanced split (bench/README)."
+                "benchmark it trained no sooner than the rebalanced split (bench/HISTORY.md)."
             ),
         ),
     ] = [

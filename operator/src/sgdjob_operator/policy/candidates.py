@@ -4,7 +4,7 @@ A straggler's remedies within sync are two splits of the step: `rebalance` keeps
 batch and hands the slow ranks' share to the fast ones; `trim` keeps the fast ranks' batch and gives
 each slow rank what it finishes in their step, so the global batch shrinks (see `_trim` for when;
 only where allowedActions lists trimBatch: over 10 seeds of the goodput benchmark's 3x straggler it
-reached a sustained 0.9 accuracy later than the rebalanced split, not sooner, see bench/README).
+reached a sustained 0.9 accuracy later than the rebalanced split, not sooner, see bench/HISTORY.md).
 
 Only actions in allowedActions are built; a job with a fixed mode gets no mode switch; a
 homogeneous fleet gets only the way back: to plain sync, and to the replicas the job should run

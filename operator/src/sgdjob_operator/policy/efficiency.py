@@ -22,7 +22,7 @@ worker's consecutive gradients in async and where a hierarchical group is one ra
   with it while B <= Bn, which is the trainer's linear rule applied downwards from the rate the user
   tuned at B0. Measured: DDP on 3 of 4 workers (96 samples) reached the benchmark's target in 5-10 %
   fewer samples than sync over 128 at the same learning rate per sample, where the rule at the
-  measured Bn (261-325) says 8-9 % (bench/README). Never credited upwards (B > B0: a learning rate
+  measured Bn (261-325) says 8-9 % (bench/HISTORY.md). Never credited upwards (B > B0: a learning rate
   scaled up past what was tuned is where the rule's premise fails), nor to async or hierarchical
   updates, whose per-update rates (b/B weighting, local steps then averaging) are not the rule's.
   The second-order term that would carry the batch size without a re-tuned rate needs the curvature
