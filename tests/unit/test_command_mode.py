@@ -11,12 +11,14 @@ from typing import Any
 
 import pytest
 
-from sgdjob_operator.api.models import SGDJob
+from sgdjob_operator.api.models import Phase, SGDJob, SGDJobStatus
 from sgdjob_operator.api.validation import SpecError, validate_spec
 from sgdjob_operator.k8s.builders import JobRef, build_worker_pod
+from sgdjob_operator.k8s.plan import plan_reconcile
 from sgdjob_operator.local.command_mode import command_check, local_command
 from sgdjob_operator.local.launch import plan_launch
 from sgdjob_trainer.config import SyncMode
+from tests.unit.test_status import T0, pod, rdzv
 
 COMMAND = ["python", "train.py", "--epochs", "3"]
 
@@ -125,3 +127,11 @@ def test_a_template_command_is_kept() -> None:
     template = {"spec": {"containers": [{"name": "trainer", "command": ["my-launcher"]}]}}
     main = _pod(COMMAND, template)["spec"]["containers"][0]
     assert main["command"] == ["my-launcher"]
+
+
+def test_kubectl_describe_says_what_command_mode_turns_off() -> None:
+    spec = validate_spec({"replicas": 2, "minReplicas": 1, "training": {"command": COMMAND}})
+    plan = plan_reconcile(spec, SGDJobStatus(), [pod(0), pod(1), rdzv()], generation=1, now=T0)
+    note = "command mode: the script does not report to SGDJob; mode switches and rebalancing are off"
+    assert plan.status.phase is Phase.RUNNING and note in plan.status.message
+    assert any(e.reason == "Running" and note in e.message for e in plan.events)
