@@ -100,7 +100,7 @@ def run(
     )
     display = RichDisplay() if sys.stdout.isatty() else PlainDisplay()
     outcome = asyncio.run(run_local(job, options, display))
-    if outcome.report is not None and outcome.report_path is not None:
+    if outcome.report is not None and outcome.report_path is not None and command is None:  # a script: no curves
         from sgdjob_operator.local.plots import write_plots  # matplotlib: only when there is a report
 
         for path in write_plots(outcome.report, outcome.report_path.parent):

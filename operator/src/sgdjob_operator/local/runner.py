@@ -38,7 +38,7 @@ from sgdjob_operator.local.timeline import Timeline
 from sgdjob_operator.workers.scrape import ControlResult, Endpoint, ScrapeResult, post_control, scrape
 from sgdjob_trainer.config import SyncMode
 from sgdjob_trainer.wire.control import ControlCommand
-from sgdjob_trainer.wire.launch_contract import TRAINER_MODULE
+from sgdjob_trainer.wire.launch_contract import COMMAND_MODE_NOTE, TRAINER_MODULE
 from sgdjob_trainer.wire.worker_status import TARGET_REACHED, WorkerStatus
 
 EXIT_FAILED = 1
@@ -405,9 +405,12 @@ async def run_local(job: SGDJob, options: RunOptions, display: Display, on_poll:
     extra["ok"] = code == 0
     if code != 0:
         extra["error"] = message
-    report, path = _write_report(plan, job, extra, statuses, run_wall, fleet.world_size())
+    command_mode = job.spec.training.command is not None
+    if command_mode:  # the script reports nothing: no rank is missing, and no training figures to show
+        extra["command_mode"] = COMMAND_MODE_NOTE
+    report, path = _write_report(plan, job, extra, statuses, run_wall, 0 if command_mode else fleet.world_size())
     if code == 0 and report.get("reason") == TARGET_REACHED:
         message = f"the validation reached the target at step {report.get('target_step')}: {message}"
-    message += f"\nreport: {path}"
-    display.finish(report, message)
+    message += f"\nreport: {path}" + (f"\nthe script's output: {plan.out_dir / 'logs'}" if command_mode else "")
+    display.finish(None if command_mode else report, message)
     return RunOutcome(code, message, report, path)
