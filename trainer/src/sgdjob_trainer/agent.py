@@ -8,24 +8,34 @@ pays that once, before any rendezvous, and every worker of every restart is a fo
 MODULE as `python -m MODULE args` would (normally `sgdjob_trainer --config FILE`). CUDA is never
 initialised in the agent (the warm-up builds a CPU optimizer), so forked workers may use GPUs;
 were it initialised, the workers are spawned instead.
+
+Command mode (`--no-python CMD [args]`, the SGDJob's training.command): each worker execs CMD as
+torchrun does, so a user's script runs as a normal process, unmodified. A CMD not on PATH exits
+127 before any rendezvous, saying so; a worker that fails ends the agent with the worker's own
+exit status (torchrun would exit 1), so the job's message can name the script's code.
 """
 
 from __future__ import annotations
 
 import os
 import runpy
+import shutil
 import signal
 import sys
 import uuid
 
 import torch
-from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
-from torch.distributed.launcher.api import elastic_launch
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from torch.distributed.run import config_from_args, parse_args
 
 import sgdjob_trainer.trainer  # noqa: F401  (imported once here, inherited by every worker)
-from sgdjob_trainer.wire.launch_contract import EXIT_RENDEZVOUS_CLOSED
+from sgdjob_trainer.wire.launch_contract import (
+    ENV_TERMINATION_LOG,
+    EXIT_COMMAND_NOT_FOUND,
+    EXIT_RENDEZVOUS_CLOSED,
+)
 
 # Signals torchrun's agent handles; a forked worker inherits the handlers and must not keep them.
 _AGENT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
@@ -66,14 +76,61 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(EXIT_RENDEZVOUS_CLOSED)
 
 
+# A worker dies with its agent, as a container's processes die with the container: an agent killed
+# with SIGKILL (a lost node) must not leave its workers training on in a world that has moved on.
+# PR_SET_PDEATHSIG (1) survives the exec into the user's program.
+_DIE_WITH_AGENT = (
+    "import ctypes, os, signal, sys; ctypes.CDLL(None).prctl(1, signal.SIGKILL); os.execvp(sys.argv[1], sys.argv[1:])"
+)
+
+
+def worker_argv(program: str, argv: list[str]) -> tuple[str, list[str]]:
+    """What torchrun execs per worker: `program argv`, made to die with its agent on Linux."""
+    if not sys.platform.startswith("linux"):
+        return program, argv
+    return sys.executable, ["-c", _DIE_WITH_AGENT, program, *argv]
+
+
+def command_not_found(program: str) -> str | None:
+    """Why training.command's program cannot start here (None when it can)."""
+    if shutil.which(program) is not None:
+        return None
+    where = "is not an executable file" if os.sep in program else "was not found on PATH"
+    return (
+        f"spec.training.command: {program!r} {where} (PATH={os.environ.get('PATH', '')}); "
+        "fix the command's first item or install it in the worker image"
+    )
+
+
+def run_command(config: LaunchConfig, program: str, argv: list[str]) -> None:
+    """Command mode: every worker execs `program argv` (torchrun's own --no-python path)."""
+    problem = command_not_found(program)
+    if problem is not None:
+        print(f"sgdjob agent: {problem}", file=sys.stderr, flush=True)
+        log = os.environ.get(ENV_TERMINATION_LOG)
+        if log:
+            with open(log, "w") as out:  # the pod's termination message: what `kubectl describe` shows
+                out.write(problem + "\n")
+        sys.exit(EXIT_COMMAND_NOT_FOUND)
+    entrypoint, args = worker_argv(program, argv)
+    try:
+        elastic_launch(config=config, entrypoint=entrypoint)(*args)
+    except ChildFailedError as failed:
+        print(failed.format_msg(), file=sys.stderr, flush=True)  # type: ignore[no-untyped-call]
+        first = failed.get_first_failure()[1]
+        sys.exit(first.exitcode if first.exitcode > 0 else 1)
+
+
 @record  # as torchrun's main: a failed worker's error is printed, and the exit status is 1
 def launch(argv: list[str] | None = None) -> None:
     args = parse_args(argv)  # type: ignore[no-untyped-call]
-    if not args.module or args.no_python or args.run_path:
+    if args.run_path or not (args.module or args.no_python):
         sys.exit(
-            "sgdjob_trainer.agent runs modules only: end the command with `-m MODULE [args]`, "
-            "e.g. `-m sgdjob_trainer --config FILE`"
+            "sgdjob_trainer.agent runs modules or programs: end the command with `-m MODULE [args]` "
+            "(e.g. `-m sgdjob_trainer --config FILE`) or `--no-python PROGRAM [args]`"
         )
+    if args.no_python:
+        args.module = False
     if args.standalone:  # as torchrun: a private c10d store on a free port
         args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
     if args.master_port is None:  # as torchrun: only the static rendezvous reads it
@@ -84,9 +141,12 @@ def launch(argv: list[str] | None = None) -> None:
     warm()
     # Should CUDA be initialised anyway, spawn: each worker imports afresh (slower, never broken).
     args.start_method = "spawn" if torch.cuda.is_initialized() else "fork"  # type: ignore[no-untyped-call]
-    config, _cmd, _cmd_args = config_from_args(args)
+    config, cmd, cmd_args = config_from_args(args)
     sys.stdout.flush()
     sys.stderr.flush()
+    if args.no_python:
+        run_command(config, str(cmd), cmd_args)  # a program's name (config_from_args: not a callable)
+        return
     elastic_launch(config=config, entrypoint=run_module)(args.training_script, *args.training_script_args)
 
 

@@ -237,6 +237,21 @@ class TrainingConfig(CamelModel):
         ),
     ] = None
 
+    command: Annotated[
+        list[Annotated[str, Field(min_length=1, max_length=4096)]] | None,
+        Field(
+            min_length=1,
+            max_length=256,
+            description=(
+                "Command mode: the argv of your own torchrun script, run unmodified under the job's torchrun "
+                "agents (e.g. [python, train.py, --epochs, '3']); it reads RANK, WORLD_SIZE, LOCAL_RANK, "
+                "MASTER_ADDR/PORT from the environment. Mode switches and rebalancing are off (the script does "
+                "not report to SGDJob). Environment and working directory come from the pod template's "
+                "container; `sgdjob run` runs it in the job file's folder. Excludes task."
+            ),
+        ),
+    ] = None
+
     model: Annotated[
         str,
         Field(
@@ -357,6 +372,8 @@ class TrainingConfig(CamelModel):
 
     @model_validator(mode="after")
     def _names(self) -> Self:
+        if self.command is not None:
+            self._command_only()
         if self.task is not None:
             # By value, not by what was set: a run-config file carries every field written out.
             for name in ("model", "dataset", "loss"):
@@ -388,6 +405,20 @@ class TrainingConfig(CamelModel):
                     "evaluation.everySteps", "a target needs periodic validation: give everySteps or everySeconds"
                 )
         return self
+
+    def _command_only(self) -> None:
+        """Command mode runs the user's script, not the trainer: what only the trainer does is refused."""
+        if self.task is not None:
+            raise cross_field_error(
+                "command", "training.command and training.task are mutually exclusive: remove one of them"
+            )
+        for name in ("emulation", "target"):
+            if getattr(self, name) is not None:
+                raise cross_field_error(
+                    name, f"training.{name} needs the SGDJob trainer; remove it or training.command"
+                )
+        if self.faults:
+            raise cross_field_error("faults", "training.faults needs the SGDJob trainer; remove it or training.command")
 
     def check_world(self, world_size: int) -> None:
         """Raise when a rank-indexed setting names a rank outside a world of `world_size`."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import click
 
 from sgdjob_operator.api.models import JobMode, SGDJob
 from sgdjob_operator.api.validation import SpecError, load_jobs, validate_job
+from sgdjob_operator.local.command_mode import command_check
 from sgdjob_operator.local.cpulimit import CpuLimitError, parse_cpu_limits
 from sgdjob_operator.local.launch import job_name
 from sgdjob_operator.local.live import RichDisplay
@@ -100,9 +102,11 @@ def run(
     """Run the SGDJob in FILE as local worker processes (one torchrun agent per emulated node).
 
     FILE's folder goes first on the workers' PYTHONPATH, so a training.task or hook module beside
-    the job file is importable. Writes OUT/report.json (throughput, bound, efficiency, losses, mode timeline, decisions,
+    the job file is importable. A training.command (your own torchrun script, unmodified) runs in
+    FILE's folder, its leading `python` being this interpreter; the auto policy is off for it.
+    Writes OUT/report.json (throughput, bound, efficiency, losses, mode timeline, decisions,
     per-rank speeds) and PNG plots. A live view on a terminal, plain lines otherwise.
-    Exits 0 when every worker succeeded, 2 for a bad spec, 130/143 when interrupted.
+    Exits 0 when every worker succeeded, 2 for a bad spec (or a command that cannot start), 130/143 when interrupted.
     """
     try:
         jobs = load_jobs(file)
@@ -125,12 +129,19 @@ def run(
             for problem in err.problems if isinstance(err, SpecError) else [str(err)]:
                 click.echo(f"{file}: {problem}", err=True)
             sys.exit(EXIT_USAGE)
+    command = job.spec.training.command
+    if command is not None:  # before any agent starts, not after each has failed to exec it
+        refused = command_check(command, file.parent.resolve(), sys.executable, os.environ.get("PATH", ""))
+        if refused is not None:
+            click.echo(f"{file}: {refused}", err=True)
+            sys.exit(EXIT_USAGE)
     options = RunOptions(
         out_dir=out_dir or default_out_dir(job),
         mode=mode,
         poll_interval_s=poll_s,
         timeout_s=timeout_s,
         code_dirs=(file.parent,),
+        work_dir=file.parent,
     )
     display = RichDisplay() if sys.stdout.isatty() else PlainDisplay()
     try:
@@ -138,7 +149,7 @@ def run(
     except CpuLimitError as err:
         click.echo(f"{file}: {err}", err=True)
         sys.exit(EXIT_USAGE)
-    if outcome.report is not None and outcome.report_path is not None:
+    if outcome.report is not None and outcome.report_path is not None and command is None:  # a script: no curves
         from sgdjob_operator.local.plots import write_plots  # matplotlib: only when there is a report
 
         for path in write_plots(outcome.report, outcome.report_path.parent):

@@ -253,6 +253,24 @@ def _trainer_container(containers: list[dict[str, Any]]) -> int:
     return 0
 
 
+# Command mode: an unmodified `torchrun --no-python CMD args` (torchrun's options come as PET_* env),
+# after a check that CMD exists, so a missing program fails the pod with 127 and a termination
+# message naming the field (what `kubectl describe` and the job's message show), not a traceback.
+_COMMAND_CHECK = (
+    'command -v "$1" >/dev/null 2>&1 || { echo "spec.training.command: $1 was not found in the worker image '
+    '(PATH=$PATH); fix the command or the image" | tee "$SGDJOB_TERMINATION_LOG" >&2; exit 127; }; '
+    'exec torchrun --no-python "$@"'
+)
+
+
+def worker_command(command: Sequence[str] | None) -> tuple[list[str], list[str]]:
+    """The trainer container's command and args: torchrun running our trainer, or the user's
+    training.command (its env and workingDir are the template container's own)."""
+    if command is None:
+        return ["torchrun"], list(trainer_args(f"{CONFIG_DIR}/{CONFIG_FILE}"))
+    return ["sh", "-c", _COMMAND_CHECK, "sgdjob-command"], list(command)
+
+
 def build_worker_pod(
     job: JobRef, spec: SGDJobSpec, index: int, *, default_image: str, excluded_nodes: Sequence[str] = ()
 ) -> dict[str, Any]:
@@ -277,8 +295,7 @@ def build_worker_pod(
     main.setdefault("name", CONTAINER)
     main["image"] = main.get("image") or default_image
     if not main.get("command") and not main.get("args"):
-        main["command"] = ["torchrun"]
-        main["args"] = list(trainer_args(f"{CONFIG_DIR}/{CONFIG_FILE}"))
+        main["command"], main["args"] = worker_command(spec.training.command)
     # Rank 0 writes how training ended there (a target reached after the last scrape included);
     # on an error the kubelet puts the log's tail there instead.
     main.setdefault("terminationMessagePath", TERMINATION_LOG)

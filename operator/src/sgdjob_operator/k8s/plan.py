@@ -31,6 +31,7 @@ from sgdjob_operator.k8s.status import (
     rfc3339,
     workers,
 )
+from sgdjob_trainer.wire.launch_contract import COMMAND_MODE_NOTE
 from sgdjob_trainer.wire.worker_status import TARGET_REACHED, parse_termination
 
 MAX_COUNTED = 256
@@ -190,15 +191,14 @@ def plan_reconcile(
             if _was_queued(status)
             else Event("Normal", "Resumed", "job resumed: worker pods recreated")
         )
+    # A command-mode script does not report to SGDJob: say what that turns off where users look.
+    note = f"; {COMMAND_MODE_NOTE}" if spec.training.command is not None else ""
     if phase is not previous_phase and phase in (Phase.RUNNING, Phase.ADAPTING):
-        plan.events.append(
-            Event(
-                "Normal", phase.value, why or f"{st.ready_replicas} workers ready in mode {st.mode or st.target_mode}"
-            )
-        )
+        ready = f"{st.ready_replicas} workers ready" + (note or f" in mode {st.mode or st.target_mode}")
+        plan.events.append(Event("Normal", phase.value, why or ready))
     if not succeeded:
         st.message = why or (
-            f"{st.ready} workers ready"
+            f"{st.ready} workers ready{note}"
             if phase is not Phase.PENDING
             else f"waiting for workers: {st.ready} ready, at least {spec.min_workers} needed"
         )

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sgdjob_operator.api.models import Action, JobMode, SGDJob
+from sgdjob_operator.local.command_mode import local_command
 from sgdjob_trainer.config import SyncMode, TrainingConfig
 from sgdjob_trainer.wire.launch_contract import (
     AGENT_MODULE,
@@ -33,6 +34,7 @@ from sgdjob_trainer.wire.launch_contract import (
     TRAINER_MODULE,
     RunConfig,
     TorchrunOptions,
+    command_args,
     restart_budget,
     run_config,
     trainer_args,
@@ -60,6 +62,7 @@ class AgentPlan:
     run_config: RunConfig
     metrics_ports: tuple[int, ...]
     log_path: Path
+    cwd: Path | None = None  # command mode: the script's working directory (the job file's folder)
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,9 +148,14 @@ def torchrun_options(job: SGDJob, *, rdzv_port: int, leaving: bool) -> TorchrunO
     )
 
 
-def agent_argv(python: str, options: TorchrunOptions, config_path: Path, module: str) -> tuple[str, ...]:
+def agent_argv(
+    python: str, options: TorchrunOptions, config_path: Path, module: str, command: Sequence[str] | None = None
+) -> tuple[str, ...]:
     """`python -m sgdjob_trainer.agent ... -m sgdjob_trainer --config FILE` for one agent: torchrun's
-    options and behaviour, with workers forked from the agent (see sgdjob_trainer.agent)."""
+    options and behaviour, with workers forked from the agent (see sgdjob_trainer.agent). In command
+    mode (training.command) the workers exec the user's program instead: `... --no-python CMD args`."""
+    if command is not None:
+        return (python, "-m", AGENT_MODULE, *options.argv(), *command_args(local_command(command, python)))
     return (python, "-m", AGENT_MODULE, *options.argv(), *trainer_args(str(config_path), module))
 
 
@@ -185,6 +193,7 @@ class LaunchContext:
     base_env: Mapping[str, str]
     trainer_module: str = TRAINER_MODULE
     membership_changes: bool = False  # whether the run's policy may replace or remove workers
+    work_dir: Path | None = None  # where a command-mode script runs (None: the runner's own)
 
     @property
     def report_dir(self) -> Path:
@@ -214,7 +223,7 @@ def plan_agent(ctx: LaunchContext, index: int, mode: SyncMode, metrics_base: int
     return AgentPlan(
         index=index,
         node=node,
-        argv=agent_argv(ctx.python, ctx.torchrun, config_path, ctx.trainer_module),
+        argv=agent_argv(ctx.python, ctx.torchrun, config_path, ctx.trainer_module, spec.training.command),
         env=agent_env(ctx.base_env, node=node, token=ctx.token, report_dir=ctx.report_dir),
         config_path=config_path,
         run_config=run_config(
@@ -226,6 +235,7 @@ def plan_agent(ctx: LaunchContext, index: int, mode: SyncMode, metrics_base: int
         ),
         metrics_ports=tuple(range(metrics_base, metrics_base + spec.nproc_per_node)),
         log_path=ctx.out_dir / "logs" / f"{node}.log",
+        cwd=ctx.work_dir if spec.training.command is not None else None,
     )
 
 
@@ -254,6 +264,7 @@ def plan_launch(
     notes: Sequence[str] = (),
     trainer_module: str = TRAINER_MODULE,
     auto: bool = False,
+    work_dir: Path | None = None,
 ) -> LaunchPlan:
     """Everything needed to start the rendezvous store and the job's `replicas` agents.
     `metrics_bases[i]` is the first of agent i's `nprocPerNode` consecutive free ports."""
@@ -261,7 +272,7 @@ def plan_launch(
     if len(metrics_bases) != spec.replicas:
         raise ValueError(f"need {spec.replicas} metrics port bases, got {len(metrics_bases)}")
     ctx = LaunchContext(
-        job, out_dir, rdzv_port, token, python, base_env, trainer_module, may_change_membership(job, auto)
+        job, out_dir, rdzv_port, token, python, base_env, trainer_module, may_change_membership(job, auto), work_dir
     )
     agents = tuple(plan_agent(ctx, i, mode, base) for i, base in enumerate(metrics_bases))
     extra_notes = list(notes)

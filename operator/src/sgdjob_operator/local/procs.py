@@ -191,6 +191,7 @@ class Agent(Generic[P]):
         self.popen = subprocess.Popen(
             list(plan.argv),
             env=dict(plan.env),
+            cwd=getattr(plan, "cwd", None),  # an AgentPlan of command mode: the script's folder
             stdin=subprocess.DEVNULL,
             stdout=self._log,
             stderr=subprocess.STDOUT,

@@ -26,6 +26,7 @@ import aiohttp
 
 from sgdjob_operator.api.models import SGDJob
 from sgdjob_operator.local.auto import AutoController
+from sgdjob_operator.local.command_mode import run_note
 from sgdjob_operator.local.cpulimit import describe, limits_for
 from sgdjob_operator.local.deaths import RestartPolicy
 from sgdjob_operator.local.fleet import Fleet, MembershipChange, plan_replace, plan_rescale
@@ -38,7 +39,7 @@ from sgdjob_operator.local.timeline import Timeline
 from sgdjob_operator.workers.scrape import ControlResult, Endpoint, ScrapeResult, post_control, scrape
 from sgdjob_trainer.config import SyncMode
 from sgdjob_trainer.wire.control import ControlCommand
-from sgdjob_trainer.wire.launch_contract import TRAINER_MODULE
+from sgdjob_trainer.wire.launch_contract import COMMAND_MODE_NOTE, TRAINER_MODULE
 from sgdjob_trainer.wire.worker_status import TARGET_REACHED, WorkerStatus
 
 EXIT_FAILED = 1
@@ -69,6 +70,9 @@ class RunOptions:
     # Folders put first on the workers' PYTHONPATH: `sgdjob run` adds the job file's folder, so a
     # task or hook module beside the job file imports as it would from the worker image.
     code_dirs: tuple[Path, ...] = ()
+    # Command mode (training.command): the folder the script runs in; `sgdjob run` gives the job
+    # file's folder, as the pod template's workingDir would be on a cluster. None: the current one.
+    work_dir: Path | None = None
 
 
 @dataclass(slots=True)
@@ -176,10 +180,17 @@ def restart_policy(job: SGDJob, options: RunOptions) -> RestartPolicy:
     )
 
 
+def run_mode(job: SGDJob, options: RunOptions) -> tuple[SyncMode, bool]:
+    """resolve_mode, but a command-mode script cannot be driven: never auto."""
+    mode, auto = resolve_mode(job.spec.mode, options.mode)
+    return mode, auto and job.spec.training.command is None
+
+
 def prepare(job: SGDJob, options: RunOptions) -> tuple[LaunchPlan, str]:
     """Choose ports and token, create the output directory and write each agent's run-config."""
-    mode, auto = resolve_mode(job.spec.mode, options.mode)
-    notes: tuple[str, ...] = ()
+    mode, auto = run_mode(job, options)
+    work_dir = (options.work_dir or Path.cwd()).resolve()
+    notes: tuple[str, ...] = (run_note(work_dir),) if job.spec.training.command is not None else ()
     ports = free_port_blocks(job.spec.replicas + 1, job.spec.nproc_per_node)
     token = secrets.token_urlsafe(32)
     out_dir = options.out_dir.resolve()
@@ -195,6 +206,7 @@ def prepare(job: SGDJob, options: RunOptions) -> tuple[LaunchPlan, str]:
         notes=notes,
         trainer_module=options.trainer_module,
         auto=auto,
+        work_dir=work_dir,
     )
     plan.report_dir.mkdir(parents=True, exist_ok=True)
     for stale in [*plan.report_dir.glob(RANK_FILE_GLOB), plan.out_dir / "report.json"]:
@@ -314,20 +326,24 @@ def poll_seconds(requested: float, job: SGDJob, auto: bool) -> float:
     return min(requested, job.spec.policy.interval_seconds) if auto else requested
 
 
+def _mode_label(job: SGDJob, mode: SyncMode) -> str:
+    return "command (your script's own DDP)" if job.spec.training.command is not None else mode.value
+
+
 async def run_local(job: SGDJob, options: RunOptions, display: Display, on_poll: PollHook | None = None) -> RunOutcome:
     """Run the job's workers on this machine until they finish; always leaves no process behind.
     When the mode is auto and no hook is given, the policy core drives the run (`local.auto`)."""
     plan, token = prepare(job, options)
     emulation = job.spec.training.emulation
     cpu = limits_for(plan.job, emulation.cpu_limits if emulation is not None else None)  # CpuLimitError: the fix
-    auto = resolve_mode(job.spec.mode, options.mode)[1]
+    auto = run_mode(job, options)[1]
     if on_poll is None and auto:
         on_poll = AutoController(job, display)
     options = replace(options, poll_interval_s=poll_seconds(options.poll_interval_s, job, auto))
     display.start(
         RunInfo(
             job=plan.job,
-            mode=f"auto (starts {plan.mode.value})" if auto else plan.mode.value,
+            mode=f"auto (starts {plan.mode.value})" if auto else _mode_label(job, plan.mode),
             nodes=len(plan.agents),
             workers=plan.world_size,
             steps=job.spec.training.steps,
@@ -396,9 +412,12 @@ async def run_local(job: SGDJob, options: RunOptions, display: Display, on_poll:
     extra["ok"] = code == 0
     if code != 0:
         extra["error"] = message
-    report, path = _write_report(plan, job, extra, statuses, run_wall, fleet.world_size())
+    command_mode = job.spec.training.command is not None
+    if command_mode:  # the script reports nothing: no rank is missing, and no training figures to show
+        extra["command_mode"] = COMMAND_MODE_NOTE
+    report, path = _write_report(plan, job, extra, statuses, run_wall, 0 if command_mode else fleet.world_size())
     if code == 0 and report.get("reason") == TARGET_REACHED:
         message = f"the validation reached the target at step {report.get('target_step')}: {message}"
-    message += f"\nreport: {path}"
-    display.finish(report, message)
+    message += f"\nreport: {path}" + (f"\nthe script's output: {plan.out_dir / 'logs'}" if command_mode else "")
+    display.finish(None if command_mode else report, message)
     return RunOutcome(code, message, report, path)

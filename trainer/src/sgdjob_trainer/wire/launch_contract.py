@@ -8,7 +8,7 @@ them from here, so a pod and a local agent of the same job start the same traine
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated
 
@@ -24,6 +24,10 @@ RDZV_BACKEND = "c10d"
 # agents finished or gave up) before this node got a world. Not a failure of this node; its peers'
 # exit statuses say how the job ended.
 EXIT_RENDEZVOUS_CLOSED = 3
+# The agent's exit status when training.command's program is not on PATH (a shell's "not found").
+EXIT_COMMAND_NOT_FOUND = 127
+# Command mode: the script does not report to SGDJob, so nothing that needs its cooperation runs.
+COMMAND_MODE_NOTE = "command mode: the script does not report to SGDJob; mode switches and rebalancing are off"
 
 # The environment a trainer process reads, besides torchrun's own (RANK, WORLD_SIZE, ...).
 ENV_NODE_NAME = "NODE_NAME"  # the node it runs on (a pod's spec.nodeName); else the host name
@@ -77,6 +81,12 @@ def run_config(
 def trainer_args(config_path: str, module: str = TRAINER_MODULE) -> tuple[str, ...]:
     """What an agent runs in each worker process: `-m MODULE --config FILE`."""
     return ("-m", module, "--config", config_path)
+
+
+def command_args(command: Sequence[str]) -> tuple[str, ...]:
+    """What an agent runs in command mode: `--no-python CMD ARGS`, torchrun's own way to exec a
+    program (not a Python module) in each worker process, with its environment contract."""
+    return ("--no-python", *command)
 
 
 def restart_budget(backoff_limit: int, max_nodes: int, *, peers_may_leave: bool) -> int:
