@@ -186,7 +186,11 @@ def test_failures_count_once_and_infrastructure_is_free() -> None:
         spec, evicted.status, [pod(0, "Failed", uid="d", deleting=True), pod(1), rdzv()], generation=1, now=T0 + 2
     )
     assert deleted.status.restarts == 1 and deleted.status.phase is not Phase.FAILED
-    assert any("not counted: deleted while running" in e.message for e in deleted.events if e.reason == "WorkerFailed")
+    assert any(
+        "deleted while it ran" in e.message and "not counted" in e.message
+        for e in deleted.events
+        if e.reason == "WorkerFailed"
+    )
     final = plan_reconcile(spec, deleted.status, [pod(0, "Failed", uid="c"), pod(1), rdzv()], generation=1, now=T0 + 3)
     assert final.status.phase is Phase.FAILED and final.status.restarts == 2
     failed = {c.type: c for c in final.status.conditions}["Failed"]

@@ -231,6 +231,18 @@ class RunPolicy(CamelModel):
     suspend: Annotated[
         bool, Field(description="When true, worker pods are removed and the job waits; checkpoints are kept.")
     ] = False
+    node_lost_grace_seconds: Annotated[
+        int,
+        Field(
+            ge=0,
+            le=3600,
+            description=(
+                "Seconds a node may stay NotReady or Unknown (its kubelet stopped reporting) before the job's pods "
+                "there are force-deleted and recreated on other nodes; well under the 300 s after which Kubernetes "
+                "evicts them."
+            ),
+        ),
+    ] = 40
     scheduling_policy: Annotated[
         SchedulingPolicy | None, Field(description="Gang scheduling of the worker pods (Volcano or coscheduling).")
     ] = None

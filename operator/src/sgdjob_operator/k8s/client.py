@@ -260,6 +260,10 @@ class Kube:
         )
         return status != 404
 
+    async def get_node(self, name: str) -> dict[str, Any] | None:
+        """A Node from the watch cache (cluster-scoped; the chart's ClusterRole grants `get`)."""
+        return await self.get(f"/api/v1/nodes/{name}", cached=True)
+
     async def job_pods(self, job: JobRef, *, cached: bool = False) -> list[dict[str, Any]]:
         return await self.list_objects(pods_path(job.namespace), job.selector, cached=cached)
 

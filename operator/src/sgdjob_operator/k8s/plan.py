@@ -8,14 +8,15 @@ after a crash between two writes) never counts one failure twice.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from sgdjob_operator.api.models import CleanPodPolicy, JobMode, Phase, SGDJobSpec, SGDJobStatus
-from sgdjob_operator.k8s.membership import excluded_names, expire, store_indices, wanted_indices
+from sgdjob_operator.k8s.failures import classify
+from sgdjob_operator.k8s.membership import exclude, excluded_names, expire, store_indices, wanted_indices
+from sgdjob_operator.k8s.nodeloss import lost_pods
 from sgdjob_operator.k8s.status import (
     FINISHED,
-    INFRA_REASONS,
     Event,
     PodView,
     controller,
@@ -44,6 +45,7 @@ class Plan:
     create_workers: list[int] = field(default_factory=list)
     create_rdzv: bool = False
     delete_pods: list[tuple[str, str]] = field(default_factory=list)  # (name, why)
+    force_delete: set[str] = field(default_factory=set)  # of delete_pods: grace 0 (their node is lost)
     events: list[Event] = field(default_factory=list)
     delete_job: bool = False
 
@@ -70,30 +72,26 @@ def _follow_spec_mode(status: SGDJobStatus, spec: SGDJobSpec, now: float, events
         events.append(Event("Normal", "SwitchMode", reason))
 
 
-def _count_failures(plan: Plan, spec: SGDJobSpec, ws: Sequence[PodView], now: float) -> None:
+def _count_failures(
+    plan: Plan, spec: SGDJobSpec, pods: Sequence[PodView], lost: Mapping[str, tuple[float, str]], now: float
+) -> None:
+    """Failed workers are recreated; those `failures.classify` blames on the job spend backoffLimit."""
     st = plan.status
     ctl = controller(st)
-    for pod in ws:
-        if pod.phase != "Failed":
+    for pod in workers(pods):
+        if pod.phase != "Failed" or pod.name in plan.force_delete:
             continue
         if pod.uid not in ctl.counted_failures:
             ctl.counted_failures = [*ctl.counted_failures, pod.uid][-MAX_COUNTED:]
-            # A pod deleted while it ran (`kubectl delete`, a drain's eviction, a controller) was asked to
-            # stop; torchrun exits non-zero on SIGTERM even after the trainer's final checkpoint. That is
-            # no failure of the job's own, so like infrastructure it does not spend the backoff budget.
-            infra = pod.reason in INFRA_REASONS or pod.deleting
-            if not infra:
+            verdict = classify(pod, pods, lost)
+            if verdict.counted:
                 st.restarts += 1
-            detail = (
-                f"worker pod {pod.name} failed (exit code {pod.exit_code}, {pod.reason or 'Error'})"
-                f"{': ' + pod.message if pod.message else ''}"
-            )
             budget = (
-                ("not counted: deleted while running" if pod.deleting else "not counted: infrastructure")
-                if infra
-                else f"restart {st.restarts} of backoffLimit {spec.run_policy.backoff_limit}"
+                f"restart {st.restarts} of backoffLimit {spec.run_policy.backoff_limit}"
+                if verdict.counted
+                else "not counted: infrastructure"
             )
-            plan.events.append(Event("Warning", "WorkerFailed", f"{detail}; {budget}"))
+            plan.events.append(Event("Warning", "WorkerFailed", f"{verdict.cause}; {budget}"))
             if st.restarts > spec.run_policy.backoff_limit:
                 plan.events.append(
                     finish(
@@ -101,7 +99,7 @@ def _count_failures(plan: Plan, spec: SGDJobSpec, ws: Sequence[PodView], now: fl
                         Phase.FAILED,
                         "BackoffLimitExceeded",
                         f"{st.restarts} worker failures exceed backoffLimit {spec.run_policy.backoff_limit}; "
-                        f"last: {detail}",
+                        f"last: {verdict.cause}",
                         now,
                     )
                 )
@@ -110,11 +108,39 @@ def _count_failures(plan: Plan, spec: SGDJobSpec, ws: Sequence[PodView], now: fl
             plan.delete_pods.append((pod.name, "failed; recreated"))
 
 
+def _replace_lost(
+    plan: Plan, spec: SGDJobSpec, pods: Sequence[PodView], lost: Mapping[str, tuple[float, str]], now: float
+) -> None:
+    """Pods on a node lost for nodeLostGraceSeconds: force-deleted, the node excluded, one Event per
+    pod naming the node. Their replacements are created once the names are free (next pass)."""
+    ctl = controller(plan.status)
+    grace = spec.run_policy.node_lost_grace_seconds
+    for gone in lost_pods(pods, lost, now=now, grace_s=grace):
+        why = f"node {gone.node} ({gone.how} since {rfc3339(gone.since)})"
+        plan.delete_pods.append((gone.pod, f"lost with {why}; force-deleted and recreated"))
+        plan.force_delete.add(gone.pod)
+        if gone.node not in excluded_names(ctl):
+            exclude(ctl, gone.node, now, spec.policy.exclude_node_seconds, why)
+        plan.events.append(
+            Event(
+                "Warning", "NodeLost", f"pod {gone.pod} lost with {why}, {grace}s grace over; replaced on another node"
+            )
+        )
+
+
 def plan_reconcile(
-    spec: SGDJobSpec, status: SGDJobStatus, pods: Sequence[PodView], *, generation: int, now: float, queued: str = ""
+    spec: SGDJobSpec,
+    status: SGDJobStatus,
+    pods: Sequence[PodView],
+    *,
+    generation: int,
+    now: float,
+    queued: str = "",
+    lost_nodes: Mapping[str, tuple[float, str]] | None = None,
 ) -> Plan:
     """One reconciliation step; `status` is not modified (the plan carries a copy). `queued` says why
-    the job may not run yet though not suspended (waiting for Kueue admission); '' when it may."""
+    the job may not run yet though not suspended (waiting for Kueue admission); '' when it may.
+    `lost_nodes`: the pods' nodes that are not Ready, with since when and how (`nodeloss.not_ready_since`)."""
     st = status.model_copy(deep=True)
     plan = Plan(status=st)
     st.observed_generation = max(st.observed_generation, generation)
@@ -139,7 +165,8 @@ def plan_reconcile(
                 )
             )
         else:
-            _count_failures(plan, spec, ws, now)
+            _replace_lost(plan, spec, pods, lost_nodes or {}, now)
+            _count_failures(plan, spec, pods, lost_nodes or {}, now)
 
     if st.phase in FINISHED:
         _cleanup(plan, spec, pods)
@@ -175,7 +202,7 @@ def plan_reconcile(
         if not rdzv:
             plan.create_rdzv = True
         for pod in rdzv:
-            if pod.phase in ("Failed", "Succeeded") and not pod.deleting:
+            if pod.phase in ("Failed", "Succeeded") and not pod.deleting and pod.name not in plan.force_delete:
                 plan.delete_pods.append((pod.name, "rendezvous pod ended; recreated"))
 
     if st.start_time is None and st.ready_replicas >= spec.min_workers:

@@ -35,6 +35,7 @@ from sgdjob_operator.k8s.builders import (
 from sgdjob_operator.k8s.children import ensure_children, job_token
 from sgdjob_operator.k8s.client import ApiError, core_path
 from sgdjob_operator.k8s.membership import excluded_names
+from sgdjob_operator.k8s.nodeloss import not_ready_since
 from sgdjob_operator.k8s.observe import (
     Observation,
     command_to_push,
@@ -215,7 +216,8 @@ async def reconcile(rt: Runtime, ref: JobRef) -> float | None:
     if st.phase not in FINISHED and not held:
         await ensure_pod_group(rt.kube, ref, spec, gate)  # after _monitor: minMember follows its rescale
     events += gate.events + await _once(rt, ref, "SchedulingFailed", gate.problem)
-    plan = plan_reconcile(spec, st, pods, generation=generation, now=now, queued=gate.queued)
+    lost = await lost_nodes(rt, pods) if st.phase not in FINISHED else {}
+    plan = plan_reconcile(spec, st, pods, generation=generation, now=now, queued=gate.queued, lost_nodes=lost)
     if not gate.ready:
         plan.create_workers = []  # a gang's pods wait for their PodGroup, or a scheduler could split them
     excluded = excluded_names(controller(plan.status))
@@ -250,7 +252,8 @@ async def reconcile(rt: Runtime, ref: JobRef) -> float | None:
     if outcome is not None and outcome.delete_pod and outcome.delete_pod not in {n for n, _ in deletes}:
         deletes.append((outcome.delete_pod, "replaced by the policy"))
     for name, why in deletes:
-        if await rt.kube.delete("Pod", ref.namespace, name):
+        # Grace 0 for a pod on a lost node: no kubelet will ever confirm a graceful stop.
+        if await rt.kube.delete("Pod", ref.namespace, name, grace_s=0 if name in plan.force_delete else None):
             metrics.PODS_DELETED.labels(why=metrics.reason_label(why)).inc()
     await _write(rt, ref, raw_status, plan.status, events + plan.events)
     # After status: a restart in between loses one interval of the policy's memory, never a decision.
@@ -278,9 +281,33 @@ async def reconcile(rt: Runtime, ref: JobRef) -> float | None:
         await rt.kube.delete_job(ref)
         return None
     delay = next_delay(rt, ref, spec, plan.status, pods)
+    if plan.force_delete:
+        delay = min(delay, 1.0)  # the names are free now: their replacements are created next pass
+    elif lost:
+        # A lost node's pods are replaced when its grace is up, which no watch event announces.
+        delay = min(
+            delay,
+            max(
+                rt.settings.min_tick_s,
+                min(s for s, _ in lost.values()) + spec.run_policy.node_lost_grace_seconds - now + 0.5,
+            ),
+        )
     if (gate.queued and not spec.run_policy.suspend) or not gate.ready:
         delay = min(delay, QUEUED_POLL_S)  # Kueue's and the schedulers' objects are polled, not watched
     return min(delay, 5.0) if failed else delay
+
+
+async def lost_nodes(rt: Runtime, pods: list[PodView]) -> dict[str, tuple[float, str]]:
+    """The not-Ready nodes among those the job's pods are bound to (a cached GET per node: the
+    watch cache's Node objects are as fresh as the node controller's writes)."""
+    names = sorted({p.node for p in pods if p.node and p.phase not in ("Succeeded", "Failed")})
+    found = await asyncio.gather(*(rt.kube.get_node(n) for n in names))
+    out: dict[str, tuple[float, str]] = {}
+    for name, node in zip(names, found, strict=True):
+        state = not_ready_since(node)
+        if state is not None:
+            out[name] = state
+    return out
 
 
 def next_delay(rt: Runtime, ref: JobRef, spec: SGDJobSpec, st: SGDJobStatus, pods: list[PodView]) -> float:
