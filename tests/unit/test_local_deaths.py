@@ -5,7 +5,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from sgdjob_operator.local.deaths import Death, RestartPolicy, backoff, decide, describe_exit
+from sgdjob_operator.local.deaths import (
+    Death,
+    RestartPolicy,
+    backoff,
+    caused_by_store,
+    decide,
+    decide_store,
+    describe_exit,
+)
 from sgdjob_operator.local.report import summary_lines
 from sgdjob_operator.local.revive import last_checkpoint
 
@@ -73,3 +81,28 @@ def test_the_run_summary_tells_each_death_and_its_recovery() -> None:
     lines = summary_lines({"agent_deaths": deaths})
     assert "agent local-3 died at 12.3s (killed by SIGKILL): restart, 7 steps lost, recovered in 6.2s" in lines
     assert "agent local-1 died at 40.0s (exit code 1): fail, 3 steps lost" in lines
+
+
+def test_a_dead_store_is_restarted_unless_it_keeps_dying() -> None:
+    first = decide_store([30.0], -9)
+    assert first.action == "restart" and "rendezvous store died (killed by SIGKILL)" in first.reason
+    assert "same port" in first.reason and "backoffLimit" in first.reason
+    # Six deaths within two minutes: the store cannot stay up; one a minute is restarted each time.
+    assert decide_store([10.0 * i for i in range(6)], 1).action == "fail"
+    assert "logs/rendezvous" in decide_store([10.0 * i for i in range(6)], 1).reason
+    assert decide_store([60.0 * i for i in range(10)], 1).action == "restart"
+
+
+def test_agents_dying_of_a_lost_store_are_not_charged_to_the_backoff_limit() -> None:
+    assert caused_by_store(45.0, [30.0]) and not caused_by_store(29.0, [30.0]) and not caused_by_store(200.0, [30.0])
+    strict = RestartPolicy(backoff_limit=0, min_nodes=2, crash_loop_deaths=2)
+    lost = [Death(f"local-{i}", 40.0 + i, 1, infrastructure=True) for i in range(4)]
+    # Every agent of a backoffLimit-0 job dies of the store (twice for local-0): each is restarted.
+    for n in range(1, 5):
+        verdict = decide(strict, lost[:n], live=4 - n)
+        assert verdict.action == "restart" and "not counted against runPolicy.backoffLimit" in verdict.reason
+    again = [*lost, Death("local-0", 80.0, 1, infrastructure=True)]
+    assert decide(strict, again, live=0).action == "restart"  # no crash loop either
+    # A user's crash still counts, and the infrastructure deaths before it do not add to it.
+    crash = decide(strict, [*again, Death("local-2", 300.0, 1)], live=3)
+    assert crash.action == "fail" and "1 agent deaths exceed runPolicy.backoffLimit 0" in crash.reason

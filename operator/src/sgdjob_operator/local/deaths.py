@@ -8,6 +8,11 @@ that doubles with each of its deaths (1 s, 2 s, 4 s ... capped); a node that die
 times within `crash_loop_window_s` is in a crash loop, as a broken machine would be, and is replaced
 by an agent under a new node name instead. Meanwhile the surviving agents go on: torchrun's elastic
 rendezvous re-forms their world (at least minReplicas nodes) from the last checkpoint.
+
+The rendezvous store is no node of the job but infrastructure: when its process dies it is started
+again on the same port (`decide_store`), and agents that die of its loss (within
+`STORE_LOSS_WINDOW_S` of it) are restarted without charge to backoffLimit or to their crash-loop
+count, as a cluster does not count a pod evicted by a lost node against the job.
 """
 
 from __future__ import annotations
@@ -35,6 +40,40 @@ class Death:
     node: str
     time_s: float
     exit_code: int
+    infrastructure: bool = False  # died of a lost rendezvous store: not the job's fault
+
+
+# An agent that dies this soon after the store did died of its loss (its rendezvous calls fail
+# within torch's store timeouts, tens of seconds; its workers' restarts take a few more).
+STORE_LOSS_WINDOW_S = 90.0
+# More store deaths than this within STORE_CRASH_WINDOW_S: the store cannot stay up (its port is
+# taken, the machine is out of memory); restarting it again would only hide that.
+STORE_CRASH_DEATHS = 5
+STORE_CRASH_WINDOW_S = 120.0
+
+
+def caused_by_store(time_s: float, store_deaths_s: Sequence[float], window_s: float = STORE_LOSS_WINDOW_S) -> bool:
+    """Whether an agent death at `time_s` follows a store death (times in `store_deaths_s`)."""
+    return any(0.0 <= time_s - t <= window_s for t in store_deaths_s)
+
+
+def decide_store(store_deaths_s: Sequence[float], exit_code: int) -> Verdict:
+    """What to do about the rendezvous store's last death (all its death times so far, oldest
+    first): start it again at once, on the same port, unless it keeps dying."""
+    last = store_deaths_s[-1]
+    what = f"rendezvous store died ({describe_exit(exit_code)})"
+    recent = [t for t in store_deaths_s if last - t <= STORE_CRASH_WINDOW_S]
+    if len(recent) > STORE_CRASH_DEATHS:
+        return Verdict(
+            "fail",
+            f"{what}: {len(recent)} store deaths within {STORE_CRASH_WINDOW_S:.0f}s; "
+            "see the store's log (logs/rendezvous*.log) for why it does not stay up",
+        )
+    return Verdict(
+        "restart",
+        f"{what}; restarting it on the same port; agents that lose it are restarted "
+        "without charge to runPolicy.backoffLimit (an infrastructure fault)",
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,15 +105,25 @@ def decide(policy: RestartPolicy, deaths: Sequence[Death], live: int) -> Verdict
     `live` agents still running besides the dead one's node."""
     last = deaths[-1]
     what = f"agent {last.node} died ({describe_exit(last.exit_code)})"
-    if len(deaths) > policy.backoff_limit:
+    going_on = "the others go on" if live >= policy.min_nodes else f"the others wait for minReplicas {policy.min_nodes}"
+    if last.infrastructure:
+        delay = policy.backoff_s
+        return Verdict(
+            "restart",
+            f"{what} of the lost rendezvous store; restarting it in {delay:g}s, not counted against "
+            "runPolicy.backoffLimit",
+            delay,
+        )
+    counted = [d for d in deaths if not d.infrastructure]
+    if len(counted) > policy.backoff_limit:
         return Verdict(
             "fail",
-            f"{what}: {len(deaths)} agent deaths exceed runPolicy.backoffLimit {policy.backoff_limit}; "
+            f"{what}: {len(counted)} agent deaths exceed runPolicy.backoffLimit {policy.backoff_limit}; "
             "raise spec.runPolicy.backoffLimit to allow more restarts",
         )
-    mine = [d for d in deaths if d.node == last.node]
+    mine = [d for d in counted if d.node == last.node]
     recent = [d for d in mine if last.time_s - d.time_s <= policy.crash_loop_window_s]
-    budget = f"death {len(deaths)} of backoffLimit {policy.backoff_limit}"
+    budget = f"death {len(counted)} of backoffLimit {policy.backoff_limit}"
     if len(recent) >= policy.crash_loop_deaths:
         return Verdict(
             "replace",
@@ -82,5 +131,4 @@ def decide(policy: RestartPolicy, deaths: Sequence[Death], live: int) -> Verdict
             f"the node is excluded and replaced ({budget})",
         )
     delay = backoff(policy, len(mine))
-    going_on = "the others go on" if live >= policy.min_nodes else f"the others wait for minReplicas {policy.min_nodes}"
     return Verdict("restart", f"{what}; restarting it in {delay:g}s, {going_on} ({budget})", delay)

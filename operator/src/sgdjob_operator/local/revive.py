@@ -4,17 +4,29 @@ the same node after its backoff, a replacement under a new node name for a crash
 job's failure. Each death goes to report.json (`agent_deaths`) with the figures the chaos suite
 reads: the step the job had reached, the last checkpoint, the steps lost, when the agent came back
 and how long the job took to regain the step it had reached (`recovery_s`).
+
+The rendezvous store's process is watched too: when it exits it is started again on the same port
+(the agents' --rdzv-endpoint stays true), its death goes to report.json (`store_deaths`, same
+figures), and the agents that die of its loss are restarted without charge to backoffLimit.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
-from sgdjob_operator.local.deaths import Death, RestartPolicy, Verdict, decide, describe_exit
+from sgdjob_operator.local.deaths import (
+    Death,
+    RestartPolicy,
+    Verdict,
+    caused_by_store,
+    decide,
+    decide_store,
+    describe_exit,
+)
 from sgdjob_operator.local.fleet import Fleet, MembershipChange
 from sgdjob_operator.local.launch import AgentPlan
 from sgdjob_operator.local.procs import Agent, ProcId
@@ -78,9 +90,15 @@ class Reviver:
     restarts: dict[str, int] = field(default_factory=dict)  # by node
     revived: set[ProcId] = field(default_factory=set)  # the agents started in place of dead ones
     seen_dead: dict[ProcId, float] = field(default_factory=dict)
+    store_records: list[dict[str, Any]] = field(default_factory=list)  # report.json's store_deaths
 
     def _dead(self, fleet: Fleet) -> list[Agent[AgentPlan]]:
         return [a for a in fleet.active() if a.returncode not in (0, None)]
+
+    def awaiting(self, fleet: Fleet) -> bool:
+        """A death is still to be judged (within DEATH_SETTLE_S): the run must not end before it is,
+        though no agent runs (the store's loss kills every agent at once)."""
+        return not self.failure and not self.finishing(fleet) and bool(self._dead(fleet))
 
     def finishing(self, fleet: Fleet) -> bool:
         """An agent has finished: its workers reached the end, so the job is ending, not recovering."""
@@ -93,6 +111,9 @@ class Reviver:
         now = self.clock()
         elapsed = now - run.started
         self._recovered(run, elapsed)
+        self._check_store(run, elapsed)
+        if self.failure:
+            return
         if self.finishing(run.fleet):
             self._finish(run.fleet, elapsed)
             return
@@ -115,6 +136,41 @@ class Reviver:
             self.display.note(f"[{elapsed:6.1f}s] agent {p.record['node']} restarted (restart {p.attempt})")
             run.world_changed()
 
+    def _check_store(self, run: Run, elapsed: float) -> None:
+        """Start the rendezvous store again, on the same port, if its process has exited."""
+        procs = run.fleet.procs
+        if not procs.services or procs.services[-1].returncode is None:
+            return
+        code = procs.services[-1].returncode or 0
+        verdict = decide_store([r["time_s"] for r in self.store_records] + [elapsed], code)
+        record = self._record(run, "rendezvous", elapsed, code, verdict)
+        self.store_records.append(record)
+        self.display.note(f"[{elapsed:6.1f}s] {verdict.reason}")
+        if verdict.action == "fail":
+            self.failure = verdict.reason
+            return
+        plan = run.fleet.plan.store
+        n = len(procs.services)
+        procs.start_service(replace(plan, log_path=plan.log_path.with_name(f"rendezvous.restart-{n}.log")))
+        record["restarted_s"] = round(self.clock() - run.started, 3)
+
+    def _record(self, run: Run, node: str, elapsed: float, code: int, verdict: Verdict) -> dict[str, Any]:
+        checkpoint = last_checkpoint(self.checkpoint_dir)
+        # The last poll's step may lag a checkpoint written since: the job had reached at least that.
+        step = max(job_step(list(run.last_status.values())), checkpoint or 0)
+        return {
+            "node": node,
+            "time_s": round(elapsed, 3),
+            "exit": describe_exit(code),
+            "exit_code": code,
+            "step": step,
+            "checkpoint_step": checkpoint,
+            "lost_steps": step - (checkpoint or 0),
+            "action": verdict.action,
+            "reason": verdict.reason,
+            "recovery_s": None,
+        }
+
     def _started(self, fleet: Fleet, nodes: Sequence[str]) -> None:
         self.revived |= {a.id for a in fleet.active() if a.plan.node in nodes}
 
@@ -136,23 +192,14 @@ class Reviver:
 
     async def _died(self, run: Run, agent: Agent[AgentPlan], mode: SyncMode, elapsed: float) -> None:
         node, code = agent.plan.node, agent.returncode or 0
-        self.deaths.append(Death(node, elapsed, code))
+        # Judged by when its exit was seen: the store's death is seen at the same poll or before.
+        seen = self.seen_dead[agent.id] - run.started
+        infra = caused_by_store(seen, [r["time_s"] for r in self.store_records])
+        self.deaths.append(Death(node, elapsed, code, infrastructure=infra))
         live = len([a for a in run.fleet.active() if a.returncode is None])
         verdict = decide(self.policy, self.deaths, live)
-        step = job_step(list(run.last_status.values()))
-        checkpoint = last_checkpoint(self.checkpoint_dir)
-        record: dict[str, Any] = {
-            "node": node,
-            "time_s": round(elapsed, 3),
-            "exit": describe_exit(code),
-            "exit_code": code,
-            "step": step,
-            "checkpoint_step": checkpoint,
-            "lost_steps": step - (checkpoint or 0),
-            "action": verdict.action,
-            "reason": verdict.reason,
-            "recovery_s": None,
-        }
+        record = self._record(run, node, elapsed, code, verdict)
+        record["infrastructure"] = infra
         self.records.append(record)
         self.display.note(f"[{elapsed:6.1f}s] {verdict.reason}")
         if verdict.action == "fail":
@@ -186,13 +233,14 @@ class Reviver:
     def _recovered(self, run: Run, elapsed: float) -> None:
         """A death is recovered from once the job's step is back beyond where it was at the death."""
         step = job_step(list(run.last_status.values()))
-        for record in self.records:
+        for record in [*self.records, *self.store_records]:
             if record["recovery_s"] is None and record["action"] != "fail" and step > record["step"]:
                 record["recovery_s"] = round(elapsed - record["time_s"], 3)
 
     def report(self) -> dict[str, Any]:
         restarted = sum(1 for r in self.records if r.get("restarted_s") is not None and r["action"] == "restart")
         return {
+            **({"store_deaths": self.store_records} if self.store_records else {}),
             "agent_deaths": self.records,
             "agent_restarts": restarted,
             "nodes_replaced": [r["node"] for r in self.records if r["action"] == "replace"],

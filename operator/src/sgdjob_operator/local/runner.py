@@ -253,7 +253,7 @@ async def _supervise(
         procs.track()
         await run.reviver.check(run, run.mode())
         now = time.monotonic()
-        if not procs.running() and not run.reviver.pending:
+        if not procs.running() and not run.reviver.pending and not run.reviver.awaiting(run.fleet):
             return None
         if stop.is_set():
             return "stop"
@@ -392,7 +392,7 @@ async def run_local(job: SGDJob, options: RunOptions, display: Display, on_poll:
     codes = {a.plan.node: a.returncode for a in procs.agents if not a.retired}
     run_wall = time.monotonic() - start
     extra.update({"exit_codes": codes, "run_wall_s": run_wall, "out_dir": str(plan.out_dir)})
-    if reviver.records:
+    if reviver.records or reviver.store_records:
         extra.update(reviver.report())
     if fleet.history:
         extra["membership"] = fleet.history
