@@ -18,7 +18,7 @@ $(VENV)/.installed: pyproject.toml
 demo: venv
 	$(BIN)/sgdjob run examples/quickstart.yaml --out runs/quickstart
 
-TYPED := operator/src trainer/src devcluster tests/devcluster tests/e2e bench
+TYPED := operator/src trainer/src devcluster tests/devcluster e2e bench
 
 ruff: venv
 	$(BIN)/ruff check .

@@ -1,5 +1,5 @@
 """Pytest fixtures for tiers that need a real API server (`k8s`, `k8s_assets`), the whole local cluster
-(`cluster`), or real kubelet nodes (`real_cluster`, root only); a plugin, loaded by tests/conftest.py
+(`cluster`), or real kubelet nodes (`real_cluster`, root only); a plugin, loaded by the root conftest.py
 (`pytest_plugins = ["devcluster.pytest_plugin"]`).
 
 Without KUBEBUILDER_ASSETS these tiers skip with the reason; with SGDJOB_REQUIRE_K8S=1 (CI) a

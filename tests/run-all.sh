@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # `make test`: every test in two pytest sessions side by side, mypy beside them at nice 19:
-# - in the background, the real-node tests (marker `realnode`: tests/e2e and
+# - in the background, the real-node tests (marker `realnode`: e2e and
 #   tests/devcluster/test_realnodes.py);
 # - here, every other test.
 # (Moving tests/operator into the background half was tried: the real-node half, whose node daemons
@@ -14,7 +14,7 @@
 set -u
 BIN=${BIN:-.venv/bin}
 LOGS=${LOGS:-.venv}
-TYPED=${TYPED:-operator/src trainer/src devcluster tests/devcluster tests/e2e bench}
+TYPED=${TYPED:-operator/src trainer/src devcluster tests/devcluster e2e bench}
 
 # shellcheck disable=SC2086  # TYPED is a list of paths
 nice -n 19 "$BIN/mypy" $TYPED > "$LOGS/mypy.log" 2>&1 &

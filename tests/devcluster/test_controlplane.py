@@ -1,4 +1,4 @@
-"""ControlPlane.restart_apiserver (the chaos suite's API-server restart, tests/e2e/test_chaos.py case d)
+"""ControlPlane.restart_apiserver (the chaos suite's API-server restart, e2e/test_chaos.py case d)
 and the reaping of a control plane whose test run was SIGKILLed."""
 
 from __future__ import annotations

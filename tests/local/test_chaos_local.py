@@ -1,4 +1,4 @@
-"""Graceful preemption under `sgdjob run` (issue #18 item 3, the local counterpart of tests/e2e/test_chaos.py
+"""Graceful preemption under `sgdjob run` (issue #18 item 3, the local counterpart of e2e/test_chaos.py
 case a): one node's agent gets SIGTERM, as a drained node's kubelet would send. Its worker stops at a
 step agreed with its peers, every rank writes a final checkpoint (checkpoint.onStop), and the job goes
 on from exactly there: no step is lost. The ungraceful cases (SIGKILL of an agent, a crash loop, a

@@ -1,7 +1,7 @@
 """`sgdjob run` of a job that brings its own training code: a task module beside the job file (no
 PYTHONPATH set by the user), AdamW built by the task, in async and in auto. Every fixed mode with
 AdamW runs in tests/trainer/test_optimizer_modes.py (its state through every switch) and on the
-cluster in tests/e2e/test_scenarios_own_code.py (one job walked through every mode); the same code
+cluster in e2e/test_scenarios_own_code.py (one job walked through every mode); the same code
 path in each mode is not run a third time here, to keep CI's time for what only this tier shows."""
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ def test_a_task_that_cannot_be_imported_fails_the_run_naming_the_field(tmp_path:
 def test_the_transformer_example_learns_with_stale_gradients(tmp_path: Path, mode: str) -> None:
     """examples/custom-task as it ships (its module found beside its job file), shortened: 2 workers,
     150 steps, async (the mode whose stale updates could keep it from learning); the full 600 steps
-    are tests/trainer/test_charlm_task.py's, every mode on the cluster tests/e2e/test_scenarios_own_code.py's."""
+    are tests/trainer/test_charlm_task.py's, every mode on the cluster e2e/test_scenarios_own_code.py's."""
     example = REPO / "examples" / "custom-task"
     job = yaml.safe_load((example / "job.yaml").read_text())
     spec = job["spec"]

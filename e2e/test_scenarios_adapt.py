@@ -1,4 +1,4 @@
-"""Adaptation scenarios on real kubelet nodes with the Helm-installed operator (tests/e2e/real.py): an
+"""Adaptation scenarios on real kubelet nodes with the Helm-installed operator (e2e/real.py): an
 emulated straggler that appears mid-run makes the policy switch the mode (2); a straggler bound to one
 node makes it replace the worker elsewhere (3). Compute is emulated (a per-rank sleep per step,
 CPU-only machine); what is measured is the coordination. Each job is deleted at the end and must leave
@@ -19,14 +19,14 @@ import pytest
 
 from devcluster.realnodes import RealCluster
 from devcluster.testing import Obj, wait_for
-from tests.e2e.helpers import (
+from e2e.helpers import (
     Env,
     assert_children_gone,
     job_events,
     job_status,
     worker_pods,
 )
-from tests.e2e.real import OPERATOR_IMAGES, RealOperator, real_scenario_env
+from e2e.real import OPERATOR_IMAGES, RealOperator, real_scenario_env
 
 pytestmark = [pytest.mark.k8s, pytest.mark.multiproc, pytest.mark.realnode(images=OPERATOR_IMAGES)]
 

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from devcluster.realnodes import RealCluster
-from tests.e2e.real import RealOperator, install_operator
+from e2e.real import RealOperator, install_operator
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""SGDJob scenarios on the local cluster (tests/e2e/test_scenarios*.py): manifests, jobs, pods, the operator."""
+"""SGDJob scenarios on the local cluster (e2e/test_scenarios*.py): manifests, jobs, pods, the operator."""
 
 from __future__ import annotations
 
@@ -126,7 +126,7 @@ def assert_children_gone(kube: KubeApi, ns: str, job: str, timeout: float = 180)
 
 class Env:
     """One scenario module's world: a namespace of its own on a cluster with an operator watching it.
-    What a scenario needs of the cluster is behind these methods (on real nodes: tests/e2e/real.py's
+    What a scenario needs of the cluster is behind these methods (on real nodes: e2e/real.py's
     RealEnv), so a scenario reads as a user's steps."""
 
     kube: KubeApi

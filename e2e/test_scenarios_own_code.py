@@ -17,8 +17,8 @@ import yaml
 from devcluster.images import ImageBuilder
 from devcluster.realnodes import RealCluster
 from devcluster.testing import Obj, wait_for
-from tests.e2e.helpers import job_events, job_status
-from tests.e2e.real import OPERATOR_IMAGES, RealEnv, RealOperator, real_scenario_env
+from e2e.helpers import job_events, job_status
+from e2e.real import OPERATOR_IMAGES, RealEnv, RealOperator, real_scenario_env
 from tests.local.example_runs import REPO
 
 pytestmark = [pytest.mark.k8s, pytest.mark.multiproc, pytest.mark.realnode(images=[*OPERATOR_IMAGES, "charlm"])]

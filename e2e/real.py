@@ -27,7 +27,7 @@ from devcluster.images import ImageBuilder
 from devcluster.kube import KubeApi, KubeError
 from devcluster.realnodes import RealCluster
 from devcluster.testing import Obj, new_namespace, wait_for
-from tests.e2e.helpers import Env, sgdjob_manifest
+from e2e.helpers import Env, sgdjob_manifest
 from tests.packaging.test_chart import CHART
 from tests.packaging.test_helm_install import _helm_kc
 from tests.packaging.test_webhook import make_certs
@@ -38,7 +38,7 @@ OPERATOR_LABELS = f"app.kubernetes.io/instance={RELEASE}"
 # cluster has them imported before the first real-node test (devcluster/pytest_plugin.py).
 OPERATOR_IMAGES = ["operator", "trainer"]
 GPUS_PER_NODE = 1
-DEV_VALUES = Path(__file__).resolve().parents[2] / "devcluster" / "helm-values.yaml"
+DEV_VALUES = Path(__file__).resolve().parents[1] / "devcluster" / "helm-values.yaml"
 
 
 def advertise_gpus(kube: KubeApi, nodes: list[str], count: int = GPUS_PER_NODE) -> None:

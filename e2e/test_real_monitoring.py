@@ -28,8 +28,8 @@ from devcluster.controlplane import free_port
 from devcluster.pytest_plugin import unavailable
 from devcluster.realnodes import RealCluster
 from devcluster.testing import wait_for
-from tests.e2e.helpers import assert_children_gone, job_status
-from tests.e2e.real import OPERATOR_IMAGES, RealEnv, RealOperator, real_scenario_env
+from e2e.helpers import assert_children_gone, job_status
+from e2e.real import OPERATOR_IMAGES, RealEnv, RealOperator, real_scenario_env
 from tests.packaging.test_chart import _render
 from tests.promql import query, ready
 

@@ -1,5 +1,5 @@
 """The user's scenarios on real kubelet nodes (containerd, pod network, kube-proxy, cluster DNS), with the
-operator installed by `helm install` as a Deployment of the project's image (tests/e2e/real.py).
+operator installed by `helm install` as a Deployment of the project's image (e2e/real.py).
 
 One small SGDJob ("quick": 3 workers, emulated compute) carries scenarios 1, 7, 4, 6, 5 and 8 in that
 order, as a user would meet them on one job: it starts and shows in `kubectl get`, bad jobs applied
@@ -21,7 +21,7 @@ import pytest
 
 from devcluster.realnodes import RealCluster
 from devcluster.testing import Obj, wait_for
-from tests.e2e.helpers import (
+from e2e.helpers import (
     Env,
     assert_children_gone,
     get_job,
@@ -29,7 +29,7 @@ from tests.e2e.helpers import (
     kubectl_table,
     worker_pods,
 )
-from tests.e2e.real import OPERATOR_IMAGES, OPERATOR_NS, RELEASE, RealEnv, RealOperator, real_scenario_env
+from e2e.real import OPERATOR_IMAGES, OPERATOR_NS, RELEASE, RealEnv, RealOperator, real_scenario_env
 
 pytestmark = [pytest.mark.k8s, pytest.mark.multiproc, pytest.mark.realnode(images=OPERATOR_IMAGES)]
 

@@ -1,5 +1,5 @@
 """The chaos suite (issue #18 items 7 and 3): faults a production cluster meets, on real kubelet nodes
-(devcluster/realnodes.py) with the operator installed by Helm (tests/e2e/real.py), each measured.
+(devcluster/realnodes.py) with the operator installed by Helm (e2e/real.py), each measured.
 
 Per case: the outcome (phase and reason), the recovery seconds (from the fault to training past the step
 it had reached), the lost steps (from the resumed rank 0's restart record: reached step - resumed-from
@@ -35,8 +35,8 @@ import pytest
 
 from devcluster.realnodes import RealCluster
 from devcluster.testing import Obj, wait_for
-from tests.e2e.helpers import job_events, job_status, worker_pods
-from tests.e2e.real import OPERATOR_IMAGES, RealEnv, RealOperator, real_scenario_env
+from e2e.helpers import job_events, job_status, worker_pods
+from e2e.real import OPERATOR_IMAGES, RealEnv, RealOperator, real_scenario_env
 from tests.figures import FIGURES
 
 pytestmark = [pytest.mark.k8s, pytest.mark.multiproc, pytest.mark.realnode(images=OPERATOR_IMAGES)]
