@@ -37,9 +37,7 @@ def require_assets() -> None:
     try:
         assets_dir()
     except AssetsMissing as err:
-        if os.environ.get("SGDJOB_REQUIRE_K8S") == "1":
-            pytest.fail(f"SGDJOB_REQUIRE_K8S=1 but the control plane is unavailable: {err}")
-        pytest.skip(f"no Kubernetes control plane: {err}")
+        unavailable(f"no Kubernetes control plane: {err}")
 
 
 @pytest.fixture(scope="session")
