@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sgdjob_operator.policy import Rebalance
+from sgdjob_operator.policy import Evaluation, Rebalance, Shape
 from sgdjob_operator.policy.cost import SAME_SPEED, StepTime, pooled, step_times
 from tests.unit.test_policy_harness import Harness
 
@@ -34,3 +34,38 @@ def test_only_ranks_set_apart_from_the_rest_form_a_class() -> None:
     # Ranks further apart than SAME_SPEED are two classes of one.
     apart = step_times({0: 100.0, 1: 100.0 * (1 + 2 * SAME_SPEED)}, {0: 32, 1: 32}, {})
     assert pooled(apart, 32) == apart
+
+
+def _settled(h: Harness, windows: int = 4) -> Evaluation:
+    for _ in range(windows):
+        h.step()
+    return h.history[-1]
+
+
+@pytest.mark.parametrize(("fast", "slow"), [(2, 2), (4, 4)])
+def test_a_slow_group_on_the_only_node_is_a_second_speed_class(fast: int, slow: int) -> None:
+    # One agent with nprocPerNode ranks (every local run, every bench run): the slow ranks share their
+    # node with the fast ones, so "one slow node" says nothing about them. They are a class of their own.
+    h = Harness([100.0] * fast + [50.0] * slow, nproc=fast + slow, policy={"persistenceIntervals": 1})
+    ev = _settled(h)
+    assert ev.health.raw_shape is Shape.CLUSTERS and ev.health.shape is Shape.CLUSTERS, ev.health.summary
+    assert ev.health.clusters == (tuple(range(fast)), tuple(range(fast, fast + slow)))
+    assert ev.health.summary.startswith("2 speed clusters: "), ev.health.summary
+    assert "single straggler" not in ev.decision.reason
+
+
+def test_one_slow_rank_on_the_only_node_is_a_single_straggler() -> None:
+    h = Harness([100.0, 100.0, 100.0, 50.0], nproc=4, policy={"persistenceIntervals": 1})
+    ev = _settled(h)
+    assert ev.health.shape is Shape.SINGLE_STRAGGLER
+    assert ev.health.summary.startswith("single straggler: rank 3 on node-0 "), ev.health.summary
+
+
+def test_a_slow_node_among_other_nodes_is_still_a_single_straggler() -> None:
+    # Three nodes of two ranks; node-1 (ranks 2 and 3) is slow as a whole: the node is the straggler.
+    h = Harness([100.0, 100.0, 50.0, 50.0, 100.0, 100.0], nproc=2, policy={"persistenceIntervals": 1})
+    h.step()
+    ev = h.step()
+    assert ev.health.shape is Shape.SINGLE_STRAGGLER, ev.health.summary
+    assert ev.health.summary.startswith("single straggler: rank 2 on node-1 "), ev.health.summary
+    assert "replace" in ev.predictions  # the node's remedies are on offer

@@ -21,8 +21,10 @@ JITTER_EMA = 0.3
 
 
 class Shape(StrEnum):
-    """How the ranks' speeds differ. TRANSIENT: a difference seen for fewer than
-    persistenceIntervals windows; UNKNOWN: too few ranks measured this window."""
+    """How the ranks' speeds differ. SINGLE_STRAGGLER: one slow node among other nodes (one slow
+    rank where every rank shares one node); CLUSTERS: speed classes, each even within; TRANSIENT: a
+    difference seen for fewer than persistenceIntervals windows; UNKNOWN: too few ranks measured
+    this window."""
 
     HOMOGENEOUS = "homogeneous"
     SINGLE_STRAGGLER = "singleStraggler"
@@ -128,15 +130,26 @@ def _fingerprint(ranks: set[int] | list[int]) -> str:
     return f"{zlib.crc32(','.join(map(str, sorted(ranks))).encode()):08x}"
 
 
+def _straggler_units(speeds: Mapping[int, float], nodes: Mapping[int, str | None]) -> dict[int, str]:
+    """What a single straggler is one of, for each measured rank: its node, or the rank itself
+    where every measured rank shares one node (one agent with nprocPerNode > 1, the local runner):
+    there "one slow node, no other node" would name any slow group of ranks a single straggler."""
+    keys = {r: _node_key(r, nodes.get(r)) for r in speeds}
+    if len(set(keys.values())) > 1:
+        return keys
+    return {r: f"rank-{r}" for r in speeds}
+
+
 def _raw_shape(
     speeds: Mapping[int, float], flagged: set[int], nodes: Mapping[int, str | None], p: PolicySpec
 ) -> tuple[Shape, str]:
-    slow_nodes = {_node_key(r, nodes.get(r)) for r in flagged}
+    units = _straggler_units(speeds, nodes)
+    slow_units = {units[r] for r in flagged}
     # The rest of the fleet, without the slow node's other ranks (they may sit just under the
     # threshold while their node degrades).
-    others = [v for r, v in speeds.items() if _node_key(r, nodes.get(r)) not in slow_nodes]
-    if len(slow_nodes) == 1 and log_spread(others) < p.straggler_threshold:
-        return Shape.SINGLE_STRAGGLER, f"{Shape.SINGLE_STRAGGLER.value}:{next(iter(slow_nodes))}"
+    others = [v for r, v in speeds.items() if units[r] not in slow_units]
+    if len(slow_units) == 1 and log_spread(others) < p.straggler_threshold:
+        return Shape.SINGLE_STRAGGLER, f"{Shape.SINGLE_STRAGGLER.value}:{next(iter(slow_units))}"
     clusters = gap_clusters(speeds, p.recover_threshold)
     if len(clusters) >= 2 and all(log_spread([speeds[r] for r in c]) < p.straggler_threshold for c in clusters):
         slower = [r for c in clusters[1:] for r in c]
