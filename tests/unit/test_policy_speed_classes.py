@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sgdjob_operator.policy import Evaluation, Rebalance, Shape
+from sgdjob_operator.policy import Evaluation, Rebalance, ReplaceWorker, Rescale, Shape
 from sgdjob_operator.policy.cost import SAME_SPEED, StepTime, pooled, step_times
 from tests.unit.test_policy_harness import Harness
 
@@ -69,3 +69,15 @@ def test_a_slow_node_among_other_nodes_is_still_a_single_straggler() -> None:
     assert ev.health.shape is Shape.SINGLE_STRAGGLER, ev.health.summary
     assert ev.health.summary.startswith("single straggler: rank 2 on node-1 "), ev.health.summary
     assert "replace" in ev.predictions  # the node's remedies are on offer
+
+
+@pytest.mark.parametrize("speeds", [[100.0, 100.0, 100.0, 50.0], [100.0, 100.0, 50.0, 50.0]])
+def test_no_node_is_replaced_or_removed_that_holds_every_rank(speeds: list[float]) -> None:
+    # Two worker pods of two ranks each, scheduled on the same node (minReplicas 1: a replica may
+    # go): replacing or removing "the slow node" would take the whole job with it.
+    h = Harness(speeds, nproc=2, policy={"persistenceIntervals": 1})
+    h.node_names = ["node-0"] * len(speeds)
+    for _ in range(6):
+        ev = h.step()
+        assert not {"replace", "rescale"} & set(ev.predictions), (ev.health.summary, ev.predictions)
+    assert not any(isinstance(e.decision, ReplaceWorker | Rescale) for e in h.history)

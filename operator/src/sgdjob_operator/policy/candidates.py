@@ -311,6 +311,11 @@ def _membership(ctx: DecisionContext) -> list[Candidate]:
     if found is None:
         return []
     rank, on_node, node_bound = found
+    if all(r in on_node for r in ctx.speeds):
+        # The node holds every rank (several pods on one node, or one with nprocPerNode > 1): replacing
+        # or removing it predicts a fleet with no rest to take its place, and keeping the job off it
+        # would leave the job nowhere to run.
+        return []
     batches = {r: view.batch(r) for r in ctx.speeds}
     out: list[Candidate] = []
     if view.allows(Action.REPLACE_WORKER) and view.min_replicas <= view.replicas - 1:
