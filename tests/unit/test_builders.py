@@ -35,7 +35,11 @@ def test_worker_pod_carries_the_torchrun_contract() -> None:
     pod = build_worker_pod(JOB, _spec(nprocPerNode=4, runPolicy={"backoffLimit": 2}), 1, default_image=IMAGE)
     env = _env(pod)
     assert env["PET_NNODES"] == "1:3" and env["PET_NPROC_PER_NODE"] == "4"
-    assert env["PET_RDZV_BACKEND"] == "c10d" and env["PET_RDZV_ID"] == "u-1" and env["PET_RDZV_CONF"] == "is_host=0"
+    assert (
+        env["PET_RDZV_BACKEND"] == "c10d"
+        and env["PET_RDZV_ID"] == "u-1"
+        and env["PET_RDZV_CONF"] == ("is_host=0,last_call_timeout=10,keep_alive_interval=2,keep_alive_max_attempt=5")
+    )
     assert env["PET_RDZV_ENDPOINT"] == "j-rdzv.j.ns.svc:29400"
     assert env["PET_MAX_RESTARTS"] == "5"  # backoffLimit + maxReplicas
     assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"  # else survivors of a rank-0 loss dial its dead store

@@ -90,6 +90,22 @@ class ExcludedNode(CamelModel):
         return {"node": value} if isinstance(value, str) else value
 
 
+class StoreSilence(CamelModel):
+    """The rendezvous store's pod as the operator last failed to reach it."""
+
+    pod_uid: Annotated[str, Field(max_length=64, description="UID of the store's pod that did not answer.")]
+    since: Annotated[str, Field(max_length=64, description="First failed connection (RFC 3339).")]
+    step: Annotated[int, Field(ge=0, le=10**12, description="Job step when it first did not answer.")] = 0
+
+
+class StoreMove(CamelModel):
+    """The latest time the operator replaced the rendezvous store's pod under running workers."""
+
+    time: Annotated[str, Field(max_length=64, description="When the old pod was deleted (RFC 3339).")]
+    node: Annotated[str | None, Field(max_length=253, description="Node the old pod was on.")] = None
+    reason: Annotated[str, Field(max_length=512, description="Why it was replaced.")] = ""
+
+
 class ControllerState(CamelModel):
     """The operator's own bookkeeping, kept in status (never only in memory) so a restarted operator
     resumes where it stopped: the control command it wants applied, nodes it keeps the job off,
@@ -159,6 +175,16 @@ class ControllerState(CamelModel):
     ] = None
     last_change_time: Annotated[
         str | None, Field(max_length=64, description="When the operator last changed the job (RFC 3339).")
+    ] = None
+    store_answered: Annotated[
+        str | None,
+        Field(max_length=64, description="UID of the latest rendezvous store pod that answered the operator."),
+    ] = None
+    store_silence: Annotated[
+        StoreSilence | None, Field(description="The store's pod not answering the operator: since when.")
+    ] = None
+    store_move: Annotated[
+        StoreMove | None, Field(description="The latest replacement of the store's pod under running workers.")
     ] = None
 
 

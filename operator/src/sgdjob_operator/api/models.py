@@ -23,6 +23,8 @@ from sgdjob_operator.api.job_status import (
     ExcludedNode,
     Phase,
     SGDJobStatus,
+    StoreMove,
+    StoreSilence,
     Straggler,
 )
 from sgdjob_operator.api.scheduling import SchedulingPolicy, check_against_spec
@@ -62,6 +64,8 @@ __all__ = [
     "SGDJob",
     "SGDJobSpec",
     "SGDJobStatus",
+    "StoreMove",
+    "StoreSilence",
     "Straggler",
 ]
 
@@ -243,6 +247,18 @@ class RunPolicy(CamelModel):
             ),
         ),
     ] = 40
+    store_lost_grace_seconds: Annotated[
+        int,
+        Field(
+            ge=5,
+            le=3600,
+            description=(
+                "Seconds the rendezvous store's pod may fail to accept the operator's connections while the job makes "
+                "no progress before it is re-homed on another node (the workers then rendezvous again from the last "
+                "checkpoint). Applies to a store that answered before."
+            ),
+        ),
+    ] = 10
     scheduling_policy: Annotated[
         SchedulingPolicy | None, Field(description="Gang scheduling of the worker pods (Volcano or coscheduling).")
     ] = None

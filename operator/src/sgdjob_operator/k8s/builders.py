@@ -193,6 +193,14 @@ def _field_env(name: str, path: str) -> dict[str, Any]:
     return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
 
 
+# torch's c10d rendezvous waits last_call_timeout (30 s) for more nodes once min nodes are in, and
+# counts a silent member gone after keep_alive_interval x keep_alive_max_attempt (5 s x 3). After a lost
+# node the survivors pay both before they train again (e2e/test_chaos.py: 115 s back to training after a
+# power cut with torch's values). A late pod still joins, at the price of one more restart of the world;
+# 10 s of heartbeats leaves room for an agent starved of CPU for a few seconds.
+K8S_RDZV_CONF = {"last_call_timeout": 10, "keep_alive_interval": 2, "keep_alive_max_attempt": 5}
+
+
 def torchrun_options(job: JobRef, spec: SGDJobSpec) -> TorchrunOptions:
     """The worker pods' torchrun options. Any pod may be lost, and the operator replaces and removes
     workers, so every agent's restart budget counts the members that may leave."""
@@ -204,6 +212,7 @@ def torchrun_options(job: JobRef, spec: SGDJobSpec) -> TorchrunOptions:
         rdzv_id=job.uid or job.name,
         max_restarts=restart_budget(spec.run_policy.backoff_limit, spec.max_workers, peers_may_leave=True),
         local_addr="$(POD_IP)",
+        rdzv_conf=K8S_RDZV_CONF,
     )
 
 
@@ -360,9 +369,12 @@ def build_workload(
     return gang.workload(_meta(job, job.workload), queue, worker, spec.replicas, priority)
 
 
-def build_rdzv_pod(job: JobRef, spec: SGDJobSpec, *, default_image: str) -> dict[str, Any]:
+def build_rdzv_pod(
+    job: JobRef, spec: SGDJobSpec, *, default_image: str, excluded_nodes: Sequence[str] = ()
+) -> dict[str, Any]:
     """The rendezvous store's pod: the trainer image (it has torch), tiny resources, restarted in
-    place by the kubelet, and the template's scheduling constraints so it can land where workers can."""
+    place by the kubelet, and the template's scheduling constraints so it can land where workers can,
+    kept off `excluded_nodes` (a node its predecessor stopped answering on, storeloss.py)."""
     pod_spec: dict[str, Any] = copy.deepcopy(spec.template.get("spec") or {})
     containers = pod_spec.get("containers") or [{}]
     image = containers[_trainer_container(containers)].get("image") or default_image
@@ -397,7 +409,16 @@ def build_rdzv_pod(job: JobRef, spec: SGDJobSpec, *, default_image: str) -> dict
         enableServiceLinks=False,
     )
     harden(rdzv_spec, container, non_root=image == default_image)
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": _meta(job, job.rdzv_pod, ROLE_RDZV), "spec": rdzv_spec}
+    meta = _meta(job, job.rdzv_pod, ROLE_RDZV)
+    # Only the exclusion: the template's pod (anti-)affinity terms are about workers, not the store.
+    if affinity := _exclusion_affinity({}, excluded_nodes):
+        rdzv_spec["affinity"] = affinity
+    if excluded_nodes:
+        meta["annotations"] = {
+            **meta.get("annotations", {}),
+            ANNOTATION_EXCLUDED: ",".join(sorted(set(excluded_nodes))),
+        }
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": rdzv_spec}
 
 
 def harden(pod_spec: dict[str, Any], container: dict[str, Any], *, non_root: bool) -> None:

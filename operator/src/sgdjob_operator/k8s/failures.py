@@ -7,6 +7,8 @@ Event (and, past the limit, its message) names; a traceback's tail stays in the 
 2. The pod was deleted while it ran (`kubectl delete`, a drain): torchrun exits non-zero on SIGTERM.
 3. Its node is not Ready: the kubelet that reported the failure lost its node, or is losing it.
 4. The agent exited `EXIT_RENDEZVOUS_CLOSED`: the job's world ended before it got one.
+4b. The store did not answer the operator when the worker failed, or was re-homed after the worker's
+   pod was created (storeloss.py): the agent lost the store it had joined.
 5. The rendezvous store moved (its pod is gone or being replaced) or sits on a node not Ready:
    torchrun fails its rendezvous, however healthy the worker. A store pod that never starts (a bad
    image) is no such case: the job's crash loop then counts, or it would never end.
@@ -34,9 +36,12 @@ def _node_state(lost: Mapping[str, tuple[float, str]], node: str) -> str:
     return f"{how} since {rfc3339(since)}"
 
 
-def classify(pod: PodView, pods: Sequence[PodView], lost: Mapping[str, tuple[float, str]]) -> Verdict:
+def classify(
+    pod: PodView, pods: Sequence[PodView], lost: Mapping[str, tuple[float, str]], store_cause: str | None = None
+) -> Verdict:
     """Why the failed worker `pod` failed, and whether it counts (see the module docstring).
-    `pods`: all the job's pods; `lost`: the not-Ready nodes among theirs (`nodeloss.not_ready_since`)."""
+    `pods`: all the job's pods; `lost`: the not-Ready nodes among theirs (`nodeloss.not_ready_since`);
+    `store_cause`: the store's part in it, if any (`storeloss.store_failure_cause`)."""
     exit_code = f"exit code {pod.exit_code}" if pod.exit_code is not None else "no exit code"
     if pod.reason in INFRA_REASONS:
         return Verdict(False, f"worker pod {pod.name} {pod.reason} by the cluster ({exit_code})")
@@ -46,6 +51,8 @@ def classify(pod: PodView, pods: Sequence[PodView], lost: Mapping[str, tuple[flo
         return Verdict(False, f"worker pod {pod.name} lost with node {pod.node} ({_node_state(lost, pod.node)})")
     if pod.exit_code == EXIT_RENDEZVOUS_CLOSED:
         return Verdict(False, f"worker pod {pod.name} found the job's rendezvous closed (exit code {pod.exit_code})")
+    if store_cause:
+        return Verdict(False, f"worker pod {pod.name} failed ({exit_code}): {store_cause}")
     stores = [s for s in rdzv_pods(pods) if not s.deleting]
     moved = next((s for s in stores if s.node is not None and s.node in lost), None)
     if moved is not None and moved.node is not None:

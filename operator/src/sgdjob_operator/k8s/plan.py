@@ -32,6 +32,7 @@ from sgdjob_operator.k8s.status import (
     rfc3339,
     workers,
 )
+from sgdjob_operator.k8s.storeloss import follow_store, moved, store_failure_cause, store_to_probe
 from sgdjob_trainer.wire.launch_contract import COMMAND_MODE_NOTE
 from sgdjob_trainer.wire.worker_status import TARGET_REACHED, parse_termination
 
@@ -83,7 +84,7 @@ def _count_failures(
             continue
         if pod.uid not in ctl.counted_failures:
             ctl.counted_failures = [*ctl.counted_failures, pod.uid][-MAX_COUNTED:]
-            verdict = classify(pod, pods, lost)
+            verdict = classify(pod, pods, lost, store_failure_cause(ctl, pod))
             if verdict.counted:
                 st.restarts += 1
             budget = (
@@ -108,6 +109,19 @@ def _count_failures(
             plan.delete_pods.append((pod.name, "failed; recreated"))
 
 
+def _watch_store(plan: Plan, spec: SGDJobSpec, pods: Sequence[PodView], answered: bool | None, now: float) -> None:
+    """A store silent for storeLostGraceSeconds while the job stalls: force-deleted, recreated elsewhere."""
+    store = store_to_probe(pods)
+    grace = spec.run_policy.store_lost_grace_seconds
+    rehome = follow_store(controller(plan.status), store, answered, step=plan.status.step, now=now, grace_s=grace)
+    if rehome is None:
+        return
+    plan.delete_pods.append((rehome.pod, "store not answering; re-homed"))
+    plan.force_delete.add(rehome.pod)
+    avoid = f", off node {rehome.node}" if rehome.node else ""
+    plan.events.append(Event("Warning", "StoreLost", f"{rehome.why}; recreating it{avoid}"))
+
+
 def _replace_lost(
     plan: Plan, spec: SGDJobSpec, pods: Sequence[PodView], lost: Mapping[str, tuple[float, str]], now: float
 ) -> None:
@@ -116,9 +130,13 @@ def _replace_lost(
     ctl = controller(plan.status)
     grace = spec.run_policy.node_lost_grace_seconds
     for gone in lost_pods(pods, lost, now=now, grace_s=grace):
+        if gone.pod in plan.force_delete:
+            continue  # a store re-homed this pass already
         why = f"node {gone.node} ({gone.how} since {rfc3339(gone.since)})"
         plan.delete_pods.append((gone.pod, f"lost with {why}; force-deleted and recreated"))
         plan.force_delete.add(gone.pod)
+        if (store := next((p for p in rdzv_pods(pods) if p.name == gone.pod), None)) is not None:
+            moved(ctl, store, now, f"rendezvous store {store.name} lost with {why}")
         if gone.node not in excluded_names(ctl):
             exclude(ctl, gone.node, now, spec.policy.exclude_node_seconds, why)
         plan.events.append(
@@ -137,10 +155,13 @@ def plan_reconcile(
     now: float,
     queued: str = "",
     lost_nodes: Mapping[str, tuple[float, str]] | None = None,
+    store_answered: bool | None = None,
 ) -> Plan:
     """One reconciliation step; `status` is not modified (the plan carries a copy). `queued` says why
     the job may not run yet though not suspended (waiting for Kueue admission); '' when it may.
-    `lost_nodes`: the pods' nodes that are not Ready, with since when and how (`nodeloss.not_ready_since`)."""
+    `lost_nodes`: the pods' nodes that are not Ready, with since when and how (`nodeloss.not_ready_since`);
+    `store_answered`: whether the store's pod (`storeloss.store_to_probe`) took a connection this pass
+    (None: not tried)."""
     st = status.model_copy(deep=True)
     plan = Plan(status=st)
     st.observed_generation = max(st.observed_generation, generation)
@@ -165,6 +186,7 @@ def plan_reconcile(
                 )
             )
         else:
+            _watch_store(plan, spec, pods, store_answered, now)
             _replace_lost(plan, spec, pods, lost_nodes or {}, now)
             _count_failures(plan, spec, pods, lost_nodes or {}, now)
 

@@ -27,6 +27,7 @@ from sgdjob_operator.k8s.actuator import (
 )
 from sgdjob_operator.k8s.builders import (
     POLICY_STATE_KEY,
+    RDZV_PORT,
     JobRef,
     build_policy_state,
     build_rdzv_pod,
@@ -57,11 +58,15 @@ from sgdjob_operator.k8s.status import (
     finish,
     in_flight,
     load_status,
+    parse_time,
 )
 from sgdjob_operator.k8s.status import workers as worker_pods
+from sgdjob_operator.k8s.storeloss import store_excluded, store_to_probe
 from sgdjob_operator.workers.scrape import post_control
 
 log = logging.getLogger("sgdjob_operator")
+# A store on a live node accepts within milliseconds; a powered-off one never answers.
+STORE_PROBE_TIMEOUT_S = 2.0
 
 
 async def post_events(rt: Runtime, ref: JobRef, events: list[Event]) -> None:
@@ -217,7 +222,10 @@ async def reconcile(rt: Runtime, ref: JobRef) -> float | None:
         await ensure_pod_group(rt.kube, ref, spec, gate)  # after _monitor: minMember follows its rescale
     events += gate.events + await _once(rt, ref, "SchedulingFailed", gate.problem)
     lost = await lost_nodes(rt, pods) if st.phase not in FINISHED else {}
-    plan = plan_reconcile(spec, st, pods, generation=generation, now=now, queued=gate.queued, lost_nodes=lost)
+    answered = await probe_store(rt, pods) if st.phase in (Phase.RUNNING, Phase.ADAPTING) and not held else None
+    plan = plan_reconcile(
+        spec, st, pods, generation=generation, now=now, queued=gate.queued, lost_nodes=lost, store_answered=answered
+    )
     if not gate.ready:
         plan.create_workers = []  # a gang's pods wait for their PodGroup, or a scheduler could split them
     excluded = excluded_names(controller(plan.status))
@@ -226,7 +234,8 @@ async def reconcile(rt: Runtime, ref: JobRef) -> float | None:
         for i in plan.create_workers
     ]
     if plan.create_rdzv:
-        creates.append(build_rdzv_pod(ref, spec, default_image=rt.settings.trainer_image))
+        avoid = store_excluded(controller(plan.status), excluded)
+        creates.append(build_rdzv_pod(ref, spec, default_image=rt.settings.trainer_image, excluded_nodes=avoid))
     expected = [(ref.namespace, str(pod["metadata"]["name"])) for pod in creates]
     rt.expected_pods.update(expected)
     results = await asyncio.gather(*(rt.kube.create(pod) for pod in creates), return_exceptions=True)
@@ -292,9 +301,27 @@ async def reconcile(rt: Runtime, ref: JobRef) -> float | None:
                 min(s for s, _ in lost.values()) + spec.run_policy.node_lost_grace_seconds - now + 0.5,
             ),
         )
+    silence = controller(plan.status).store_silence
+    if silence is not None and (since := parse_time(silence.since)) is not None:
+        # The store's grace ends at a time no watch event announces.
+        delay = min(delay, max(rt.settings.min_tick_s, since + spec.run_policy.store_lost_grace_seconds - now + 0.5))
     if (gate.queued and not spec.run_policy.suspend) or not gate.ready:
         delay = min(delay, QUEUED_POLL_S)  # Kueue's and the schedulers' objects are polled, not watched
     return min(delay, 5.0) if failed else delay
+
+
+async def probe_store(rt: Runtime, pods: list[PodView]) -> bool | None:
+    """Whether the store's pod accepts a TCP connection (None: no running store, or an operator that
+    reaches pods through SGDJOB_SCRAPE_HOST, which cannot address the store)."""
+    store = store_to_probe(pods)
+    if store is None or store.ip is None or rt.settings.scrape_host:
+        return None
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(store.ip, RDZV_PORT), STORE_PROBE_TIMEOUT_S)
+    except (OSError, TimeoutError):
+        return False
+    writer.close()
+    return True
 
 
 async def lost_nodes(rt: Runtime, pods: list[PodView]) -> dict[str, tuple[float, str]]:

@@ -80,6 +80,7 @@ class PodView:
     reason: str = ""
     message: str = ""
     excluded: tuple[str, ...] = ()  # nodes it was created to stay off
+    created: float | None = None  # metadata.creationTimestamp (whole seconds)
 
     @property
     def active(self) -> bool:
@@ -117,6 +118,7 @@ class PodView:
             reason=reason,
             message=message[:512],
             excluded=tuple(n for n in excluded.split(",") if n),
+            created=parse_time(meta.get("creationTimestamp")),
         )
 
 

@@ -1,0 +1,102 @@
+"""A rendezvous store that stops answering (pure): re-homed before its node is declared lost.
+
+Every torchrun agent of the job holds a connection to the store, and an agent that loses it ends its
+workers. When the store's node loses power, the Node object still reads Ready for the node controller's
+grace (40 s by default) and then `runPolicy.nodeLostGraceSeconds` more would pass before the lost-node
+path (nodeloss.py) replaced the pod: over a minute and a half in which no worker can train. The
+operator therefore opens a TCP connection to the store's pod every pass. A store that
+
+  * answered the operator before (one that never did may sit behind a network the operator cannot
+    reach, e.g. an operator outside the cluster; judging it would only ever do harm),
+  * has refused or timed out every connection for `runPolicy.storeLostGraceSeconds`, and
+  * saw the job make no progress meanwhile (a store the workers still reach while the operator does
+    not, say a partition on the operator's side, leaves training going: nothing is done),
+
+is force-deleted and recreated, kept off its old node (that node still looks Ready to the scheduler).
+The Service keeps its name, so every agent finds the new store when it rendezvous again; the world
+resumes from the last checkpoint. Failures of workers while the store is silent, or of workers that
+were connected to a store that was replaced since, are the infrastructure's (failures.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from sgdjob_operator.api.models import ControllerState, StoreMove, StoreSilence
+from sgdjob_operator.k8s.status import PodView, parse_time, rdzv_pods, rfc3339
+
+
+@dataclass(frozen=True, slots=True)
+class Rehome:
+    pod: str
+    node: str | None
+    why: str  # for the Event, the pod's deletion and the job's record
+
+
+def store_to_probe(pods: Sequence[PodView]) -> PodView | None:
+    """The store's pod worth a connection: running with an address, not being replaced."""
+    return next((p for p in rdzv_pods(pods) if p.phase == "Running" and p.ip and not p.deleting), None)
+
+
+def follow_store(
+    ctl: ControllerState, store: PodView | None, answered: bool | None, *, step: int, now: float, grace_s: float
+) -> Rehome | None:
+    """Update the store's record in `ctl` from this pass's connection attempt (`answered` None: not
+    probed) and say whether to re-home it now."""
+    if store is None or answered is None:
+        if store is None:
+            ctl.store_silence = None
+        return None
+    if answered:
+        ctl.store_answered, ctl.store_silence = store.uid, None
+        return None
+    if ctl.store_answered != store.uid:
+        return None  # never reached: nothing to compare with (see the module docstring)
+    silence = ctl.store_silence
+    if silence is None or silence.pod_uid != store.uid or step > silence.step:
+        # Newly silent, or the job moved on since: the workers still have a store, count afresh.
+        ctl.store_silence = StoreSilence(pod_uid=store.uid, since=rfc3339(now), step=step)
+        return None
+    since = parse_time(silence.since) or now
+    if now - since < grace_s:
+        return None
+    where = f" on node {store.node}" if store.node else ""
+    why = (
+        f"rendezvous store {store.name}{where} has not accepted a connection since {silence.since} "
+        f"({now - since:.0f}s, storeLostGraceSeconds {grace_s:.0f}) and the job made no progress past step {step}"
+    )
+    ctl.store_silence = None
+    ctl.store_move = StoreMove(time=rfc3339(now), node=store.node, reason=why)
+    return Rehome(store.name, store.node, why)
+
+
+def moved(ctl: ControllerState, store: PodView, now: float, why: str) -> None:
+    """Record a store replaced by another path (its node lost, nodeloss.py) for the failure rules."""
+    ctl.store_silence = None
+    ctl.store_move = StoreMove(time=rfc3339(now), node=store.node, reason=why)
+
+
+def store_excluded(ctl: ControllerState, job_excluded: Sequence[str]) -> list[str]:
+    """Nodes a new store pod stays off: the job's excluded nodes and the node the last store was
+    re-homed from (until another move replaces the record)."""
+    out = list(job_excluded)
+    node = ctl.store_move.node if ctl.store_move is not None else None
+    if node and node not in out:
+        out.append(node)
+    return out
+
+
+def store_failure_cause(ctl: ControllerState, pod: PodView) -> str | None:
+    """Why a failed worker's failure is the store's doing, or None: the store silent right now, or
+    replaced after the worker's pod was created (the worker's agent held the old store)."""
+    if ctl.store_silence is not None:
+        return f"rendezvous store not answering since {ctl.store_silence.since}"
+    move = ctl.store_move
+    if move is None or pod.created is None:
+        return None
+    at = parse_time(move.time)
+    if at is not None and pod.created <= at:
+        where = f" from node {move.node}" if move.node else ""
+        return f"its rendezvous store was re-homed{where} at {move.time}"
+    return None
