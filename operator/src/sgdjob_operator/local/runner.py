@@ -374,6 +374,7 @@ async def run_local(job: SGDJob, options: RunOptions, display: Display, on_poll:
             out_dir=str(plan.out_dir),
             notes=plan.notes + (tuple(describe(cpu.limits, cpu.hierarchy.version)) if cpu is not None else ()),
             target=job.spec.training.target,
+            command=tuple(command) if (command := job.spec.training.command) is not None else None,
         )
     )
     stop = asyncio.Event()
