@@ -57,10 +57,18 @@ def test_the_ddp_script_runs_to_completion_on_two_agents(tmp_path: Path) -> None
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-3000:]
     assert "command mode: the script does not report to SGDJob; mode switches and rebalancing are off" in output
+    # The script's own arguments decide its length: the start line names them, not training.steps.
+    start_line = next(line for line in output.splitlines() if line.startswith("sgdjob run ddp-script:"))
+    assert start_line.endswith("command: python train.py --epochs 3 --checkpoint ckpt.pt"), start_line
     logs = _logs(tmp_path / "out")
     # Both agents' workers joined one world of 2 through torchrun's env contract.
     assert "rank 0/2 restart 0: starting at epoch 0" in logs and "rank 1/2 restart 0" in logs
     assert "done: 3 epochs" in logs
+    # Each line the script prints is in its agent's log once (the worker's stdout is the agent's).
+    for log in sorted((tmp_path / "out" / "logs").glob("local-*.log")):
+        script_lines = [ln for ln in log.read_text().splitlines() if ln.startswith(("rank ", "epoch ", "done: "))]
+        assert script_lines and len(script_lines) == len(set(script_lines)), (log.name, script_lines)
+    assert logs.count("done: 3 epochs") == 1
     assert (tmp_path / "ckpt.pt").exists()  # the script ran in the job file's folder
     # No trainer figures are claimed for a script that reports none.
     assert "missing rank reports" not in output and "plot:" not in output

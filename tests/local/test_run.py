@@ -3,6 +3,9 @@ workers) for the runner's own behaviour and with the real trainer for each fixed
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import io
 import itertools
 import json
 import os
@@ -18,8 +21,12 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
+from sgdjob_operator.api.validation import load_jobs
 from sgdjob_operator.cli import main
 from sgdjob_operator.local.procs import ProcessSet, is_alive, proc_id
+from sgdjob_operator.local.progress import PlainDisplay, ProgressFrame
+from sgdjob_operator.local.runner import LocalRun, RunOptions, run_local
+from sgdjob_operator.workers.scrape import ScrapeResult
 from sgdjob_trainer.wire.worker_status import parse_termination
 
 HERE = Path(__file__).parent
@@ -140,6 +147,38 @@ def test_signal_stops_every_process(tmp_path: Path, sig: signal.Signals, code: i
     assert report["ok"] is False and report["exit_codes"] and "stopped by" in report["error"]
     # no rank files after a stop: the report is built from the last /status of every rank
     assert report["ranks_from_last_status"] == [0, 1, 2, 3] and report["samples"] > 0 and report["wall_s"] > 0
+
+
+class ClosedPipeDisplay(PlainDisplay):
+    """The display of `sgdjob run job.yaml | head` once head has exited: every note fails."""
+
+    def note(self, text: str) -> None:
+        raise BrokenPipeError(32, "Broken pipe")
+
+
+def test_a_display_that_cannot_print_still_stops_every_process(tmp_path: Path) -> None:
+    """The runner's clean-up starts with a note; its failure must not skip stopping the workers."""
+    job = load_jobs(write_job(tmp_path / "job.yaml", replicas=2))[0]
+    out = tmp_path / "out"
+    signalled: list[bool] = []
+
+    async def stop_once_all_run(run: LocalRun, results: list[ScrapeResult], frame: ProgressFrame) -> None:
+        if not signalled and len(list((out / "ranks").glob("pids-*.json"))) == 2:
+            signalled.append(True)
+            os.kill(os.getpid(), signal.SIGTERM)  # as a user's stop: the runner's own handler takes it
+
+    options = RunOptions(out_dir=out, trainer_module=STAND_IN, code_dirs=(HERE,), poll_interval_s=0.3,
+                         stop_grace_s=3.0)  # fmt: skip
+    try:
+        with pytest.raises(BrokenPipeError):  # the note's error still surfaces
+            asyncio.run(run_local(job, options, ClosedPipeDisplay(io.StringIO(), every_s=0.0), stop_once_all_run))
+        pids = recorded_pids(out)
+        assert signalled and len(set(pids)) == 2 * 3  # agent, worker and its grandchild per node
+        assert [p for p in pids if pid_alive(p)] == [], "worker processes left running"
+    finally:
+        for pid in recorded_pids(out):  # a failed run must not leave them to the next tests
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_process_set_kills_term_ignoring_workers_and_escaped_grandchildren(tmp_path: Path) -> None:

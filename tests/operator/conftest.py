@@ -4,11 +4,14 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -94,6 +97,26 @@ class Operator:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(timeout=10)
             self.proc = None
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as resp:
+            return str(resp.read().decode())
+
+    def passes(self) -> int:
+        """Reconciliation passes this process has finished, over every job it watches. A test that
+        checks something does NOT happen waits for the operator's next pass rather than a fixed time:
+        a pass is when it could happen, and a slower operator then makes the test slower, not vacuous.
+        A pass that raised is not counted; another job's pass is, so keep only the job under test alive."""
+        try:
+            text = self.metrics()
+        except urllib.error.URLError as err:
+            if not isinstance(err.reason, ConnectionRefusedError):
+                raise
+            # kopf's startup handler serves the metrics before any job handler runs: no pass yet.
+            return 0
+        found = re.search(r"^sgdjob_operator_reconcile_seconds_count (\S+)$", text, re.MULTILINE)
+        assert found, "no sgdjob_operator_reconcile_seconds_count in the operator's metrics"
+        return int(float(found.group(1)))
 
     def tail(self, n: int = 60) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:]) if self.log.exists() else ""

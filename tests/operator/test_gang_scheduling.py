@@ -68,14 +68,19 @@ def test_volcano_pod_group_comes_first_and_follows_rescales(
     foreign = {"apiVersion": "scheduling.volcano.sh/v1beta1", "kind": "PodGroup", "metadata": {"name": "vg"}}
     cluster.custom.create_namespaced_custom_object(*VOLCANO[:2], cluster.ns, VOLCANO[2], {**foreign, "spec": {}})
     scheduling = {"gang": "volcano", "queue": "research", "priorityClass": PRIORITY, "minAvailable": 3}
+    passes = operator.passes()
     _apply(
         cluster,
         "vg",
         {"replicas": 3, "minReplicas": 1, "maxReplicas": 4, "runPolicy": {"schedulingPolicy": scheduling}},
     )
     wait_for("SchedulingFailed event", lambda: "SchedulingFailed" in cluster.reasons("vg"))
-    time.sleep(2)
+    # A pass posts its Events after its pod creations: the pass that refused has created nothing.
     assert cluster.pods("vg") == {}, "worker pods created without the job's PodGroup"
+    # The Event is posted once, but the hold must last: the next pass (a held gang is re-polled)
+    # still finds the foreign PodGroup and must still create nothing.
+    wait_for("a second pass over the held job", lambda: operator.passes() >= passes + 2)
+    assert cluster.pods("vg") == {}, "worker pods created on a later pass without the job's PodGroup"
 
     cluster.custom.delete_namespaced_custom_object(*VOLCANO[:2], cluster.ns, VOLCANO[2], "vg")
     group = _min_member(cluster, VOLCANO, "vg", 3)
@@ -138,6 +143,7 @@ def _kueue_admits(cluster: Cluster, name: str, count: int) -> None:
 
 def test_kueue_job_waits_for_admission(third_party: ControlPlane, cluster: Cluster, operator: Operator) -> None:
     template = {"spec": {"containers": [{"name": "trainer", "resources": {"requests": {"cpu": "2", "memory": "1Gi"}}}]}}
+    passes = operator.passes()
     _apply(cluster, "kq", {"replicas": 2, "template": template}, labels={"kueue.x-k8s.io/queue-name": "team-q"})
     status = wait_for("Suspended while queued", lambda: (s := cluster.status("kq")).get("phase") == "Suspended" and s)
     suspended = {c["type"]: c for c in status["conditions"]}["Suspended"]
@@ -149,7 +155,9 @@ def test_kueue_job_waits_for_admission(third_party: ControlPlane, cluster: Clust
     assert pod_set["template"]["spec"]["containers"][0]["resources"]["requests"] == {"cpu": "2", "memory": "1Gi"}
     uid = cluster.job("kq")["metadata"]["uid"]
     assert [o["uid"] for o in wl["metadata"]["ownerReferences"]] == [uid]
-    time.sleep(3)
+    # The first pass wrote Suspended after its (absent) pod creations; the second is the first to find
+    # the Workload already there, still without Admitted: neither may start a pod.
+    wait_for("a second pass over the queued job", lambda: operator.passes() >= passes + 2)
     assert cluster.pods("kq") == {} and cluster.pods("kq", role="rendezvous") == {}
     assert {"WorkloadCreated", "Queued"} <= set(cluster.reasons("kq"))
 

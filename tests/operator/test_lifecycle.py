@@ -181,6 +181,20 @@ def test_invalid_spec_fails_naming_the_field(cluster: Cluster, operator: Operato
     assert not cluster.pods("bad")
 
 
+def test_auto_with_a_command_is_warned_of_once_and_still_runs(cluster: Cluster, operator: Operator) -> None:
+    passes = operator.passes()
+    cluster.apply("cmd", {"replicas": 2, "mode": "auto", "training": {"command": ["python", "train.py"]}})
+    warned = wait_for(
+        "ModeNotAdjustable event", lambda: [e for e in cluster.events("cmd") if e.reason == "ModeNotAdjustable"]
+    )
+    assert warned[0].type == "Warning"
+    assert warned[0].message.startswith("spec.mode: auto cannot adapt spec.training.command"), warned[0].message
+    wait_for("2 worker pods", lambda: len(cluster.pods("cmd")) == 2)  # a warning, not a refusal
+    # Every pass reads the spec again; the first posted the Event and two more must not repeat it.
+    wait_for("two passes after the warning", lambda: operator.passes() >= passes + 3)
+    assert cluster.reasons("cmd").count("ModeNotAdjustable") == 1
+
+
 def test_operator_restart_adopts_and_delete_cleans_up(cluster: Cluster, operator: Operator) -> None:
     cluster.apply("keep", {"replicas": 3})
     cluster.run_all("keep", 3, ip_base=13)

@@ -10,9 +10,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
+from click.testing import CliRunner
 
-from sgdjob_operator.api.models import Phase, SGDJob, SGDJobStatus
-from sgdjob_operator.api.validation import SpecError, validate_spec
+from sgdjob_operator.api.models import JobMode, Phase, SGDJob, SGDJobStatus
+from sgdjob_operator.api.validation import MODE_NOT_ADJUSTABLE, SpecError, spec_warnings, validate_spec
+from sgdjob_operator.cli import main
 from sgdjob_operator.k8s.builders import JobRef, build_worker_pod
 from sgdjob_operator.k8s.plan import plan_reconcile
 from sgdjob_operator.local.command_mode import command_check, local_command
@@ -135,3 +138,40 @@ def test_kubectl_describe_says_what_command_mode_turns_off() -> None:
     note = "command mode: the script does not report to SGDJob; mode switches and rebalancing are off"
     assert plan.status.phase is Phase.RUNNING and note in plan.status.message
     assert any(e.reason == "Running" and note in e.message for e in plan.events)
+
+
+def test_auto_with_a_command_is_a_warning_naming_both_fields() -> None:
+    (warning,) = spec_warnings(validate_spec({"replicas": 2, "mode": "auto", "training": {"command": COMMAND}}))
+    assert warning.reason == MODE_NOT_ADJUSTABLE
+    assert warning.message.startswith("spec.mode: auto cannot adapt spec.training.command: ")
+    assert "set spec.mode to sync" in warning.message
+    fixed = validate_spec({"replicas": 2, "mode": "sync", "training": {"command": COMMAND}})
+    (overridden,) = spec_warnings(fixed.model_copy(update={"mode": JobMode.AUTO}), mode_field="--mode")
+    assert overridden.message.startswith("--mode: auto cannot adapt") and "set --mode to sync" in overridden.message
+
+
+@pytest.mark.parametrize(("mode", "training"), [("sync", {"command": COMMAND}), ("auto", {})])
+def test_no_warning_where_the_mode_is_fixed_or_the_trainer_reports(mode: str, training: dict[str, Any]) -> None:
+    assert spec_warnings(validate_spec({"replicas": 2, "mode": mode, "training": training})) == []
+
+
+def _job_file(tmp_path: Path, mode: str, command: list[str]) -> Path:
+    spec = {"replicas": 2, "mode": mode, "training": {"command": command}}
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump({"apiVersion": "sgdjob.dev/v1alpha1", "kind": "SGDJob",
+                                    "metadata": {"name": "mine"}, "spec": spec}))  # fmt: skip
+    return path
+
+
+def test_validate_and_run_print_the_warning_and_validate_still_passes(tmp_path: Path) -> None:
+    path = _job_file(tmp_path, "auto", ["no-such-trainer-xyz"])
+    result = CliRunner().invoke(main, ["validate", str(path)])
+    assert result.exit_code == 0 and "SGDJob mine is valid" in result.stdout
+    assert f"{path}: warning: spec.mode: auto cannot adapt spec.training.command" in result.stderr
+    # `sgdjob run` says it before anything else (here the missing program then stops it, exit 2).
+    result = CliRunner().invoke(main, ["run", str(path)])
+    assert result.exit_code == 2
+    assert result.stderr.startswith(f"{path}: warning: spec.mode: auto cannot adapt spec.training.command")
+    assert "spec.training.command[0]: 'no-such-trainer-xyz' was not found on PATH" in result.stderr
+    result = CliRunner().invoke(main, ["run", str(path), "--mode", "sync"])  # the override fixes it
+    assert result.exit_code == 2 and "warning" not in result.stderr

@@ -180,6 +180,26 @@ def test_plain_display_throttles_progress_lines() -> None:
     assert lines[-1] == "done"
 
 
+def test_a_command_mode_start_line_names_the_command_not_the_steps() -> None:
+    """training.steps is not passed to a user's script: the start line must not promise it."""
+    from rich.console import Console
+
+    from sgdjob_operator.local.live import RichDisplay
+
+    command = ("python", "train.py", "--epochs", "8", "--note", "a [b]")
+    info = RunInfo(job="q", mode="command", nodes=2, workers=2, steps=1000, out_dir="/tmp/x", command=command)
+    plain = io.StringIO()
+    PlainDisplay(plain).start(info)
+    rich_out = io.StringIO()
+    rich = RichDisplay(Console(file=rich_out, width=200))
+    rich.start(info)
+    rich.finish(None, "done")
+    for text in (plain.getvalue(), rich_out.getvalue()):
+        start_line = next(line for line in text.splitlines() if line.startswith("sgdjob run q"))
+        assert start_line.endswith("mode command, command: python train.py --epochs 8 --note 'a [b]'"), start_line
+        assert "1000" not in start_line
+
+
 def test_plain_display_counts_the_workers_of_the_current_world() -> None:
     out = io.StringIO()
     display = PlainDisplay(out, every_s=0.0)

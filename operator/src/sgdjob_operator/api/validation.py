@@ -1,19 +1,21 @@
 """One validation path for the CLI, the operator and the admission webhook.
 
 Errors name the field as a user writes it (`spec.minReplicas`), so the same message reads right
-in `sgdjob validate`, in a Failed condition and in a webhook rejection.
+in `sgdjob validate`, in a Failed condition and in a webhook rejection. Warnings (`spec_warnings`)
+are read the same way but refuse nothing: a spec that is allowed yet will not do what it seems to
+ask, printed by `sgdjob validate` and `sgdjob run` and posted by the operator as a Warning Event.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import yaml
 from pydantic import ValidationError
 
-from sgdjob_operator.api.models import SGDJob, SGDJobSpec
+from sgdjob_operator.api.models import JobMode, SGDJob, SGDJobSpec
 from sgdjob_operator.api.names import name_problem
 
 
@@ -91,6 +93,35 @@ def validate_spec(spec: dict[str, Any]) -> SGDJobSpec:
         return SGDJobSpec.model_validate(spec)
     except ValidationError as err:
         raise SpecError(format_errors(err, root="spec")) from err
+
+
+MODE_NOT_ADJUSTABLE = "ModeNotAdjustable"
+# Every reason spec_warnings gives: the operator forgets one that no longer applies, to warn again if it returns.
+WARNING_REASONS = (MODE_NOT_ADJUSTABLE,)
+
+
+class SpecWarning(NamedTuple):
+    reason: str  # the Warning Event's reason on Kubernetes: one Event per reason
+    message: str  # 'field: message', as an error line reads
+
+
+def spec_warnings(spec: SGDJobSpec, mode_field: str = "spec.mode") -> list[SpecWarning]:
+    """What the spec asks for but will not get; never a reason to refuse it. `mode_field` names
+    where the mode came from (`--mode` when `sgdjob run` overrides spec.mode)."""
+    warnings: list[SpecWarning] = []
+    if spec.mode is JobMode.AUTO and spec.training.command is not None:
+        # The policy acts through the trainer's reports and /control; a command-mode script has
+        # neither, so `auto` would silently mean "never adapt" (the script runs as written).
+        warnings.append(
+            SpecWarning(
+                MODE_NOT_ADJUSTABLE,
+                f"{mode_field}: auto cannot adapt spec.training.command: the policy switches modes and "
+                "rebalances only a trainer that reports to SGDJob, and a command-mode script does not, so it "
+                f"runs as written; set {mode_field} to sync, or give your model as spec.training.task to let "
+                "the policy adapt it",
+            )
+        )
+    return warnings
 
 
 def load_jobs(path: Path) -> list[SGDJob]:

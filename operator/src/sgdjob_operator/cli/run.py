@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 
 from sgdjob_operator.api.models import JobMode, SGDJob
-from sgdjob_operator.api.validation import SpecError, load_jobs, validate_job
+from sgdjob_operator.api.validation import SpecError, load_jobs, spec_warnings, validate_job
 from sgdjob_operator.local.command_mode import command_check
 from sgdjob_operator.local.cpulimit import CpuLimitError, parse_cpu_limits
 from sgdjob_operator.local.launch import job_name
@@ -129,6 +129,9 @@ def run(
             for problem in err.problems if isinstance(err, SpecError) else [str(err)]:
                 click.echo(f"{file}: {problem}", err=True)
             sys.exit(EXIT_USAGE)
+    effective = job.spec if mode is None else job.spec.model_copy(update={"mode": JobMode(mode)})
+    for warning in spec_warnings(effective, mode_field="spec.mode" if mode is None else "--mode"):
+        click.echo(f"{file}: warning: {warning.message}", err=True)
     command = job.spec.training.command
     if command is not None:  # before any agent starts, not after each has failed to exec it
         refused = command_check(command, file.parent.resolve(), sys.executable, os.environ.get("PATH", ""))

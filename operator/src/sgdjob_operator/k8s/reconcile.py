@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from sgdjob_operator.api.models import Phase, SGDJobSpec, SGDJobStatus
-from sgdjob_operator.api.validation import SpecError, validate_spec
+from sgdjob_operator.api.validation import WARNING_REASONS, SpecError, spec_warnings, validate_spec
 from sgdjob_operator.k8s import metrics
 from sgdjob_operator.k8s.actuator import (
     Outcome,
@@ -264,6 +264,12 @@ async def reconcile(rt: Runtime, ref: JobRef) -> float | None:
         # Grace 0 for a pod on a lost node: no kubelet will ever confirm a graceful stop.
         if await rt.kube.delete("Pod", ref.namespace, name, grace_s=0 if name in plan.force_delete else None):
             metrics.PODS_DELETED.labels(why=metrics.reason_label(why)).inc()
+    if plan.status.phase not in FINISHED:
+        # Allowed, but not doing what the spec asks: one Warning per cause, again only if its text
+        # changes (or this operator restarts: the memory of what was posted is the process's).
+        warned = {w.reason: w.message for w in spec_warnings(spec)}
+        for reason in WARNING_REASONS:
+            events += await _once(rt, ref, reason, warned.get(reason, ""))
     await _write(rt, ref, raw_status, plan.status, events + plan.events)
     # After status: a restart in between loses one interval of the policy's memory, never a decision.
     if policy_after is not None and policy_after != policy_before:

@@ -10,12 +10,13 @@ from typing import Any
 
 from rich.console import Console, Group
 from rich.live import Live
+from rich.markup import escape
 from rich.panel import Panel
 from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from sgdjob_operator.local.progress import EtaTracker, ProgressFrame, RunInfo, eta_text
+from sgdjob_operator.local.progress import EtaTracker, ProgressFrame, RunInfo, eta_text, run_length
 from sgdjob_operator.local.report import summary_lines
 from sgdjob_operator.policy.eta import Eta
 
@@ -40,7 +41,7 @@ class RichDisplay:
             self.console.print(f"[yellow]note:[/] {line}")
         self.console.print(
             f"[bold]sgdjob run {info.job}[/]: {info.nodes} local node(s), {info.workers} worker process(es), "
-            f"mode {info.mode}, {info.steps} steps"
+            f"mode {info.mode}, {escape(run_length(info))}"  # a command's `[...]` is not markup
         )
         self.console.print(f"output: {info.out_dir}")
         self._live = Live(Text("starting workers ..."), console=self.console, refresh_per_second=4, transient=False)

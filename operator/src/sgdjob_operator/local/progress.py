@@ -7,6 +7,7 @@ live view of the local-runner issue is one). The runner only calls these four me
 from __future__ import annotations
 
 import math
+import shlex
 import statistics
 import sys
 from collections.abc import Mapping, Sequence
@@ -188,6 +189,14 @@ class RunInfo:
     out_dir: str
     notes: tuple[str, ...] = field(default_factory=tuple)
     target: Target | None = None  # spec.training.target: the ETA counts to it
+    # Command mode (spec.training.command): the user's program, whose own arguments decide how long
+    # it trains; training.steps is never passed to it, so the start line names the command instead.
+    command: tuple[str, ...] | None = None
+
+
+def run_length(info: RunInfo) -> str:
+    """The start line's last part: what decides how long the run is."""
+    return f"command: {shlex.join(info.command)}" if info.command is not None else f"{info.steps} steps"
 
 
 class Display(Protocol):
@@ -223,7 +232,7 @@ class PlainDisplay:
             self._print(f"note: {line}")
         self._print(
             f"sgdjob run {info.job}: {info.nodes} local node(s), {info.workers} worker process(es), "
-            f"mode {info.mode}, {info.steps} steps"
+            f"mode {info.mode}, {run_length(info)}"
         )
         self._print(f"output: {info.out_dir}")
 

@@ -17,7 +17,7 @@ import secrets
 import signal
 import sys
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -326,6 +326,30 @@ def poll_seconds(requested: float, job: SGDJob, auto: bool) -> float:
     return min(requested, job.spec.policy.interval_seconds) if auto else requested
 
 
+class CleanUp:
+    """Clean-up steps that each run even after an earlier one raised. The first error surfaces once
+    all have run: raised by `done`, or, when the run is already ending with an error (which came
+    first), added to that error as a note rather than hiding it."""
+
+    def __init__(self) -> None:
+        self.first: BaseException | None = None
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        try:
+            yield
+        except BaseException as err:  # a cancelled stop too: the next steps must still run
+            if self.first is None:
+                self.first = err
+
+    def done(self, ending: BaseException | None) -> None:
+        if self.first is None or self.first is ending:
+            return
+        if ending is None:
+            raise self.first
+        ending.add_note(f"and cleaning up after it failed too: {self.first!r}")
+
+
 def _mode_label(job: SGDJob, mode: SyncMode) -> str:
     return "command (your script's own DDP)" if job.spec.training.command is not None else mode.value
 
@@ -350,6 +374,7 @@ async def run_local(job: SGDJob, options: RunOptions, display: Display, on_poll:
             out_dir=str(plan.out_dir),
             notes=plan.notes + (tuple(describe(cpu.limits, cpu.hierarchy.version)) if cpu is not None else ()),
             target=job.spec.training.target,
+            command=tuple(command) if (command := job.spec.training.command) is not None else None,
         )
     )
     stop = asyncio.Event()
@@ -381,14 +406,24 @@ async def run_local(job: SGDJob, options: RunOptions, display: Display, on_poll:
             why = await _supervise(run, procs, options, display, on_poll, stop, start, start_wall)
             extra, statuses = {**run.report_extra, "timeline": run.timeline.to_dict()}, run.last_status
     finally:
-        stopped = {a.plan.node for a in procs.running()}
-        if procs.running() or procs.alive():
-            display.note("stopping all worker processes ...")
-        await loop.run_in_executor(None, procs.stop, options.stop_grace_s)
+        # Each step is guarded: a display that cannot print (a closed pipe) must not leave the
+        # workers running, nor a stop that fails leave the CPU-limit cgroups behind.
+        clean = CleanUp()
+        stopped: set[str] = set()
+        with clean.step():
+            stopped = {a.plan.node for a in procs.running()}
+            if stopped or procs.alive():
+                display.note("stopping all worker processes ...")
+        with clean.step():
+            await loop.run_in_executor(None, procs.stop, options.stop_grace_s)
         if cpu is not None:
-            extra["cpu_limits"] = {**cpu.report(), "left_behind": cpu.remove()}
+            with clean.step():
+                left_behind = cpu.remove()  # after the stop: a group still holding a process cannot go
+                extra["cpu_limits"] = {**cpu.report(), "left_behind": left_behind}
         for sig in SIGNAL_EXIT:
-            loop.remove_signal_handler(sig)
+            with clean.step():
+                loop.remove_signal_handler(sig)
+        clean.done(sys.exc_info()[1])  # in a finally: what the try block is raising, if anything
     codes = {a.plan.node: a.returncode for a in procs.agents if not a.retired}
     run_wall = time.monotonic() - start
     extra.update({"exit_codes": codes, "run_wall_s": run_wall, "out_dir": str(plan.out_dir)})
