@@ -31,10 +31,8 @@ import math
 
 from sgdjob_operator.policy.measure import RankWindow
 from sgdjob_operator.policy.state import SpeedEstimate
+from sgdjob_operator.policy.stats import MEMORY_WINDOWS
 
-# Windows an estimate remembers: each summed window weighs (1 - 1/MEMORY_WINDOWS) less than the
-# one after it.
-MEMORY_WINDOWS = 10
 # The weight of a window that ran two batches, when it starts the new batch's estimate.
 MIXED_WEIGHT = 1e-3
 # The step-time fit needs its two batches this far apart (relative to the larger): a step time is
