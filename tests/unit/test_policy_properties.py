@@ -99,11 +99,15 @@ def test_no_flapping_at_most_one_change_per_stable_phase(
         # A replaced or removed worker changes the fleet itself, so what follows it (e.g. back to
         # plain sync once the straggler is gone) belongs to a new stable phase. A new split of sync's
         # batch made on settled speeds (splits.RESPLIT_MARGIN) corrects the noise of the split before
-        # it and pauses nothing: at most two such corrections follow a phase's change.
+        # it and pauses nothing: at most two such corrections follow a phase's change. So does taking
+        # back a split whose measured progress fell short of the one before (policy.check).
         segments: list[list[str]] = [[]]
         corrections: list[list[str]] = [[]]
         for e in changes:
-            settled = isinstance(e.decision, Rebalance) and "steps at each rank's batch (margin" in e.decision.reason
+            why = e.decision.reason
+            settled = isinstance(e.decision, Rebalance) and (
+                "steps at each rank's batch (margin" in why or "back to the previous split of sync's batch" in why
+            )
             (corrections if settled and segments[-1] else segments)[-1].append(e.decision.reason)
             if isinstance(e.decision, ReplaceWorker | Rescale):
                 segments.append([])

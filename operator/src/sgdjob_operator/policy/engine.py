@@ -11,16 +11,31 @@ back to the goal replicas waits, see `candidates`), and (4) the change pays back
 step when the step is known (the way back to plain sync: its pause ends before the job does),
 (5) no change is still in flight (`JobView.in_flight`), and (6) a configuration with stale
 gradients waits for the measured statistical efficiency (MEASURE_WAIT_STEPS). A hang
-(`policy.hang`) is recovered from at once.
+(`policy.hang`) is recovered from at once, and so is a change its own results show under-delivering
+(`policy.check`): it is taken back without waiting for persistence or the cooldown.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from sgdjob_operator.policy.candidates import Candidate, DecisionContext, build, predict_current, straggler_node
+from sgdjob_operator.policy.check import (
+    Outcome,
+    discount_note,
+    discounted,
+    gain_text,
+    judge,
+    may_revert,
+    open_trial,
+    prune,
+    remember,
+    revert,
+    splits_back,
+    window_starts,
+    window_useful,
+)
 from sgdjob_operator.policy.cost import CostInputs, Prediction
 from sgdjob_operator.policy.decisions import Decision, Keep, ReplaceWorker, Rescale
 from sgdjob_operator.policy.efficiency import MIN_STEPS, estimate
@@ -28,6 +43,7 @@ from sgdjob_operator.policy.hang import find_hang
 from sgdjob_operator.policy.health import JobHealth, Shape, assess, jitter_coefficient
 from sgdjob_operator.policy.job import JobView
 from sgdjob_operator.policy.measure import FirstWindow, Window, measure
+from sgdjob_operator.policy.progress import restarted, track
 from sgdjob_operator.policy.samples import WorkerSample
 from sgdjob_operator.policy.splits import FAST_GAIN, RESPLIT_STEPS, fast, margin, percent, split_margin
 from sgdjob_operator.policy.state import PolicyState, RankState
@@ -89,6 +105,9 @@ def evaluate(state: PolicyState, samples: Sequence[WorkerSample], job: JobView, 
         last_change=state.last_change,
         jitter=jitter,
         evaluations=state.evaluations + 1,
+        progress=state.progress,
+        trial=state.trial,
+        discounts=prune(state.discounts, now),
     )
     health = a.health
     hang = find_hang(window.latest, job.world_size, p.hang_timeout_seconds)
@@ -96,7 +115,7 @@ def evaluate(state: PolicyState, samples: Sequence[WorkerSample], job: JobView, 
     recovering = state.last_change is not None and now - state.last_change < (p.hang_timeout_seconds or 0.0)
     if hang is not None and not recovering:
         recover = ReplaceWorker(hang.rank, hang.reason(p.hang_timeout_seconds or 0.0), hang.pod, hung=True)
-        return Evaluation(recover, health, replace(base, last_change=now), {})
+        return Evaluation(recover, health, replace(base, last_change=now, progress=restarted(), trial=None), {})
     if health.raw_shape is Shape.UNKNOWN:
         why = f"waiting for rates: {health.measured} of {job.world_size} ranks measured this window"
         if window.restarted:
@@ -124,9 +143,29 @@ def evaluate(state: PolicyState, samples: Sequence[WorkerSample], job: JobView, 
     measured_stale = sum(stale) / len(stale) if stale else None
     ctx = DecisionContext(health, job, speeds, nodes, pods, ci, measured_stale, async_ok, fixed)
     current = predict_current(ctx)
-    candidates = build(ctx)
+    useful = window_useful(window, health.throughput, current, efficiency, job.mode, MEASURE_WAIT_STEPS)
+    new_shape = a.shape_key != state.shape
+    scraped = min((s.time for s in window.latest.values()), default=now)
+    progress = track(
+        state.progress, scraped, window_starts(window), job.world_size, useful, bool(job.in_flight), new_shape
+    )
+    horizon = _horizon(job, None)
+    trial = state.trial
+    verdict = judge(trial, progress, a.shape_key, now, horizon, job, health.step)
+    base = replace(base, progress=progress, trial=trial if verdict.outcome is Outcome.WAIT else None)
+    candidates = discounted(build(ctx), base.discounts, a.shape_key, now)
+    note = discount_note(base.discounts, a.shape_key, now)
     predictions = {"current": current.useful, **{c.prediction.label: c.prediction.useful for c in candidates}}
     left = seconds_left(window, job)
+    if verdict.outcome is Outcome.REVERT and trial is not None:
+        cost = job.rebalance_seconds if splits_back(trial, job) else job.switch_seconds
+        if job.in_flight:
+            base = replace(base, trial=trial)  # judged again once the change in flight has landed
+        elif may_revert(trial, job) and (left is None or cost < left):  # else the check closes unheeded
+            kept = remember(base.discounts, trial, verdict.ratio, now, horizon)
+            back = revert(trial, verdict, job, health.summary, kept[-1].until - now)
+            after = replace(base, last_change=now, progress=restarted(), trial=None, discounts=kept)
+            return Evaluation(back, health, after, predictions)
     trained = min((s.steps for s in window.latest.values()), default=0)
     waiting_for = ""
     evidence = efficiency.steps if efficiency.measured else trained
@@ -141,7 +180,7 @@ def evaluate(state: PolicyState, samples: Sequence[WorkerSample], job: JobView, 
     split = split_margin(health, job.world_size)
     chosen = _choose(candidates, current, job, state.candidate, left, split)
     if chosen is None:
-        why = _keep_reason(health, current, candidates, job, left, bool(waiting_for), split) + waiting_for
+        why = _keep_reason(health, current, candidates, job, left, bool(waiting_for), split) + waiting_for + note
         return Evaluation(Keep(why), health, base, predictions)
 
     streak = state.candidate_streak + 1 if chosen.key == state.candidate else 1
@@ -155,7 +194,7 @@ def evaluate(state: PolicyState, samples: Sequence[WorkerSample], job: JobView, 
         basis += f"; fixed step time fitted from two batch sizes: {fits}"
     what = (
         f"{chosen.prediction.label} predicts {chosen.prediction.useful:.4g} useful samples/s "
-        f"vs {current.useful:.4g} now ({gain_text(gain)}){basis}; {efficiency.describe()}{waiting_for}"
+        f"vs {current.useful:.4g} now ({gain_text(gain)}){basis}; {efficiency.describe()}{waiting_for}{note}"
     )
     if job.in_flight:
         # Persistence starts over once the change has landed: no cooldown starts, no streak grows.
@@ -177,7 +216,11 @@ def evaluate(state: PolicyState, samples: Sequence[WorkerSample], job: JobView, 
         left = p.cooldown_seconds - (now - state.last_change)
         return Evaluation(Keep(f"{health.summary}; {what}; cooldown {left:.0f}s left"), health, waiting, predictions)
     decision = chosen.make(f"{health.summary}; {what}", round(gain, 4))
-    changed = replace(base, last_change=now, ranks=_forget_replaced(a.ranks, decision, ctx))
+    # The change is checked by its results against what the configuration it leaves measured.
+    opened = open_trial(chosen, decision, current, job, progress, now, health.step, a.shape_key)
+    changed = replace(
+        base, last_change=now, ranks=_forget_replaced(a.ranks, decision, ctx), progress=restarted(), trial=opened
+    )
     return Evaluation(decision, health, changed, predictions)
 
 
@@ -187,16 +230,6 @@ def _world_speeds(health: JobHealth, world: int) -> dict[int, float]:
     known = health.speeds()
     typical = median(list(known.values())) if known else 1.0
     return {r: known.get(r, typical) for r in range(world)}
-
-
-def gain_text(gain: float) -> str:
-    """A predicted gain as a reason prints it: '+51%', or words where the current configuration
-    makes no measured useful progress (a gain over nothing is no percentage: never '+inf%' or 'nan%')."""
-    if math.isnan(gain):
-        return "gain unknown"
-    if math.isinf(gain):
-        return "no useful progress measured now"
-    return f"{gain:+.0%}"
 
 
 def _gain(pred: Prediction, current: Prediction) -> float:
