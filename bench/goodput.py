@@ -65,9 +65,9 @@ CHARLM_BUDGET_S = 30.0
 EVALUATION: dict[str, Any] = {"everySteps": 5, "everySeconds": None, "samples": 256}
 # Auto evaluates every half second on the digits tasks: their steps take 0.05-0.15 s, so a window
 # still holds 3-10 steps per rank; a 3x straggler present from the start is split at step 2-3,
-# 0.35-0.6 s into training (its first window, the gain being over +100 %: policy.engine.FAST_GAIN;
+# 0.35-0.6 s into training (its first window, the gain being over +100 %: policy.splits.FAST_GAIN;
 # measured on digits-cnn). A split made from such short windows can be a sample or two off; the
-# policy corrects it once the speeds have summed 10 steps (policy.engine.RESPLIT_STEPS). What a
+# policy corrects it once the speeds have summed 10 steps (policy.splits.RESPLIT_STEPS). What a
 # user sets for a job this short (the quickstart's 2 s suits longer steps).
 DIGITS_POLICY: dict[str, Any] = {**POLICY, "intervalSeconds": 0.5}
 CONFIG = BenchConfig(

@@ -9,7 +9,7 @@ from sgdjob_operator.api.models import SGDJobSpec
 from sgdjob_operator.policy import WorkerSample
 
 INTERVAL = 10.0
-# 1.5x slower than the median (stragglerThreshold): a split gains +38 %, under engine.FAST_GAIN, so it
+# 1.5x slower than the median (stragglerThreshold): a split gains +38 %, under splits.FAST_GAIN, so it
 # waits out persistenceIntervals.
 STRAGGLER = [100.0, 100.0, 100.0, 66.0]
 

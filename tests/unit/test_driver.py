@@ -25,7 +25,7 @@ from sgdjob_operator.policy.driver import (
     load_state,
     restarted,
 )
-from sgdjob_operator.policy.engine import FAST_STEPS
+from sgdjob_operator.policy.splits import FAST_STEPS
 from sgdjob_trainer.config import SyncMode
 from sgdjob_trainer.wire.control import ControlCommand
 from tests.unit.policy_feed import STRAGGLER, Scrapes, feed, spec_for

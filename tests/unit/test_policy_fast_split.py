@@ -1,12 +1,12 @@
 """A new split of sync's batch with a very large predicted gain is made on the first window that
-shows it (engine.FAST_GAIN) when the slow ranks have been slow since they began; a rank measured at
+shows it (splits.FAST_GAIN) when the slow ranks have been slow since they began; a rank measured at
 its normal speed before (a hiccup, or a slowdown that starts mid-run) and everything else still
 waits out persistenceIntervals."""
 
 from __future__ import annotations
 
 from sgdjob_operator.policy import Keep, Rebalance, SwitchMode
-from sgdjob_operator.policy.engine import FAST_GAIN
+from sgdjob_operator.policy.splits import FAST_GAIN
 from tests.unit.test_policy_harness import Harness
 
 FAST, SLOW = 100.0, 33.0

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from sgdjob_operator.api.models import SGDJobSpec
@@ -45,12 +45,19 @@ class Harness:
     training: dict[str, Any] = field(default_factory=dict)
     # What every rank's trainer reports of its gradients (None: an older trainer, nothing measured).
     gradient: GradientSignal | None = None
+    # What they report in a given mode instead, its `steps` counting the steps since the job entered
+    # that mode (the trainers start their averages afresh in each mode, as gradient_stats does).
+    mode_gradients: dict[str, GradientSignal] = field(default_factory=dict)
     # What every rank says of its optimizer: False when it cannot be sharded for async mode.
     async_capable: bool | None = None
     adaptive_optimizer: bool | None = None
     # Seconds of every step that do not grow with the batch, by rank (speeds are then the rates of
     # the part that does); empty: steps proportional to the batch.
     fixed: list[float] = field(default_factory=list)
+    # Why a change is still being applied ('' when none), as a shell tells the policy (JobView.in_flight).
+    in_flight: str = ""
+    # Seconds from the scrape to the evaluation: a shell's clock reads `now` after it scraped.
+    evaluation_lag: float = 0.0
 
     def __post_init__(self) -> None:
         nodes = len(self.speeds) // self.nproc
@@ -73,6 +80,7 @@ class Harness:
         self.node_names = [f"node-{r // self.nproc}" for r in range(len(self.speeds))]
         self.counters = [[0, 0, 0.0, 0.0] for _ in self.speeds]
         self.history: list[Evaluation] = []
+        self.mode_steps = 0
 
     @property
     def interval(self) -> float:
@@ -96,7 +104,12 @@ class Harness:
         wall = max(walls)  # bounded staleness: in the long run every group runs at the slowest pace
         return [(int(self.interval / wall), c[r], wall - c[r]) for r in range(n)]
 
+    def _gradient(self) -> GradientSignal | None:
+        signal = self.mode_gradients.get(self.active)
+        return self.gradient if signal is None else replace(signal, steps=self.mode_steps)
+
     def samples(self) -> list[WorkerSample]:
+        gradient = self._gradient()
         return [
             WorkerSample(
                 rank=r,
@@ -110,7 +123,7 @@ class Harness:
                 node=self.node_names[r],
                 pod=f"pod-{self.node_names[r]}",
                 staleness=1.0 if self.active == "async" else 0.0,
-                gradient=self.gradient,
+                gradient=gradient,
                 async_capable=self.async_capable,
                 adaptive_optimizer=self.adaptive_optimizer,
             )
@@ -123,7 +136,9 @@ class Harness:
             self.speeds = list(speeds)
         if self.history:
             self.now += self.interval
-            for r, (steps, c, w) in enumerate(self._work()):
+            work = self._work()
+            self.mode_steps += max(steps for steps, _, _ in work)
+            for r, (steps, c, w) in enumerate(work):
                 k = self.counters[r]
                 k[0] += steps
                 k[1] += steps * self.b(r)
@@ -136,8 +151,9 @@ class Harness:
             batch_sizes=self.batches,
             groups=self.groups,
             comm=self.comm,
+            in_flight=self.in_flight,
         )
-        ev = evaluate(PolicyState.from_dict(self.state_doc), self.samples(), view, self.now)
+        ev = evaluate(PolicyState.from_dict(self.state_doc), self.samples(), view, self.now + self.evaluation_lag)
         self.state_doc = ev.state.to_dict()
         self.history.append(ev)
         self._apply(ev)
@@ -146,6 +162,8 @@ class Harness:
     def _apply(self, ev: Evaluation) -> None:
         d = ev.decision
         if isinstance(d, SwitchMode):
+            if d.mode != self.active:
+                self.mode_steps = 0
             self.active = d.mode
             self.groups = d.groups
             if d.batch_sizes is not None:

@@ -8,9 +8,9 @@ import re
 import pytest
 
 from sgdjob_operator.policy import Rebalance
-from sgdjob_operator.policy.engine import RESPLIT_STEPS
 from sgdjob_operator.policy.measure import RankWindow
 from sgdjob_operator.policy.speeds import MEMORY_WINDOWS, running_speed
+from sgdjob_operator.policy.splits import RESPLIT_STEPS
 from sgdjob_operator.policy.state import PolicyState, RankState, SpeedEstimate
 from tests.unit.test_policy_harness import Harness
 

@@ -1,5 +1,5 @@
 """The margin a new split of sync's batch needs shrinks as its speeds' measured error does
-(engine.split_margin, state.SpeedEstimate.error): a split one sample off, worth ~2 %, is corrected once
+(splits.split_margin, state.SpeedEstimate.error): a split one sample off, worth ~2 %, is corrected once
 the windows show the speeds are known that well, and not while they are not."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import re
 import pytest
 
 from sgdjob_operator.policy import Rebalance
-from sgdjob_operator.policy.engine import RESPLIT_FLOOR, RESPLIT_MARGIN
 from sgdjob_operator.policy.speeds import running_speed
+from sgdjob_operator.policy.splits import RESPLIT_FLOOR, RESPLIT_MARGIN
 from sgdjob_operator.policy.state import PolicyState, RankState, SpeedEstimate
 from tests.unit.test_policy_harness import Harness
 from tests.unit.test_policy_speeds import DEPARTURE, window

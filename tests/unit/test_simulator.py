@@ -168,7 +168,7 @@ def test_a_fleet_mixed_from_the_start_is_acted_on_within_persistence_intervals(
     # The simulated workers date their training start (t=0), so the first policy call (t=10)
     # already has a rate: the change comes after `persistence` intervals, not one more, or, for a split
     # gaining +40% or more (a 3.5x slower node: +218%; a 2x one: +87%), at that first call
-    # (engine.FAST_GAIN; tests/unit/test_driver.py holds a straggler that waits out persistence).
+    # (splits.FAST_GAIN; tests/unit/test_driver.py holds a straggler that waits out persistence).
     fleet = [{"name": "a100", "nodes": 7, "speed": 1400.0}, {"name": "slow", "nodes": 1, "speed": slow}]
     policy = {"intervalSeconds": 10, "persistenceIntervals": persistence, "allowedActions": ["rebalance"]}
     sc = scenario(fleet=fleet, job={"training": {"batchSize": 50}, "policy": policy})

@@ -23,11 +23,12 @@ from typing import Any, Protocol, TypeVar
 from sgdjob_operator.api.models import JobMode, SGDJobSpec
 from sgdjob_operator.policy.comm import CommModel
 from sgdjob_operator.policy.decisions import Decision, Keep, Rebalance, ReplaceWorker, Rescale, SwitchMode
-from sgdjob_operator.policy.engine import FAST_STEPS, evaluate
+from sgdjob_operator.policy.engine import evaluate
 from sgdjob_operator.policy.health import JobHealth
 from sgdjob_operator.policy.job import REBALANCE_SECONDS, SYNC_MODES, JobView, job_view
 from sgdjob_operator.policy.measure import FirstWindow
 from sgdjob_operator.policy.samples import WorkerSample
+from sgdjob_operator.policy.splits import FAST_STEPS
 from sgdjob_operator.policy.state import PolicyState
 from sgdjob_trainer.config import SyncMode
 from sgdjob_trainer.wire.control import ControlCommand, merge
@@ -245,7 +246,7 @@ def first_call_wait(state: DriverState, samples: Sequence[WorkerSample], interva
     worker to begin training has trained that long. It then also waits, polling every FIRST_STEP_POLL
     of an interval and never past `FirstWindow.longest`, until every rank has made FAST_STEPS steps:
     a one-step rate is mostly the first step's warm-up, and a split made at once needs two
-    (`engine.FAST_GAIN`), so a slow rank's second step would otherwise cost the change an interval.
+    (`splits.FAST_GAIN`), so a slow rank's second step would otherwise cost the change an interval.
     Samples that do not date their training start (an older trainer) are not waited for."""
     if any(r.steps > 0 for r in state.policy.ranks.values()):
         return 0.0  # evaluated with steps made: calls before any rank trained had nothing to measure

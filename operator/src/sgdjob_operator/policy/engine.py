@@ -11,16 +11,31 @@ back to the goal replicas waits, see `candidates`), and (4) the change pays back
 step when the step is known (the way back to plain sync: its pause ends before the job does),
 (5) no change is still in flight (`JobView.in_flight`), and (6) a configuration with stale
 gradients waits for the measured statistical efficiency (MEASURE_WAIT_STEPS). A hang
-(`policy.hang`) is recovered from at once.
+(`policy.hang`) is recovered from at once, and so is a change its own results show under-delivering
+(`policy.check`): it is taken back without waiting for persistence or the cooldown.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from sgdjob_operator.policy.candidates import Candidate, DecisionContext, build, predict_current, straggler_node
+from sgdjob_operator.policy.check import (
+    Outcome,
+    discount_note,
+    discounted,
+    gain_text,
+    judge,
+    may_revert,
+    open_trial,
+    prune,
+    remember,
+    revert,
+    splits_back,
+    window_starts,
+    window_useful,
+)
 from sgdjob_operator.policy.cost import CostInputs, Prediction
 from sgdjob_operator.policy.decisions import Decision, Keep, ReplaceWorker, Rescale
 from sgdjob_operator.policy.efficiency import MIN_STEPS, estimate
@@ -28,7 +43,9 @@ from sgdjob_operator.policy.hang import find_hang
 from sgdjob_operator.policy.health import JobHealth, Shape, assess, jitter_coefficient
 from sgdjob_operator.policy.job import JobView
 from sgdjob_operator.policy.measure import FirstWindow, Window, measure
+from sgdjob_operator.policy.progress import restarted, track
 from sgdjob_operator.policy.samples import WorkerSample
+from sgdjob_operator.policy.splits import FAST_GAIN, RESPLIT_STEPS, fast, margin, percent, split_margin
 from sgdjob_operator.policy.state import PolicyState, RankState
 from sgdjob_operator.policy.stats import median
 from sgdjob_trainer.config import SyncMode
@@ -48,42 +65,6 @@ STALENESS_SLACK = 0.05
 # (digits-mlp went hierarchical on 1.000 over 19 steps and lost a third of its goodput). Trainers that
 # never measure get the prior once their processes have made this many steps.
 MEASURE_WAIT_STEPS = 3 * MIN_STEPS
-# A new split of sync's batch needs only this predicted gain (or switchMargin if smaller) once every
-# rank's speed rests on RESPLIT_STEPS steps at its current batch (speeds.py): it pauses nothing, and
-# an early split made from a short window is then corrected instead of kept for a whole run (a
-# 0.5-s window gave three equal ranks 39, 39 and 36 samples, 8 % off, under a 10 % switchMargin).
-# Ten steps: a 3x straggler split at once from its first 2-3 steps (14 samples where 13 is right,
-# ~7 % slower steps) is corrected at step 21-27 instead of 42; a homogeneous fleet still made no
-# split over 3 digits-cnn runs (its speeds agree to a few per cent over ten steps).
-RESPLIT_MARGIN = 0.03
-RESPLIT_STEPS = 10
-# Once every speed's error is measured (`state.SpeedEstimate.error`, from the spread of its windows),
-# the margin is what that error allows: RESPLIT_SIGMAS standard errors of a gain that compares two
-# ranks' speeds (sqrt 2 times one speed's), between RESPLIT_FLOOR and RESPLIT_MARGIN. A split from
-# the first windows at equal batches can be off by one sample where a step has a part the speed
-# factor does not scale (measured on the bimodal benchmark: the 2x pair read 1.92x slower at 32
-# samples, 1.99x at the split, so 42/22 where 43/21 is right: +2 % predicted for the rest of the
-# run and never made under a flat 3 %).
-RESPLIT_SIGMAS = 2.0
-RESPLIT_FLOOR = 0.015
-# A re-split also needs every speed to rest on this many (decayed) windows: a window's noise is shared
-# by its steps (one long window of 30 steps is no better known than its noise), and a second window
-# halves its variance.
-RESPLIT_WINDOWS = 1.9
-# A new split of sync's batch predicting at least this gain is made on the first window that shows
-# it, every rank's speed resting on FAST_STEPS steps, without waiting for persistenceIntervals: when
-# the slowdown lasts, acting one interval sooner saves interval x gain/(1+gain) of the job's time,
-# at least half an interval here (measured: a 3x straggler from the start, +125% on its first
-# 3-step window, was split one interval later, 3 straggler-bound steps, ~0.25 s of a 9-s run);
-# when it does not, the way back is one more split, and the wrong split in between (the straggler's
-# share spread over the others) costs under a fifth of the step for the persistence it must show.
-# At +40 % the saving is 0.29 of an interval, and a wrong split costs 0.1-0.3 of each step for the
-# ~2 intervals the way back takes (a 1.5x rank of 4 / 2x on half the fleet), so acting at once pays
-# unless most such windows are one-off blips. Measured on the bimodal benchmark (2x on half the
-# fleet, +45 % on its first window): auto went from 1.03-1.05x to 1.00-1.01x the static
-# speed-proportional split (3 seeds each). Milder gains (a 1.3x rank: +22 %) keep the persistence rule.
-FAST_GAIN = 0.4
-FAST_STEPS = 2.0
 # A change must pay for its own pause (a restart costs a minute or more) within this many policy
 # intervals, or the cooldown if longer: long enough for a replacement to be worth it, short enough
 # that a marginal gain never justifies a restart.
@@ -124,6 +105,9 @@ def evaluate(state: PolicyState, samples: Sequence[WorkerSample], job: JobView, 
         last_change=state.last_change,
         jitter=jitter,
         evaluations=state.evaluations + 1,
+        progress=state.progress,
+        trial=state.trial,
+        discounts=prune(state.discounts, now),
     )
     health = a.health
     hang = find_hang(window.latest, job.world_size, p.hang_timeout_seconds)
@@ -131,7 +115,7 @@ def evaluate(state: PolicyState, samples: Sequence[WorkerSample], job: JobView, 
     recovering = state.last_change is not None and now - state.last_change < (p.hang_timeout_seconds or 0.0)
     if hang is not None and not recovering:
         recover = ReplaceWorker(hang.rank, hang.reason(p.hang_timeout_seconds or 0.0), hang.pod, hung=True)
-        return Evaluation(recover, health, replace(base, last_change=now), {})
+        return Evaluation(recover, health, replace(base, last_change=now, progress=restarted(), trial=None), {})
     if health.raw_shape is Shape.UNKNOWN:
         why = f"waiting for rates: {health.measured} of {job.world_size} ranks measured this window"
         if window.restarted:
@@ -159,9 +143,29 @@ def evaluate(state: PolicyState, samples: Sequence[WorkerSample], job: JobView, 
     measured_stale = sum(stale) / len(stale) if stale else None
     ctx = DecisionContext(health, job, speeds, nodes, pods, ci, measured_stale, async_ok, fixed)
     current = predict_current(ctx)
-    candidates = build(ctx)
+    useful = window_useful(window, health.throughput, current, efficiency, job.mode, MEASURE_WAIT_STEPS)
+    new_shape = a.shape_key != state.shape
+    scraped = min((s.time for s in window.latest.values()), default=now)
+    progress = track(
+        state.progress, scraped, window_starts(window), job.world_size, useful, bool(job.in_flight), new_shape
+    )
+    horizon = _horizon(job, None)
+    trial = state.trial
+    verdict = judge(trial, progress, a.shape_key, now, horizon, job, health.step)
+    base = replace(base, progress=progress, trial=trial if verdict.outcome is Outcome.WAIT else None)
+    candidates = discounted(build(ctx), base.discounts, a.shape_key, now)
+    note = discount_note(base.discounts, a.shape_key, now)
     predictions = {"current": current.useful, **{c.prediction.label: c.prediction.useful for c in candidates}}
     left = seconds_left(window, job)
+    if verdict.outcome is Outcome.REVERT and trial is not None:
+        cost = job.rebalance_seconds if splits_back(trial, job) else job.switch_seconds
+        if job.in_flight:
+            base = replace(base, trial=trial)  # judged again once the change in flight has landed
+        elif may_revert(trial, job) and (left is None or cost < left):  # else the check closes unheeded
+            kept = remember(base.discounts, trial, verdict.ratio, now, horizon)
+            back = revert(trial, verdict, job, health.summary, kept[-1].until - now)
+            after = replace(base, last_change=now, progress=restarted(), trial=None, discounts=kept)
+            return Evaluation(back, health, after, predictions)
     trained = min((s.steps for s in window.latest.values()), default=0)
     waiting_for = ""
     evidence = efficiency.steps if efficiency.measured else trained
@@ -176,7 +180,7 @@ def evaluate(state: PolicyState, samples: Sequence[WorkerSample], job: JobView, 
     split = split_margin(health, job.world_size)
     chosen = _choose(candidates, current, job, state.candidate, left, split)
     if chosen is None:
-        why = _keep_reason(health, current, candidates, job, left, bool(waiting_for), split) + waiting_for
+        why = _keep_reason(health, current, candidates, job, left, bool(waiting_for), split) + waiting_for + note
         return Evaluation(Keep(why), health, base, predictions)
 
     streak = state.candidate_streak + 1 if chosen.key == state.candidate else 1
@@ -184,20 +188,20 @@ def evaluate(state: PolicyState, samples: Sequence[WorkerSample], job: JobView, 
     gain = _gain(chosen.prediction, current)
     basis = ""
     if chosen.batch_only and split is not None:
-        basis = f"; speeds over {RESPLIT_STEPS}+ steps at each rank's batch (margin {_percent(split)})"
+        basis = f"; speeds over {RESPLIT_STEPS}+ steps at each rank's batch (margin {percent(split)})"
     if fixed and chosen.prediction.staleness == 0:
         fits = ", ".join(f"rank {r} {v * 1000:.1f} ms" for r, v in sorted(fixed.items()))
         basis += f"; fixed step time fitted from two batch sizes: {fits}"
     what = (
         f"{chosen.prediction.label} predicts {chosen.prediction.useful:.4g} useful samples/s "
-        f"vs {current.useful:.4g} now ({gain_text(gain)}){basis}; {efficiency.describe()}{waiting_for}"
+        f"vs {current.useful:.4g} now ({gain_text(gain)}){basis}; {efficiency.describe()}{waiting_for}{note}"
     )
     if job.in_flight:
         # Persistence starts over once the change has landed: no cooldown starts, no streak grows.
         held = chosen.make(f"{health.summary}; {what}", round(gain, 4))
         return Evaluation(Keep(f"{health.summary}; {what}; held: {job.in_flight}"), health, base, predictions, held)
     if streak < p.persistence_intervals or health.shape is Shape.TRANSIENT:
-        if not _fast(chosen, gain, health, job.world_size, every, p.switch_margin, state.ranks):
+        if not fast(chosen, gain, health, job.world_size, every, p.switch_margin, state.ranks):
             why = f"{health.summary}; {what}; persisting {streak}/{p.persistence_intervals} intervals"
             return Evaluation(Keep(why), health, waiting, predictions)
         what += f"; made at once: a new split gaining +{FAST_GAIN:.0%} or more does not wait out persistence"
@@ -212,45 +216,12 @@ def evaluate(state: PolicyState, samples: Sequence[WorkerSample], job: JobView, 
         left = p.cooldown_seconds - (now - state.last_change)
         return Evaluation(Keep(f"{health.summary}; {what}; cooldown {left:.0f}s left"), health, waiting, predictions)
     decision = chosen.make(f"{health.summary}; {what}", round(gain, 4))
-    changed = replace(base, last_change=now, ranks=_forget_replaced(a.ranks, decision, ctx))
-    return Evaluation(decision, health, changed, predictions)
-
-
-def _fast(
-    chosen: Candidate,
-    gain: float,
-    health: JobHealth,
-    world: int,
-    candidates: Sequence[Candidate],
-    switch: float,
-    before: Mapping[int, RankState],
-) -> bool:
-    """A new split of sync's batch with a gain too large to wait a persistence out (FAST_GAIN),
-    every rank of the world measured this window over FAST_STEPS steps, every slow rank slow since
-    it began (`slow_from_start`), and no other change (stale modes waiting for their statistics
-    included) predicting switchMargin more: that one (a mode switch) must show its persistence, and a
-    split made at once in front of it would take the gain it is measured against and start the
-    cooldown it must wait out."""
-    big = chosen.batch_only and not chosen.restoring and gain >= FAST_GAIN
-    best = max((c.prediction.useful for c in candidates), default=0.0)
-    return (
-        big
-        and best <= chosen.prediction.useful * (1 + switch)
-        and speeds_settled(health, world, FAST_STEPS)
-        and slow_from_start(health, before)
+    # The change is checked by its results against what the configuration it leaves measured.
+    opened = open_trial(chosen, decision, current, job, progress, now, health.step, a.shape_key)
+    changed = replace(
+        base, last_change=now, ranks=_forget_replaced(a.ranks, decision, ctx), progress=restarted(), trial=opened
     )
-
-
-def slow_from_start(health: JobHealth, before: Mapping[int, RankState]) -> bool:
-    """Every rank flagged slow this window has no earlier window in this world: it has been slow since
-    it began, so the slowdown covers its whole first window. A rank that was measured at its normal
-    speed before and is slow now may be in a hiccup shorter than a window (a window's mean cannot
-    tell a 4x hiccup over a third of it from a steady 2x): that waits out persistence, as any change.
-    Fitted on: the shipped hiccups-256 scenario (40 hiccups of 1-6 s at 4x in 10-s windows made 12
-    rebalances under the fast rule alone) and the goodput benchmark's stragglers from step 0 (split
-    on their first window)."""
-    flagged = [r for r, h in health.ranks.items() if h.flagged]
-    return bool(flagged) and all(before.get(r) is None or before[r].speed is None for r in flagged)
+    return Evaluation(decision, health, changed, predictions)
 
 
 def _world_speeds(health: JobHealth, world: int) -> dict[int, float]:
@@ -259,48 +230,6 @@ def _world_speeds(health: JobHealth, world: int) -> dict[int, float]:
     known = health.speeds()
     typical = median(list(known.values())) if known else 1.0
     return {r: known.get(r, typical) for r in range(world)}
-
-
-def speeds_settled(health: JobHealth, world: int, steps: float = RESPLIT_STEPS) -> bool:
-    """Every rank of the world measured this window, each speed resting on `steps` steps."""
-    ranks = [health.ranks.get(r) for r in range(world)]
-    return all(h is not None and h.measured and h.evidence >= steps for h in ranks)
-
-
-def split_margin(health: JobHealth, world: int) -> float | None:
-    """The predicted gain a new split of sync's batch needs once every rank's speed rests on
-    RESPLIT_STEPS steps and RESPLIT_WINDOWS windows (None before): what the speeds' measured errors
-    allow, else RESPLIT_MARGIN."""
-    if not speeds_settled(health, world) or any(health.ranks[r].windows < RESPLIT_WINDOWS for r in range(world)):
-        return None
-    errors = [health.ranks[r].error for r in range(world)]
-    if any(e is None for e in errors):
-        return RESPLIT_MARGIN
-    worst = max(e for e in errors if e is not None)
-    return min(RESPLIT_MARGIN, max(RESPLIT_FLOOR, RESPLIT_SIGMAS * math.sqrt(2.0) * worst))
-
-
-def margin(c: Candidate, job: JobView, split: float | None) -> float:
-    """The predicted gain `c` needs: switchMargin, or, for a new split of sync's batch once the speeds
-    are settled, `split` (`split_margin`) if smaller."""
-    if c.batch_only and split is not None:
-        return min(job.policy.switch_margin, split)
-    return job.policy.switch_margin
-
-
-def _percent(x: float) -> str:
-    """+10%, +1.5%: a margin to the precision it was set at."""
-    return f"{x:+.0%}" if round(x * 100, 1) == round(x * 100) else f"{x:+.1%}"
-
-
-def gain_text(gain: float) -> str:
-    """A predicted gain as a reason prints it: '+51%', or words where the current configuration
-    makes no measured useful progress (a gain over nothing is no percentage: never '+inf%' or 'nan%')."""
-    if math.isnan(gain):
-        return "gain unknown"
-    if math.isinf(gain):
-        return "no useful progress measured now"
-    return f"{gain:+.0%}"
 
 
 def _gain(pred: Prediction, current: Prediction) -> float:
@@ -390,7 +319,7 @@ def _keep_reason(
     gain = gain_text(_gain(best.prediction, current))
     return (
         f"{health.summary}; best alternative {best.prediction.label} predicts {gain} "
-        f"(a change needs {_percent(margin(best, job, split))} and must repay its pause{ending})"
+        f"(a change needs {percent(margin(best, job, split))} and must repay its pause{ending})"
     )
 
 

@@ -4,7 +4,7 @@ One window of a fast policy interval holds a few steps, so the speed it measures
 0.5-s window of a digits-cnn rank: ~4 steps, warm-up included), and a batch split made from it is
 off by a few samples. Summing work and compute since the rank's batch or mode last changed makes
 the estimate more precise the longer a split runs, so that a split made early can be corrected
-later by a small margin (`engine.split_margin`) instead of being kept for lack of evidence. The spread
+later by a small margin (`splits.split_margin`) instead of being kept for lack of evidence. The spread
 of the summed windows' speeds gives the estimate's own error (`state.SpeedEstimate.error`).
 
 The sum starts over when the configuration changes (a rank's samples per second depend on its
@@ -31,10 +31,8 @@ import math
 
 from sgdjob_operator.policy.measure import RankWindow
 from sgdjob_operator.policy.state import SpeedEstimate
+from sgdjob_operator.policy.stats import MEMORY_WINDOWS
 
-# Windows an estimate remembers: each summed window weighs (1 - 1/MEMORY_WINDOWS) less than the
-# one after it.
-MEMORY_WINDOWS = 10
 # The weight of a window that ran two batches, when it starts the new batch's estimate.
 MIXED_WEIGHT = 1e-3
 # The step-time fit needs its two batches this far apart (relative to the larger): a step time is

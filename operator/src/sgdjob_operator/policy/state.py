@@ -11,6 +11,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from sgdjob_operator.policy.progress import Progress
+from sgdjob_operator.policy.trial import Discount, Trial
+
 STATE_VERSION = 1
 # Columns of the per-rank table: columns instead of one object per rank keep a 1024-rank state
 # compact enough for an object's status.
@@ -104,7 +107,10 @@ class PolicyState:
     """`shape` is the last window's raw heterogeneity signature and `shape_streak` how many windows
     in a row it held; `candidate`/`candidate_streak` the same for the change the cost model prefers;
     `heterogeneous` the hysteresis flag of the fleet's spread; `jitter` the learned compute-noise
-    coefficient (see health.jitter_coefficient); `last_change` the time of the last change."""
+    coefficient (see health.jitter_coefficient); `last_change` the time of the last change;
+    `progress` the measured useful progress of the configuration in force, `trial` the last change
+    while it is checked against it, `discounts` the changes taken back for under-delivering
+    (`policy.check`). A state written before the last three reads as none of them."""
 
     ranks: Mapping[int, RankState] = field(default_factory=dict)
     heterogeneous: bool = False
@@ -115,6 +121,9 @@ class PolicyState:
     last_change: float | None = None
     jitter: float = 0.0
     evaluations: int = 0
+    progress: Progress = field(default_factory=Progress)
+    trial: Trial | None = None
+    discounts: tuple[Discount, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         ordered = sorted(self.ranks.items())
@@ -144,6 +153,9 @@ class PolicyState:
             "lastChange": self.last_change,
             "jitter": self.jitter,
             "evaluations": self.evaluations,
+            "progress": self.progress.to_dict(),
+            "trial": None if self.trial is None else self.trial.to_dict(),
+            "discounts": [d.to_dict() for d in self.discounts],
         }
 
     @classmethod
@@ -186,8 +198,11 @@ class PolicyState:
                 last_change=None if last_change is None else _finite(last_change),
                 jitter=_finite(data.get("jitter", 0.0)),
                 evaluations=int(data.get("evaluations", 0)),
+                progress=Progress.from_dict(data.get("progress")),
+                trial=Trial.from_dict(data.get("trial")),
+                discounts=tuple(Discount.from_dict(d) for d in data.get("discounts") or ()),
             )
-        except (TypeError, ValueError, AttributeError) as err:
+        except (TypeError, ValueError, AttributeError, KeyError) as err:
             raise ValueError(f"malformed policy state: {err}") from err
 
 

@@ -8,6 +8,9 @@ from collections.abc import Mapping, Sequence
 
 # Scales the MAD into a consistent estimator of the standard deviation for normal data.
 MAD_SCALE = 1.4826
+# Windows a running estimate remembers (a speed's, `policy.speeds`; a configuration's progress,
+# `policy.progress`): each summed window weighs (1 - 1/MEMORY_WINDOWS) less than the one after it.
+MEMORY_WINDOWS = 10
 
 
 def median(values: Sequence[float]) -> float:
