@@ -79,6 +79,9 @@ EVALUATION: dict[str, Any] = {"everySteps": 5, "everySeconds": None, "samples": 
 # measured on digits-cnn). A split made from such short windows can be a sample or two off; the
 # policy corrects it once the speeds have summed 10 steps (policy.engine.RESPLIT_STEPS). What a
 # user sets for a job this short (the quickstart's 2 s suits longer steps).
+# The tuning set's policy: the policy constants fitted on benchmark runs were fitted at this interval
+# (MEASURE_WAIT_STEPS at the 1 s before it; bench/README.md). `auto-default` runs the same job at the
+# shipping default interval beside it.
 DIGITS_POLICY: dict[str, Any] = {**POLICY, "intervalSeconds": 0.5}
 CONFIG = BenchConfig(
     workers=4,

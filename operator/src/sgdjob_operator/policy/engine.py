@@ -40,6 +40,7 @@ PREFERENCE_SLACK = 0.03
 # A configuration with stale gradients must predict this much more than the best fresh one (sync,
 # rebalanced, resized): its worth rests on the measured gradient correlation, whose estimation error
 # the fresh one does not carry.
+# Set on the tuning set: --quick (homogeneous, one-straggler), digits-mlp, interval 2 s, seed 0 (ca8b1bb).
 STALENESS_SLACK = 0.05
 # A configuration with stale gradients (async, hierarchical) is worth what the measured gradient
 # correlation says. Until it has been averaged over this many steps in the current mode, only fresh
@@ -47,6 +48,7 @@ STALENESS_SLACK = 0.05
 # on the first steps' correlation, which is near 1 while the loss falls steeply and then drops
 # (digits-mlp went hierarchical on 1.000 over 19 steps and lost a third of its goodput). Trainers that
 # never measure get the prior once their processes have made this many steps.
+# Fitted on the tuning set (bench/README.md): bimodal, digits-cnn, interval 1 s, seeds 0-2 (0e28b58).
 MEASURE_WAIT_STEPS = 3 * MIN_STEPS
 # A new split of sync's batch needs only this predicted gain (or switchMargin if smaller) once every
 # rank's speed rests on RESPLIT_STEPS steps at its current batch (speeds.py): it pauses nothing, and
@@ -55,6 +57,7 @@ MEASURE_WAIT_STEPS = 3 * MIN_STEPS
 # Ten steps: a 3x straggler split at once from its first 2-3 steps (14 samples where 13 is right,
 # ~7 % slower steps) is corrected at step 21-27 instead of 42; a homogeneous fleet still made no
 # split over 3 digits-cnn runs (its speeds agree to a few per cent over ten steps).
+# Fitted on the tuning set: one-straggler, homogeneous; digits-cnn, interval 0.5 s, seeds 0-2 (b4c3c6f, 7ae3ef1).
 RESPLIT_MARGIN = 0.03
 RESPLIT_STEPS = 10
 # Once every speed's error is measured (`state.SpeedEstimate.error`, from the spread of its windows),
@@ -64,11 +67,13 @@ RESPLIT_STEPS = 10
 # factor does not scale (measured on the bimodal benchmark: the 2x pair read 1.92x slower at 32
 # samples, 1.99x at the split, so 42/22 where 43/21 is right: +2 % predicted for the rest of the
 # run and never made under a flat 3 %).
+# Fitted on the tuning set: bimodal (homogeneous checked), digits-cnn, interval 0.5 s, seeds 0-2 (a417476).
 RESPLIT_SIGMAS = 2.0
 RESPLIT_FLOOR = 0.015
 # A re-split also needs every speed to rest on this many (decayed) windows: a window's noise is shared
 # by its steps (one long window of 30 steps is no better known than its noise), and a second window
 # halves its variance.
+# Fitted on the tuning set with RESPLIT_SIGMAS: bimodal, digits-cnn, interval 0.5 s, seeds 0-2 (a417476).
 RESPLIT_WINDOWS = 1.9
 # A new split of sync's batch predicting at least this gain is made on the first window that shows
 # it, every rank's speed resting on FAST_STEPS steps, without waiting for persistenceIntervals: when
@@ -82,6 +87,7 @@ RESPLIT_WINDOWS = 1.9
 # unless most such windows are one-off blips. Measured on the bimodal benchmark (2x on half the
 # fleet, +45 % on its first window): auto went from 1.03-1.05x to 1.00-1.01x the static
 # speed-proportional split (3 seeds each). Milder gains (a 1.3x rank: +22 %) keep the persistence rule.
+# Fitted on the tuning set: one-straggler (a896fab), bimodal (a417476); digits-cnn, interval 0.5 s, seeds 0-2.
 FAST_GAIN = 0.4
 FAST_STEPS = 2.0
 # A change must pay for its own pause (a restart costs a minute or more) within this many policy
