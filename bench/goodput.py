@@ -2,16 +2,19 @@
 after a fixed wall-time budget, on a classification task where quality differs between modes
 (`digits-cnn` on the built-in `digits` dataset), on the same EMULATED scenarios.
 
-    python -m bench.goodput [--quick] [--task digits-cnn|digits-mlp|charlm] --out DIR
+    python -m bench.goodput [--quick] [--set tuning|heldout] [--task digits-cnn|digits-mlp|charlm] --out DIR
 
 `--task digits-mlp` trains the smaller MLP, `--task charlm` the transformer of examples/custom-task
 (see TASKS).
 
 Systems: plain DDP on all N workers (`ddp`), DDP on the N-1 fastest (`ddp-drop`), static
 speed-proportional batches in sync (`lb-bsp`), SGDJob's static `sync`, `hierarchical`, `async`, and
-`auto`. Writes DIR/goodput.json, DIR/goodput.md (also printed) and DIR/goodput-<scenario>.png, and
-keeps every run's own output under DIR/runs/<scenario>/<system>/seed-<k>/. Both end with the issue's
-targets, checked against the medians (bench.goodput_targets: met or not, with per-seed ratios).
+`auto` at the task's policy interval and `auto-default` at the shipping default one. `--set heldout`
+runs the held-out scenarios (other worker counts and factors, a late straggler, two speed classes) on
+seeds from 100 instead of the tuning set's five on seeds from 0 (bench.scenarios). Writes
+DIR/goodput.json, DIR/goodput.md (also printed) and DIR/goodput-<scenario>.png, and keeps every run's
+own output under DIR/runs/<scenario>/<system>/seed-<k>/. Both end with the issue's targets, checked
+against the medians (bench.goodput_targets: met or not, with per-seed ratios).
 See bench/README.md.
 """
 
@@ -38,19 +41,26 @@ from bench.goodput_scoring import (
 )
 from bench.plot import plot_curves
 from bench.scenarios import (
-    GOODPUT_SCENARIOS,
+    HELDOUT,
+    HELDOUT_SHAPES,
     POLICY,
+    SCENARIO_SETS,
+    TUNING,
     BenchConfig,
     Scenario,
     build_scenario,
     emulation,
     rank_speeds,
+    scenario_config,
+    seeds_of,
     slowest_rank,
     without_rank,
 )
 from bench.systems import RunRecord, guarded, run_ddp, run_sgdjob
 
 QUICK_SCENARIOS = ("homogeneous", "one-straggler")
+# --quick with --set heldout: the two held-out scenarios closest to the tuning's, one seed.
+QUICK_HELDOUT = ("3w-straggler-2x", "4w-late-straggler-3x")
 TARGET_ACCURACY = 0.9
 BUDGET_S = 8.0
 CHARLM_STEPS = 300
@@ -69,6 +79,9 @@ EVALUATION: dict[str, Any] = {"everySteps": 5, "everySeconds": None, "samples": 
 # measured on digits-cnn). A split made from such short windows can be a sample or two off; the
 # policy corrects it once the speeds have summed 10 steps (policy.splits.RESPLIT_STEPS). What a
 # user sets for a job this short (the quickstart's 2 s suits longer steps).
+# The tuning set's policy: the policy constants fitted on benchmark runs were fitted at this interval
+# (MEASURE_WAIT_STEPS at the 1 s before it; bench/README.md). `auto-default` runs the same job at the
+# shipping default interval beside it.
 DIGITS_POLICY: dict[str, Any] = {**POLICY, "intervalSeconds": 0.5}
 CONFIG = BenchConfig(
     workers=4,
@@ -84,8 +97,9 @@ FULL_SEEDS = 3
 
 @dataclass(frozen=True, slots=True)
 class GoodputTask:
-    """A task the benchmark trains, sized so a full run (5 scenarios x 7 systems x 3 seeds) fits in
-    90 minutes here, with the validation accuracy it must reach and the wall-time budget."""
+    """A task the benchmark trains, sized so a full run (5 scenarios x 7 systems x 3 seeds, before
+    auto-default made it 8) fits in 90 minutes here, with the validation accuracy it must reach and the
+    wall-time budget."""
 
     config: BenchConfig
     target_accuracy: float
@@ -147,6 +161,20 @@ def run_system(cfg: BenchConfig, scenario: Scenario, system: str, run_dir: Path,
         return run_emulated_or_real(cfg, scenario, system, run_dir, timeout_s)
 
 
+def shipping_interval() -> float:
+    """policy.intervalSeconds when a job does not set it (the CRD's default, api.models.PolicySpec)."""
+    from sgdjob_operator.api.models import PolicySpec
+
+    return float(PolicySpec().interval_seconds)
+
+
+def at_shipping_interval(cfg: BenchConfig) -> BenchConfig:
+    """`cfg` with auto's policy at the shipping default interval. Only the interval changes: the
+    persistence (2 intervals) and cooldown (10 s) stay the benchmark's (shipped: 3 and 60 s), so the
+    two auto rows differ by the interval alone."""
+    return replace(cfg, policy={**cfg.policy, "intervalSeconds": shipping_interval()})
+
+
 def run_emulated_or_real(
     cfg: BenchConfig, scenario: Scenario, system: str, run_dir: Path, timeout_s: float
 ) -> RunRecord:
@@ -162,6 +190,11 @@ def run_emulated_or_real(
             system,
             run_dir,
             lambda: run_sgdjob(cfg, scenario, "sync", run_dir, timeout_s, system=system, rank_batches=split),
+        )
+    if system == "auto-default":
+        shipped = at_shipping_interval(cfg)
+        return guarded(
+            system, run_dir, lambda: run_sgdjob(shipped, scenario, "auto", run_dir, timeout_s, system=system)
         )
     return guarded(system, run_dir, lambda: run_sgdjob(cfg, scenario, system, run_dir, timeout_s))
 
@@ -184,8 +217,13 @@ def run_benchmark(
     target: float,
     budget_s: float,
     timeout_s: float,
+    scenario_set: str = TUNING,
+    overrides: dict[str, Any] | None = None,
     log: Any = sys.stderr,
 ) -> dict[str, Any]:
+    """Every scenario x seed x system, one run at a time. A held-out scenario runs on its own config
+    (`scenario_config`: its worker count and compute); `overrides` (BenchConfig fields from the
+    command line) apply on top of it, so `--steps` and `--compute-seconds` still size a held-out run."""
     from bench.heterogeneity import machine
 
     out.mkdir(parents=True, exist_ok=True)
@@ -193,14 +231,15 @@ def run_benchmark(
     meta_machine = machine()
     results: list[dict[str, Any]] = []
     for name in scenarios:
-        scenario = build_scenario(name, cfg)
+        scfg = replace(scenario_config(name, cfg), **(overrides or {}))
+        scenario = build_scenario(name, scfg)
         per_system: dict[str, list[dict[str, Any]]] = {s: [] for s in systems}
         for i, seed in enumerate(seeds):
-            seeded = replace(cfg, seed=seed)
+            seeded = replace(scfg, seed=seed)
             for system in run_order(systems, i):
                 print(f"[{time.monotonic() - wall0:6.0f}s] {name}: {system} seed {seed} ...", file=log, flush=True)
                 record = run_system(seeded, scenario, system, out / "runs" / name / system / f"seed-{seed}", timeout_s)
-                workers = cfg.workers - 1 if system == "ddp-drop" else cfg.workers
+                workers = scfg.workers - 1 if system == "ddp-drop" else scfg.workers
                 result = run_result(record, workers, target, budget_s)
                 per_system[system].append(result)
                 print(
@@ -213,11 +252,14 @@ def run_benchmark(
         results.append(
             {
                 "scenario": name,
+                "set": scenario_set,
                 "description": scenario.description,
-                "emulation": emulation(cfg, scenario),
-                "rank_speeds": rank_speeds(cfg, scenario),
-                "lb_bsp_batches": lb_batches(cfg, scenario),
-                "ddp_drop_rank": slowest_rank(cfg, scenario),
+                "workers": scfg.workers,
+                "steps": scfg.steps,
+                "emulation": emulation(scfg, scenario),
+                "rank_speeds": rank_speeds(scfg, scenario),
+                "lb_bsp_batches": lb_batches(scfg, scenario),
+                "ddp_drop_rank": slowest_rank(scfg, scenario),
                 "hierarchical_groups": [list(g) for g in scenario.groups],
                 "systems": {s: aggregate(runs) for s, runs in per_system.items()},
             }
@@ -225,15 +267,21 @@ def run_benchmark(
     meta_machine["load_average_at_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     bench_wall = time.monotonic() - wall0
     runs_done = len(scenarios) * len(systems) * len(seeds)
-    full_runs = len(GOODPUT_SCENARIOS) * len(SYSTEMS) * FULL_SEEDS
+    full_runs = len(SCENARIO_SETS[scenario_set]) * len(SYSTEMS) * FULL_SEEDS
     return {
         "results": results,
         "metadata": {
             "date": started,
+            "set": scenario_set,
             "config": asdict(cfg),
             "seeds": list(seeds),
+            "auto_default_interval_s": shipping_interval(),
             "run_order": "each seed runs every system of a scenario, rotated by one place a seed (run_order)",
             "systems": list(systems),
+            "auto_systems": (
+                f"auto: the task's policy ({cfg.policy.get('intervalSeconds')} s interval, the tuning's); "
+                f"auto-default: the same at the shipping default intervalSeconds ({shipping_interval():g} s)"
+            ),
             "target_accuracy": target,
             "budget_s": budget_s,
             "emulation": (
@@ -278,14 +326,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.goodput", description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="output directory")
     parser.add_argument(
-        "--quick", action="store_true", help=f"{', '.join(QUICK_SCENARIOS)}, every system, one seed (< 12 minutes)"
+        "--quick",
+        action="store_true",
+        help=f"{', '.join(QUICK_SCENARIOS)} (held out: {', '.join(QUICK_HELDOUT)}), every system, one seed",
+    )
+    parser.add_argument(
+        "--set",
+        dest="scenario_set",
+        choices=sorted(SCENARIO_SETS),
+        default=TUNING,
+        help="tuning: the five scenarios every fitted policy constant was fitted on, seeds 0, 1, ...; heldout: "
+        "3, 6 and 8 workers, 1.5x/2x/5x, a late straggler, seeds 100, 101, ... (default tuning)",
     )
     parser.add_argument(
         "--task", choices=sorted(TASKS), default=DEFAULT_TASK, help=f"what to train (default {DEFAULT_TASK})"
     )
     parser.add_argument("--seeds", type=int, help=f"seeds per scenario and system (default {FULL_SEEDS}; quick 1)")
     parser.add_argument("--steps", type=int, help="override the task's steps per run")
-    parser.add_argument("--workers", type=int, help=f"override the worker count (default {CONFIG.workers})")
+    parser.add_argument(
+        "--workers", type=int, help=f"override the worker count (default {CONFIG.workers}; not with --set heldout)"
+    )
     parser.add_argument("--compute-seconds", type=float, help="override the emulated compute seconds per step")
     parser.add_argument("--scenarios", help="comma-separated subset of scenarios")
     parser.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset of systems")
@@ -324,6 +384,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds before one run is stopped")
     args = parser.parse_args(argv)
+    if args.scenario_set == HELDOUT and args.workers is not None:
+        parser.error("the held-out scenarios set their own worker counts; --workers is the tuning set's")
     overrides = {
         k: v
         for k, v in {"steps": args.steps, "workers": args.workers, "compute_seconds": args.compute_seconds}.items()
@@ -351,38 +413,61 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(err))
     target = args.target if args.target is not None else task.target_accuracy
     budget_s = args.budget if args.budget is not None else task.budget_s
-    scenarios = (args.scenarios or ",".join(QUICK_SCENARIOS if args.quick else GOODPUT_SCENARIOS)).split(",")
+    known = SCENARIO_SETS[args.scenario_set]
+    quick = QUICK_HELDOUT if args.scenario_set == HELDOUT else QUICK_SCENARIOS
+    scenarios = (args.scenarios or ",".join(quick if args.quick else known)).split(",")
     scenarios = [s for s in scenarios if s]
     systems = [s for s in args.systems.split(",") if s]
-    unknown = [s for s in scenarios if s not in GOODPUT_SCENARIOS] + [s for s in systems if s not in SYSTEMS]
+    unknown = [s for s in scenarios if s not in known] + [s for s in systems if s not in SYSTEMS]
     if unknown:
-        parser.error(f"unknown scenario or system: {', '.join(unknown)}")
+        parser.error(f"unknown scenario or system (set {args.scenario_set}): {', '.join(unknown)}")
     if cfg.real_cpu is not None:
         from bench.real_cpu import rank_limits
 
         try:
             for name in scenarios:
-                rank_limits(cfg, build_scenario(name, cfg), cfg.real_cpu)
+                scfg = scenario_config(name, cfg)
+                rank_limits(scfg, build_scenario(name, scfg), cfg.real_cpu)
         except ValueError as err:
             parser.error(str(err))
-    seeds = list(range(args.seeds or (1 if args.quick else FULL_SEEDS)))
+    seeds = seeds_of(args.scenario_set, args.seeds or (1 if args.quick else FULL_SEEDS))
+    # Held out: the command line's sizes apply over each scenario's own (its workers and compute).
+    sizes = {k: v for k, v in overrides.items() if k in ("steps", "compute_seconds")}
     wall0 = time.monotonic()
     doc = run_benchmark(
-        cfg, scenarios, systems, seeds, args.out, target=target, budget_s=budget_s, timeout_s=args.timeout
+        cfg,
+        scenarios,
+        systems,
+        seeds,
+        args.out,
+        target=target,
+        budget_s=budget_s,
+        timeout_s=args.timeout,
+        scenario_set=args.scenario_set,
+        overrides=sizes if args.scenario_set == HELDOUT else None,
     )
     meta = doc["metadata"]
+    workers = (
+        ", ".join(f"{n}: {HELDOUT_SHAPES[n].workers} workers, {HELDOUT_SHAPES[n].why}" for n in scenarios)
+        if args.scenario_set == HELDOUT
+        else f"{cfg.workers} workers"
+    )
     header = (
-        f"# Goodput benchmark ({'quick' if args.quick else 'full'}"
+        f"# Goodput benchmark, {args.scenario_set} set ({'quick' if args.quick else 'full'}"
         f"{' with overrides ' + str(overrides) if overrides else ''}: {task.what}, "
-        f"{cfg.workers} workers, {cfg.steps} steps, {len(seeds)} seed(s), {meta['date']})\n\n"
+        f"{workers}, {cfg.steps} steps, seeds {', '.join(map(str, seeds))}, {meta['date']})\n\n"
         + (
-            f"EMULATED compute: {cfg.compute_seconds:g} s/step x slowdown factor, jitter {cfg.jitter:g}; "
+            f"EMULATED compute: {cfg.compute_seconds:g} s/step"
+            f"{' (unless the scenario says otherwise)' if args.scenario_set == HELDOUT else ''} x slowdown factor, "
+            f"jitter {cfg.jitter:g}; "
             if cfg.real_cpu is None
             else f"REAL compute under real CPU quotas ({cfg.real_cpu:g} CPU / slowdown factor per rank, no sleep); "
         )
         + "real gradients over gloo on loopback. "
         f"Machine: {meta['machine']['cpus']} CPUs, no GPU, load average {meta['machine']['load_average_at_start']} "
         f"at start. Target validation accuracy {target:g}; budget {budget_s:g} s since training start. "
+        f"auto: policy interval {cfg.policy.get('intervalSeconds')} s; auto-default: {shipping_interval():g} s "
+        "(the shipping default). "
         f"Cells: median [min-max] over seeds. Bench wall {meta['bench_wall_s']:.0f}s; "
         f"full run estimated at {fmt_number(meta['estimated_full_run_min'], '.0f')} min.\n\n"
     )
@@ -397,7 +482,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         plot_curves(
             {s: [run["curve"] for run in agg["runs"]] for s, agg in r["systems"].items()},
             args.out / f"goodput-{r['scenario']}.png",
-            f"{r['scenario']}: {r['description']} ({compute}; {args.task}, {cfg.workers} workers, {meta['date']})",
+            f"{r['scenario']}: {r['description']} ({compute}; {args.task}, {r['workers']} workers, {meta['date']})",
             target=target,
             budget_s=budget_s,
         )

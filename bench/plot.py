@@ -18,6 +18,7 @@ COLORS = {
     "hierarchical": "#2ca02c",
     "async": "#ff7f0e",
     "auto": "#d62728",
+    "auto-default": "#8c564b",
 }
 
 

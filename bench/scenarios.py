@@ -26,6 +26,25 @@ BIMODAL_FACTOR = 2.0
 HICCUP_FACTOR = 4.0
 HICCUPS = 4  # transient: this many hiccups, one rank each, spread over the run
 
+# The goodput benchmark's two scenario sets (issue #37, "held-out evaluation"). TUNING: the five
+# scenarios above, on 4 workers, which every policy constant fitted by a benchmark run was fitted on
+# (seeds 0-2 in every full run; subsets went up to 10 seeds, 0-9: bench/HISTORY.md). HELDOUT: other
+# worker counts, other factors, a straggler that appears mid-run and two speed classes, on seeds the
+# tuning never used. Nothing may be fitted on the held-out set.
+TUNING = "tuning"
+HELDOUT = "heldout"
+TUNING_SEEDS_USED = range(10)
+HELDOUT_SEED_BASE = 100
+HELDOUT_SCENARIOS = ("3w-straggler-2x", "6w-straggler-5x", "8w-two-classes", "4w-late-straggler-3x")
+SCENARIO_SETS: dict[str, tuple[str, ...]] = {TUNING: GOODPUT_SCENARIOS, HELDOUT: HELDOUT_SCENARIOS}
+SEED_BASES: dict[str, int] = {TUNING: 0, HELDOUT: HELDOUT_SEED_BASE}
+# The late straggler appears at this fraction of the run's steps: step 40 of the goodput task's 200,
+# 2.5 s into training at the tuning set's homogeneous pace (2041 samples/s of 128 a step: 16 steps/s,
+# full run of a417476), about a third of its 8-s budget. By step, not by time, so every system meets
+# it at the same step and the lb-bsp split and the bound can be computed from the config.
+LATE_START_FRACTION = 0.2
+
+
 # The policy settings of examples/quickstart.yaml: evaluate every 2 s, act after 2 intervals.
 POLICY: dict[str, Any] = {
     "intervalSeconds": 2,
@@ -73,6 +92,54 @@ class Scenario:
     # fleet writes, one group per accelerator type), or one worker per group (periodic model
     # averaging) where there are no classes to group by.
     groups: tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class HeldOutShape:
+    """What a held-out scenario changes in the task's config: its own worker count, and where the
+    run would otherwise be much longer or shorter than the tuning runs, its emulated compute."""
+
+    workers: int
+    compute_seconds: float | None  # None: the task's (0.05 s a step for the digits tasks)
+    why: str
+
+
+HELDOUT_SHAPES: dict[str, HeldOutShape] = {
+    # A 2x straggler in 3: DDP steps at the straggler's 0.1 s, 20 s for 200 steps (the tuning's
+    # one-straggler DDP: 30 s); the global batch is 96, so the target takes more steps than on 4
+    # workers (DDP: 0.9 held at 11.4 s, about step 105; sizing run, 1 seed, machine loaded).
+    "3w-straggler-2x": HeldOutShape(3, None, "the task's 0.05 s a step"),
+    # A 5x straggler in 6: at the task's 0.05 s a step DDP would wait 0.25 s a step, 50 s for 200
+    # steps, where the tuning's one-straggler DDP runs 30 s. At 0.03 it waits 0.15 s, the tuning's pace.
+    # Real compute is then a larger share of a fast rank's step (sizing run, DDP, machine loaded: 0.169 s
+    # a step where the sleep is 0.15, so about 0.02 s on top of a fast rank's 0.03).
+    "6w-straggler-5x": HeldOutShape(6, 0.03, "0.03 s a step (not 0.05), so DDP steps at the tuning's 0.15 s"),
+    # Two speed classes of 4 (1x and 1.5x) at the task's 0.05 s. 8 processes share the 2 cores, so
+    # each step carries more real compute than on 4 workers: the sizing run (DDP at 0.04 s, machine
+    # loaded) stepped at 0.093 s where the sleep is 0.06, about 0.03 s on top. A smaller emulated
+    # compute would bring the run nearer the tuning's length but leave the classes' 1.5x mostly under
+    # that contention; at 0.05 DDP steps at about 0.11 s, 22 s a run.
+    "8w-two-classes": HeldOutShape(8, None, "the task's 0.05 s a step; 8 processes on 2 cores add ~0.03 s a step"),
+    # The tuning's one-straggler fleet, but the 3x straggler appears at step 40 (LATE_START_FRACTION):
+    # the policy has seen the rank fast first, so the fast rule (ranks slow since they began) does not
+    # apply, and the split must show persistence first.
+    "4w-late-straggler-3x": HeldOutShape(4, None, "the task's 0.05 s a step; the straggler from 20 % of the run"),
+}
+
+
+def scenario_config(name: str, cfg: BenchConfig) -> BenchConfig:
+    """The config a scenario runs with: the task's for a tuning scenario, the held-out shape's
+    worker count and compute for a held-out one."""
+    shape = HELDOUT_SHAPES.get(name)
+    if shape is None:
+        return cfg
+    compute = cfg.compute_seconds if shape.compute_seconds is None else shape.compute_seconds
+    return replace(cfg, workers=shape.workers, compute_seconds=compute)
+
+
+def seeds_of(scenario_set: str, count: int) -> list[int]:
+    """The first `count` seeds of a set: 0, 1, ... for the tuning set, 100, 101, ... held out."""
+    return [SEED_BASES[scenario_set] + k for k in range(count)]
 
 
 def build_scenario(name: str, cfg: BenchConfig) -> Scenario:
@@ -123,7 +190,42 @@ def build_scenario(name: str, cfg: BenchConfig) -> Scenario:
             tuple({"rank": last, "factor": STRAGGLER_FACTOR, "startStep": a, "endStep": b} for a, b in spells),
             (tuple(range(last)), (last,)),
         )
-    raise ValueError(f"unknown scenario {name!r}; known: {', '.join(GOODPUT_SCENARIOS)}")
+    if name in HELDOUT_SHAPES:
+        return build_heldout(name, cfg)
+    raise ValueError(f"unknown scenario {name!r}; known: {', '.join((*GOODPUT_SCENARIOS, *HELDOUT_SCENARIOS))}")
+
+
+def build_heldout(name: str, cfg: BenchConfig) -> Scenario:
+    """A held-out scenario on `cfg` (run it on `scenario_config(name, cfg)`, which sets its workers)."""
+    n, last = cfg.workers, cfg.workers - 1
+    fast = tuple(range(last))
+    if name in ("3w-straggler-2x", "6w-straggler-5x"):
+        factor = 2.0 if name == "3w-straggler-2x" else 5.0
+        return Scenario(
+            name,
+            f"rank {last} of {n} is {factor:g}x slower for the whole run",
+            ({"rank": last, "factor": factor},),
+            (fast, (last,)),
+        )
+    if name == "8w-two-classes":
+        half = n // 2
+        slow = tuple(range(n - half, n))
+        return Scenario(
+            name,
+            f"two speed classes: ranks 0..{n - half - 1} at 1x, ranks {slow[0]}..{slow[-1]} 1.5x slower, "
+            "for the whole run",
+            tuple({"rank": r, "factor": 1.5} for r in slow),
+            (tuple(range(n - half)), slow),
+        )
+    if name == "4w-late-straggler-3x":
+        start = round(cfg.steps * LATE_START_FRACTION)
+        return Scenario(
+            name,
+            f"rank {last} of {n} becomes {STRAGGLER_FACTOR:g}x slower at step {start} and stays so",
+            ({"rank": last, "factor": STRAGGLER_FACTOR, "startStep": start},),
+            (fast, (last,)),
+        )
+    raise ValueError(f"unknown held-out scenario {name!r}; known: {', '.join(HELDOUT_SCENARIOS)}")
 
 
 def emulation(cfg: BenchConfig, scenario: Scenario) -> dict[str, Any]:

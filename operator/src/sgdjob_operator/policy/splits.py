@@ -23,6 +23,7 @@ from sgdjob_operator.policy.state import RankState
 # Ten steps: a 3x straggler split at once from its first 2-3 steps (14 samples where 13 is right,
 # ~7 % slower steps) is corrected at step 21-27 instead of 42; a homogeneous fleet still made no
 # split over 3 digits-cnn runs (its speeds agree to a few per cent over ten steps).
+# Fitted on the tuning set: one-straggler, homogeneous; digits-cnn, interval 0.5 s, seeds 0-2 (b4c3c6f, 7ae3ef1).
 RESPLIT_MARGIN = 0.03
 RESPLIT_STEPS = 10
 # Once every speed's error is measured (`state.SpeedEstimate.error`, from the spread of its windows),
@@ -32,11 +33,13 @@ RESPLIT_STEPS = 10
 # factor does not scale (measured on the bimodal benchmark: the 2x pair read 1.92x slower at 32
 # samples, 1.99x at the split, so 42/22 where 43/21 is right: +2 % predicted for the rest of the
 # run and never made under a flat 3 %).
+# Fitted on the tuning set: bimodal (homogeneous checked), digits-cnn, interval 0.5 s, seeds 0-2 (a417476).
 RESPLIT_SIGMAS = 2.0
 RESPLIT_FLOOR = 0.015
 # A re-split also needs every speed to rest on this many (decayed) windows: a window's noise is shared
 # by its steps (one long window of 30 steps is no better known than its noise), and a second window
 # halves its variance.
+# Fitted on the tuning set with RESPLIT_SIGMAS: bimodal, digits-cnn, interval 0.5 s, seeds 0-2 (a417476).
 RESPLIT_WINDOWS = 1.9
 # A new split of sync's batch predicting at least this gain is made on the first window that shows
 # it, every rank's speed resting on FAST_STEPS steps, without waiting for persistenceIntervals: when
@@ -50,6 +53,7 @@ RESPLIT_WINDOWS = 1.9
 # unless most such windows are one-off blips. Measured on the bimodal benchmark (2x on half the
 # fleet, +45 % on its first window): auto went from 1.03-1.05x to 1.00-1.01x the static
 # speed-proportional split (3 seeds each). Milder gains (a 1.3x rank: +22 %) keep the persistence rule.
+# Fitted on the tuning set: one-straggler (a896fab), bimodal (a417476); digits-cnn, interval 0.5 s, seeds 0-2.
 FAST_GAIN = 0.4
 FAST_STEPS = 2.0
 
