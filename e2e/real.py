@@ -38,6 +38,7 @@ OPERATOR_LABELS = f"app.kubernetes.io/instance={RELEASE}"
 # cluster has them imported before the first real-node test (devcluster/pytest_plugin.py).
 OPERATOR_IMAGES = ["operator", "trainer"]
 GPUS_PER_NODE = 1
+OPERATOR_REPLICAS = 2
 DEV_VALUES = Path(__file__).resolve().parents[1] / "devcluster" / "helm-values.yaml"
 
 
@@ -63,16 +64,32 @@ class RealOperator:
     kube: KubeApi
     timings: dict[str, float]
 
-    def pod(self) -> Obj | None:
-        """The running, ready operator pod (None while there is none)."""
+    def pods(self) -> list[Obj]:
+        """The release's running, ready operator pods (leader and standbys)."""
+        found = []
         for pod in self.kube.get(f"/api/v1/namespaces/{OPERATOR_NS}/pods", labelSelector=OPERATOR_LABELS)["items"]:
             ready = any(c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions", []))
             if ready and not pod["metadata"].get("deletionTimestamp"):
-                return dict(pod)
-        return None
+                found.append(dict(pod))
+        return found
 
-    def restarts(self) -> int:
-        pod = wait_for(self.pod, 120, "a ready operator pod")
+    def leader_name(self) -> str:
+        """The pod whose process holds the Lease now ('' while nobody does): the identity is
+        `<pod name>_<process id>`."""
+        try:
+            lease = self.kube.get(f"/apis/coordination.k8s.io/v1/namespaces/{OPERATOR_NS}/leases/{RELEASE}")
+        except KubeError:
+            return ""
+        holder = str((lease.get("spec") or {}).get("holderIdentity") or "")
+        return holder.rpartition("_")[0]
+
+    def pod(self) -> Obj | None:
+        """The ready pod of the leader (None while there is none: a failover, a restart)."""
+        leader = self.leader_name()
+        return next((p for p in self.pods() if p["metadata"]["name"] == leader), None)
+
+    def restarts(self, name: str) -> int:
+        pod = self.kube.get(f"/api/v1/namespaces/{OPERATOR_NS}/pods/{name}")
         return sum(int(c.get("restartCount", 0)) for c in pod["status"].get("containerStatuses", []))
 
     def host_pids(self, pod: Obj) -> list[int]:
@@ -90,16 +107,24 @@ class RealOperator:
         return found
 
     def crash(self, down_s: float = 3.0) -> None:
-        """SIGKILL the operator's process from the host, as the kernel's OOM killer would; the kubelet
-        restarts the container (restartPolicy Always). Returns once the restarted one is ready."""
-        pod = wait_for(self.pod, 120, "a ready operator pod")
-        before = self.restarts()
+        """SIGKILL the leader's process from the host, as the kernel's OOM killer would; the kubelet
+        restarts the container (restartPolicy Always) and a leader (the standby, or the restarted one
+        once the old lease expires) takes over. Returns once the crashed container is back and ready
+        and a leader holds the Lease again."""
+        pod = wait_for(self.pod, 120, "a ready operator leader")
+        name = pod["metadata"]["name"]
+        before = self.restarts(name)
         pids = self.host_pids(pod)
-        assert pids, f"no process of operator pod {pod['metadata']['name']} found on the host"
+        assert pids, f"no process of operator pod {name} found on the host"
         for pid in pids:
             os.kill(pid, signal.SIGKILL)
         time.sleep(down_s)
-        wait_for(lambda: self.pod() and self.restarts() > before, 180, "the operator container restarted and ready")
+        wait_for(
+            lambda: self.restarts(name) > before and any(p["metadata"]["name"] == name for p in self.pods()),
+            180,
+            f"operator pod {name} restarted and ready",
+        )
+        wait_for(self.pod, 120, "a leader again")
 
     def logs(self, tail: int = 80) -> str:
         result = self.cluster.kubectl(
@@ -133,6 +158,9 @@ def install_operator(cluster: RealCluster, workdir: Path, resync_s: int = 3) -> 
     values = {
         # A short resync, as the process-node scenarios run the operator: the tests wait less.
         "extraArgs": ["--resync", str(resync_s)],
+        # High availability as an admin runs it: a leader and a hot standby on another node, so that
+        # losing any one node (the leader's too, e2e/test_chaos.py) leaves an operator.
+        "replicaCount": OPERATOR_REPLICAS,
         "webhook": {
             "enabled": True,
             "certSecret": "webhook-tls",
@@ -146,7 +174,7 @@ def install_operator(cluster: RealCluster, workdir: Path, resync_s: int = 3) -> 
         "--wait", "--timeout", "5m", timeout=400,
     )  # fmt: skip
     op = RealOperator(cluster, kube, timings)
-    wait_for(op.pod, 120, "the operator pod ready")
+    wait_for(lambda: len(op.pods()) == OPERATOR_REPLICAS and op.pod(), 120, "the operator pods ready, one leading")
     # Ready is the liveness port; the webhook's Service may trail it by a moment (endpoints, kube-proxy).
     wait_for(lambda: _webhook_answers(cluster), 120, "the webhook answering through its Service")
     timings["helm install to ready"] = round(time.monotonic() - t2, 1)

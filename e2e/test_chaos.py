@@ -6,14 +6,19 @@ it had reached), the lost steps (from the resumed rank 0's restart record: reach
 step) and the duplicate pods (the most live pods of one worker index at any poll, which must be 1, and
 never more worker pods than replicas). The figures are printed as a table at the end of the module.
 
+Case 0 runs first on a job of its own ("powercut": 3 workers, minReplicas 2, 800 steps, checkpoints
+every 20 steps), the worst single node to lose, chosen rather than spared:
+  0) the node holding the job's rendezvous store, worker-0 and the operator's leader (the chart runs
+     two operator replicas) loses power (`RealCluster.fail_node`: its kubelet, kube-proxy, containerd,
+     the shims and every container SIGKILLed at once) -> the standby takes the Lease, the silent store
+     is re-homed, the survivors train on from the last checkpoint (at most one interval lost), worker-0
+     grows back when the node boots again, and the job Succeeds with nothing counted against
+     backoffLimit. The moments of each step are printed as a timeline.
 Cases a-d share one job ("chaos": 3 workers, checkpoints every 20 steps, onStop) in file order, each
 waiting for a full world again before its fault; e and f run on jobs of their own after it:
   a) worker-0's pod deleted (kubectl delete: SIGTERM) -> final checkpoint, 0 steps lost (graceful).
   a2) a node drained (kubectl drain: cordon, then the eviction API, SIGTERM) -> the same, and the
      worker comes back on another node.
-  b) a node lost: its kubelet, kube-proxy, containerd, the shims and every container SIGKILLed at once
-     (`RealCluster.fail_node`, a power cut; the node then boots again) -> the survivors go on from the
-     last checkpoint: at most one interval lost.
   c) the operator killed (SIGKILL) in the middle of a mode switch -> restarted, it finishes the switch
      with the same pods.
   d) the API server restarted -> training goes on, the same pods.
@@ -44,6 +49,7 @@ pytestmark = [pytest.mark.k8s, pytest.mark.multiproc, pytest.mark.realnode(image
 JOB = "chaos"
 INTERVAL = 20  # checkpoint.intervalSteps
 START_TIMEOUT = 240.0
+POWERCUT_STEPS = 800  # a few minutes on 2 shared cores: long enough to lose a node and grow back
 RECOVER_TIMEOUT = 240.0
 RESTART_RE = re.compile(r"restart: (\d+) steps lost \(reached (\d+), resumed at (\d+)\)")
 NO_GPU = {"spec": {"containers": [{"name": "trainer"}]}}  # e and f may schedule beside the chaos job's pods
@@ -188,6 +194,116 @@ def chaos(env: RealEnv) -> str:
     return JOB
 
 
+def pod_node(e: RealEnv, name: str) -> str | None:
+    pod = e.kube.get_or_none(f"/api/v1/namespaces/{e.ns}/pods/{name}")
+    return None if pod is None else pod["spec"].get("nodeName")
+
+
+def gathered_on(e: RealEnv, job: str, node: str) -> bool:
+    """The job's rendezvous store and worker-0 both running on `node`."""
+    pods = {p["metadata"]["name"]: p for p in e.kube.get(f"/api/v1/namespaces/{e.ns}/pods")["items"]}
+    wanted = [pods.get(f"{job}-rdzv"), pods.get(f"{job}-worker-0")]
+    return all(p and p["spec"].get("nodeName") == node and p["status"].get("phase") == "Running" for p in wanted)
+
+
+def watch_marks(marks: dict[str, Any], t0: float, timeout: float) -> dict[str, tuple[float, Any]]:
+    """Polls each check in a thread of its own; the returned dict fills in, as each turns truthy, with
+    (seconds since `t0`, the check's value)."""
+    seen: dict[str, tuple[float, Any]] = {}
+
+    def poll(name: str, check: Any) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                value = check()
+            except Exception:  # the API server answers slowly while a node's pods are torn down
+                value = None
+            if value:
+                seen[name] = (round(time.monotonic() - t0, 1), value)
+                return
+            time.sleep(0.5)
+
+    for name, check in marks.items():
+        threading.Thread(target=poll, args=(name, check), daemon=True).start()
+    return seen
+
+
+def test_0_power_cut_of_the_node_with_the_store_worker_0_and_the_leader(env: RealEnv) -> None:
+    """The worst single node to lose (issue #38): the one holding the job's rendezvous store, worker-0
+    (the first rank to start and the usual rank 0) and the operator's leader, all killed at once. The
+    standby operator takes the Lease, the store is re-homed, the two survivors (= minReplicas) train on
+    from the last checkpoint, worker-0 grows back when the node returns, and the job Succeeds without
+    any of it counted against backoffLimit."""
+    job, steps = "powercut", POWERCUT_STEPS
+    node = env.operator_node()  # the leader's
+    assert any(p["spec"]["nodeName"] != node for p in env.operator.pods()), "a standby on another node"
+    others = [n for n in env.cluster.node_names() if n != node]
+    ckpt = str(env.tmp / "ckpt-powercut")
+    manifest = json.loads(
+        env.manifest(
+            job, steps=steps, checkpoint_dir=ckpt, mode="sync", replicas=1, min_replicas=1, max_replicas=3,
+            training={"checkpoint": {"dir": ckpt, "intervalSteps": INTERVAL, "onStop": True}},
+        )
+    )  # fmt: skip
+    # Placed by hand, as bad luck would place them: the store and worker-0 start while every other node
+    # is cordoned, then the job grows to 3 over the others.
+    for other in others:
+        env.kubectl("cordon", other)
+    try:
+        env.apply(json.dumps(manifest))
+        wait_for(lambda: gathered_on(env, job, node), START_TIMEOUT, f"store and worker-0 running on {node}")
+    finally:
+        for other in others:
+            env.kubectl("uncordon", other)
+    env.kubectl("patch", "sgdjob", job, "-n", env.ns, "--type=merge", "-p", '{"spec":{"replicas":3,"minReplicas":2}}')
+    wait_for(
+        lambda: len(live(env, job)) == 3 and job_status(env.kube, env.ns, job).get("readyReplicas") == 3,
+        START_TIMEOUT,
+        "3 ready workers",
+    )
+    at = step(env, job)
+    wait_for(lambda: step(env, job) > at + 2 * INTERVAL, 180, "steps and a fresh checkpoint in a world of 3")
+    assert gathered_on(env, job, node) and env.operator_node() == node, "still gathered on one node"
+    leader = env.operator.leader_name()
+    restarts_before = int(job_status(env.kube, env.ns, job).get("restarts") or 0)
+    before = restarts(env, job)
+    with PodWatch(env, job) as watch:
+        t0 = time.monotonic()
+        try:
+            env.fail_node(node)
+            # Each in its own thread: the moments they happen are the figures (seconds after the cut).
+            marks = {
+                "new leader": lambda: (name := env.operator.leader_name()) not in ("", leader) and name,
+                "store re-homed": lambda: (n := pod_node(env, f"{job}-rdzv")) not in (None, node) and n,
+            }
+            seen = watch_marks(marks, t0, 180)
+            seconds, lost = recovered(env, before, t0, job)
+            seen["training past the step reached"] = (round(seconds, 1), lost)
+        finally:
+            env.recover_node(node)  # the power comes back
+        seen["node back"] = (round(time.monotonic() - t0, 1), node)
+        wait_for(lambda: len(live(env, job)) == 3 or job_status(env.kube, env.ns, job).get("phase") == "Succeeded",
+                 RECOVER_TIMEOUT, "worker-0 back (or the job done)")  # fmt: skip
+        st = wait_for(
+            lambda: (s := job_status(env.kube, env.ns, job)).get("phase") in ("Succeeded", "Failed") and s,
+            600,
+            f"{job} finished",
+        )
+    record(f"0 power cut of store+worker-0+leader node ({node})", outcome(env, job), watch, seconds, lost)
+    events = [f"{ev['reason']}: {ev['message']}" for ev in job_events(env.kube, env.ns, job)]
+    timeline = ", ".join(
+        f"{what} {at}s ({detail})" for what, (at, detail) in sorted(seen.items(), key=lambda i: i[1][0])
+    )
+    FIGURES["power cut of the store + worker-0 + leader node: seconds after the cut"] = timeline
+    print(f"power cut of {node} (leader {leader}): {timeline}; events:\n" + "\n".join(events))
+    assert "new leader" in seen and "store re-homed" in seen, seen
+    assert st["phase"] == "Succeeded", (st.get("phase"), st.get("message"), events)
+    assert int(st.get("restarts") or 0) == restarts_before, "a lost node is the infrastructure's fault, not the job's"
+    assert lost <= 2 * INTERVAL, f"{lost} steps lost > one interval ({INTERVAL}) + one in-flight write"
+    assert watch.per_index == 1 and watch.total <= 3
+    env.kubectl("delete", "sgdjob", job, "-n", env.ns, "--wait=false")
+
+
 def test_a_worker_0_deleted_gracefully_loses_no_step(env: RealEnv, chaos: str) -> None:
     old, _ = ready_for_fault(env)
     before = restarts(env)
@@ -221,24 +337,6 @@ def test_a2_node_drain_loses_no_step_and_moves_the_worker(env: RealEnv, chaos: s
     assert f"pod/{name} evicted" in drained.stdout, drained.stdout
     assert next(p["spec"]["nodeName"] for p in back if p["metadata"]["name"] == name) != node
     assert lost == 0, "an eviction is a graceful stop: a final checkpoint"
-    assert watch.per_index == 1 and watch.total <= 3
-
-
-def test_b_a_lost_node_costs_at_most_one_interval(env: RealEnv, chaos: str) -> None:
-    pods, _ = ready_for_fault(env)
-    node = spared_worker(env, pods)["spec"]["nodeName"]
-    before = restarts(env)
-    with PodWatch(env, chaos) as watch:
-        t0 = time.monotonic()
-        try:
-            env.fail_node(node)
-            seconds, lost = recovered(env, before, t0)
-        finally:
-            env.recover_node(node)  # the node boots again; the kubelet reports its dead containers
-        wait_for(lambda: full_world(env), RECOVER_TIMEOUT, "a world of 3 after the node is back")
-    record(f"b node lost ({node})", outcome(env), watch, seconds, lost)
-    # Checkpoints are written in the background: a loss during a write falls back to the one before.
-    assert lost <= 2 * INTERVAL, f"{lost} steps lost > one interval ({INTERVAL}) + one in-flight write"
     assert watch.per_index == 1 and watch.total <= 3
 
 

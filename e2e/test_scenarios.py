@@ -29,7 +29,7 @@ from e2e.helpers import (
     kubectl_table,
     worker_pods,
 )
-from e2e.real import OPERATOR_IMAGES, OPERATOR_NS, RELEASE, RealEnv, RealOperator, real_scenario_env
+from e2e.real import OPERATOR_IMAGES, OPERATOR_NS, OPERATOR_REPLICAS, RELEASE, RealEnv, RealOperator, real_scenario_env
 
 pytestmark = [pytest.mark.k8s, pytest.mark.multiproc, pytest.mark.realnode(images=OPERATOR_IMAGES)]
 
@@ -104,7 +104,7 @@ def test_0_the_operator_runs_from_the_chart_as_a_locked_down_deployment(env: Rea
     """What `helm install` made: the project's operator image in a real container, non-root, with a
     read-only root filesystem, and the liveness endpoint the kubelet probes answering."""
     deploy = env.kube.get(f"/apis/apps/v1/namespaces/{OPERATOR_NS}/deployments/{RELEASE}")
-    assert deploy["status"].get("readyReplicas") == 1, deploy["status"]
+    assert deploy["status"].get("readyReplicas") == OPERATOR_REPLICAS, deploy["status"]
     pod = env.operator.pod()
     assert pod is not None
     (container,) = pod["spec"]["containers"]
