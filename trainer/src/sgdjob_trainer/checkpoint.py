@@ -194,6 +194,7 @@ class Checkpointer:
     stalls: list[float] = field(default_factory=list)
     writes: list[float] = field(default_factory=list)
     completed: list[int] = field(default_factory=list)
+    failures: list[tuple[int, str]] = field(default_factory=list)  # (step, error) of writes that failed
     _queue: queue.Queue[Snapshot] = field(default_factory=lambda: queue.Queue(maxsize=1))
     _progress_at: float = 0.0
 
@@ -229,8 +230,12 @@ class Checkpointer:
             try:
                 self._write(snap)
                 self.writes.append(time.perf_counter() - start)
-            except Exception:
+            except Exception as err:
                 log.exception("checkpoint of step %d failed on rank %d; training goes on", snap.step, self.rank)
+                self.failures.append((snap.step, f"{type(err).__name__}: {err}"[:300]))
+                # The step can no longer complete, and on a full volume its partial files hold the space
+                # the next checkpoint needs.
+                shutil.rmtree(self.root / f"{TMP_PREFIX}{snap.step:010d}-{self.life}", ignore_errors=True)
             finally:
                 self._queue.task_done()
 

@@ -59,6 +59,7 @@ class Recovery:
         self.history: list[dict[str, Any]] = []
         self.finishing = False  # past the agreed stop: writing the final checkpoint
         self.slowest_step = 0.0
+        self._failures_reported = 0  # checkpoint write failures already in /status
         self._step_at = time.monotonic()
         # One id per start of the job, the same on every rank: names this life's temp directories.
         holder: list[Any] = [uuid.uuid4().hex[:12] if info.rank == 0 else None]
@@ -161,6 +162,8 @@ class Recovery:
                     ctx.ps.checkpoint_request = state.step
             if rank == 0:
                 ckpt.note_progress(state.step, self.history)
+            if len(ckpt.failures) != self._failures_reported:
+                self.report()  # a failed write shows in /status at once, not at the end
         self._faults()
 
     def at_barrier(self, newest: int) -> None:
@@ -238,8 +241,14 @@ class Recovery:
     def report(self) -> None:
         """Checkpoint figures for /status and the rank report."""
         if self.ckpt is not None:
+            failures = list(self.ckpt.failures)
+            self._failures_reported = len(failures)
+            last = failures[-1] if failures else None
             self.ctx.telemetry.checkpoint = CheckpointReport(
                 stall_seconds=Figures.of(self.ckpt.stalls),
                 write_seconds=Figures.of(self.ckpt.writes),
                 completed=list(self.ckpt.completed),
+                failed=len(failures),
+                last_error=last[1] if last else None,
+                last_error_step=last[0] if last else None,
             )

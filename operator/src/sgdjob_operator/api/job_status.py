@@ -176,6 +176,9 @@ class ControllerState(CamelModel):
     last_change_time: Annotated[
         str | None, Field(max_length=64, description="When the operator last changed the job (RFC 3339).")
     ] = None
+    checkpoint_failures: Annotated[
+        int, Field(ge=0, le=10**9, description="Rank 0's failed checkpoint writes already reported in an Event.")
+    ] = 0
     store_answered: Annotated[
         str | None,
         Field(max_length=64, description="UID of the latest rendezvous store pod that answered the operator."),

@@ -152,6 +152,7 @@ def record_observation(
             st.target_step = rank0.target_step
             st.time_to_target_seconds = max(0.0, min(1e9, rank0.time_to_target_s or 0.0))
             events.append(Event("Normal", TARGET_REACHED, f"validation reached the target at step {st.target_step}"))
+        events += checkpoint_failures(st, rank0)
     if spec is not None and obs.samples:
         record_eta(st, spec, obs)
     if health is not None:
@@ -159,6 +160,29 @@ def record_observation(
         st.stragglers = [Straggler.model_validate(r) for r in health.straggler_records()]
         st.straggler_count = len(st.stragglers)
     return events
+
+
+def checkpoint_failures(st: SGDJobStatus, rank0: WorkerStatus) -> list[Event]:
+    """A Warning for rank 0's checkpoint writes that failed since the last one reported (a full or
+    read-only volume): training goes on, but a restart would go back to the last good checkpoint."""
+    ckpt, ctl = rank0.checkpoint, controller(st)
+    if ckpt is None or ckpt.failed == ctl.checkpoint_failures:
+        return []
+    # Fewer than reported: a new life of rank 0 counts from 0 again.
+    new = ckpt.failed - ctl.checkpoint_failures if ckpt.failed > ctl.checkpoint_failures else ckpt.failed
+    ctl.checkpoint_failures = ckpt.failed
+    if new <= 0:
+        return []
+    good = f"step {ckpt.completed[-1]}" if ckpt.completed else "none written by this life"
+    return [
+        Event(
+            "Warning",
+            "CheckpointFailed",
+            f"{new} checkpoint write(s) failed ({ckpt.failed} since rank 0 started); last, of step "
+            f"{ckpt.last_error_step}: {ckpt.last_error}; training goes on, the last good checkpoint: {good}; "
+            "check the volume of spec.training.checkpoint.dir",
+        )
+    ]
 
 
 def command_to_push(st: SGDJobStatus, obs: Observation) -> ControlCommand | None:

@@ -304,6 +304,12 @@ def summary_lines(report: Mapping[str, Any]) -> list[str]:
         lines.append(
             f"restarts {report['restarts']} (resumed from checkpoints), steps redone {report.get('lost_steps')}"
         )
+    ckpt = report.get("checkpoint") or {}
+    if ckpt.get("failed"):
+        lines.append(
+            f"checkpoint writes failed: {ckpt['failed']} (last, of step {ckpt.get('lastErrorStep')}: "
+            f"{ckpt.get('lastError')}); check training.checkpoint.dir's volume"
+        )
     for death in report.get("agent_deaths") or []:
         recovered = death.get("recovery_s")
         lines.append(

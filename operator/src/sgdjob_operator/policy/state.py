@@ -45,7 +45,7 @@ _ESTIMATE_FIELDS = (
 )
 # Windows an estimate must sum (decayed: five windows in a row make 4.1) before the spread of their
 # speeds says how well it is known.
-# Fitted on the tuning set with engine.RESPLIT_SIGMAS: bimodal, interval 0.5 s, seeds 0-2 (a417476).
+# Fitted on the tuning set with splits.RESPLIT_SIGMAS: bimodal, interval 0.5 s, seeds 0-2 (a417476).
 MIN_SPREAD_WINDOWS = 4.0
 
 

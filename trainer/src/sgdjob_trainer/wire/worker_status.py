@@ -70,6 +70,10 @@ class CheckpointReport(WireDocument):
     stall_seconds: Figures
     write_seconds: Figures
     completed: list[int] = []
+    # Writes that failed (a full or read-only volume): training goes on from the last good checkpoint.
+    failed: int = 0
+    last_error: str | None = None
+    last_error_step: int | None = None
 
 
 class WorkerStatus(WireDocument):
