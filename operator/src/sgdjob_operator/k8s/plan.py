@@ -123,15 +123,26 @@ def _watch_store(plan: Plan, spec: SGDJobSpec, pods: Sequence[PodView], answered
 
 
 def _replace_lost(
-    plan: Plan, spec: SGDJobSpec, pods: Sequence[PodView], lost: Mapping[str, tuple[float, str]], now: float
+    plan: Plan,
+    spec: SGDJobSpec,
+    pods: Sequence[PodView],
+    lost: Mapping[str, tuple[float, str]],
+    now: float,
+    *,
+    store_answered: bool = False,
 ) -> None:
     """Pods on a node lost for nodeLostGraceSeconds: force-deleted, the node excluded, one Event per
-    pod naming the node. Their replacements are created once the names are free (next pass)."""
+    pod naming the node. Their replacements are created once the names are free (next pass).
+    A store that still answers (its node's kubelet stopped, its containers alive) is kept: the agents
+    hold connections to it, and a second store would let a second world form beside theirs."""
     ctl = controller(plan.status)
     grace = spec.run_policy.node_lost_grace_seconds
+    probed = store_to_probe(pods)
     for gone in lost_pods(pods, lost, now=now, grace_s=grace):
         if gone.pod in plan.force_delete:
             continue  # a store re-homed this pass already
+        if store_answered and probed is not None and gone.pod == probed.name:
+            continue
         why = f"node {gone.node} ({gone.how} since {rfc3339(gone.since)})"
         plan.delete_pods.append((gone.pod, f"lost with {why}; force-deleted and recreated"))
         plan.force_delete.add(gone.pod)
@@ -187,7 +198,7 @@ def plan_reconcile(
             )
         else:
             _watch_store(plan, spec, pods, store_answered, now)
-            _replace_lost(plan, spec, pods, lost_nodes or {}, now)
+            _replace_lost(plan, spec, pods, lost_nodes or {}, now, store_answered=store_answered is True)
             _count_failures(plan, spec, pods, lost_nodes or {}, now)
 
     if st.phase in FINISHED:
