@@ -1,7 +1,7 @@
 """The operator's CPU cost of one policy pass of one running job (issue #37: choose the default
 `policy.intervalSeconds` from what a pass costs).
 
-    python -m bench.pass_cost --out DIR [--workers 8] [--passes 200] [--sizes 2,8,32]
+    python -m bench.pass_cost --out DIR [--workers 8] [--passes 200] [--sizes 2,8,32] [--slow-factor 2]
 
 For each job size N in `--sizes` (and `--workers`, always measured), a child process serves N
 real trainer HTTP servers (`sgdjob_trainer.server.TrainerServer` over `sgdjob_trainer.telemetry.
@@ -20,15 +20,16 @@ for a running job's policy pass, with the operator's own code, each phase timed 
 
 Not included: the pass's Kubernetes API requests (GET the job and its policy ConfigMap, the cached
 pod and node lists, PATCH status and the ConfigMap when they changed: their counts per pass are
-reported, `status_changed` and `policy_state_changed`), the store probe and the event loop's
-scheduling of the pass. So the capacity figures below are an upper bound on jobs per core.
+reported, `status_changed` and `policy_state_changed`), the store probe, the rest of the reconcile
+pass (its plan) and the event loop's scheduling of it. So the capacity figures are an upper bound on
+jobs per core.
 
 Time is virtual: pass k sees the job at k policy intervals after training began (the spec's
 `policy.intervalSeconds`, default 10 s), and the workers' counters, their `training_seconds` and
 `stalled_seconds` advance by exactly one interval between passes, so the policy measures as it does
 in a real job while the passes run back to back. The worker model (sync: every rank waits for the
-slowest of its group; async: each rank steps alone; one rank 2x slower, 5 % jitter) only makes
-the counters plausible; the policy's decisions on it are reported (`decisions`), and a command it
+slowest of its group; async: each rank steps alone; rank N-1 `--slow-factor` slower, 5 % jitter)
+only makes the counters plausible; the policy's decisions on it are reported (`decisions`), and a command it
 pushes is applied by the workers at the next interval, as a trainer applies it at a step boundary.
 
 The trainer side is measured in the child: its process CPU while it only serves (the counters are
@@ -88,13 +89,13 @@ SCRAPE_GRACE_S = 120.0
 CONNECTION_LIMIT = 256
 
 # The worker model: a step of 0.25 s compute at batch 32 (a mid-sized model on one accelerator);
-# rank N-1 2x slower, over the default stragglerThreshold (1.5), so every pass runs the straggler
-# path (candidates and cost model), the policy's dearer one (at 1.3x it calls the job homogeneous and
-# stops early); gradients of a 25.6M-parameter model in fp32 (ResNet-50). The job is long (a million
-# steps, days): no pass is cut short by the job's end being near.
+# rank N-1 2x slower by default (`--slow-factor`), over the default stragglerThreshold (1.5), so every
+# pass runs the straggler path (candidates and cost model), the policy's dearer one (under 1.5x it
+# calls the job homogeneous and stops early); gradients of a 25.6M-parameter model in fp32 (ResNet-50).
+# The job is long (a million steps, days): no pass is cut short by the job's end being near.
 BATCH = 32
 SPEED = 128.0  # samples per second of compute of a rank of factor 1
-SLOW_FACTOR = 2.0
+SLOW_FACTOR = 2.0  # rank N-1's step time over the others'
 JOB_STEPS = 1_000_000
 JITTER = 0.05
 SYNC_COMM_S = 0.02  # allreduce per synchronous step
@@ -165,7 +166,7 @@ def instrument(server: TrainerServer, tally: Tally) -> None:
 class Fleet:
     """N trainer processes' telemetry and HTTP servers in one process, advanced on a virtual clock."""
 
-    def __init__(self, n: int, seed: int) -> None:
+    def __init__(self, n: int, seed: int, slow_factor: float) -> None:
         self.n = n
         self.rng = random.Random(seed)
         self.tally = Tally()
@@ -173,7 +174,7 @@ class Fleet:
         self.mode = SyncMode.SYNC
         self.groups: list[list[int]] = [list(range(n))]
         self.batches = [BATCH] * n
-        self.speeds = [SPEED] * (n - 1) + [SPEED / SLOW_FACTOR]
+        self.speeds = [SPEED] * (n - 1) + [SPEED / slow_factor]
         self.steps = [0] * n
         self.clock = [0.0] * n  # virtual time each rank's next step starts at
         self.samples_applied = 0
@@ -259,10 +260,10 @@ class Fleet:
             s.stop()
 
 
-def serve(n: int, seed: int, commands: IO[str], replies: IO[str]) -> None:
+def serve(n: int, seed: int, slow_factor: float, commands: IO[str], replies: IO[str]) -> None:
     """The child's loop: one JSON reply per command line. The process CPU spent between a reply and
     the next command is serving only (the parent scrapes while this loop waits for input)."""
-    fleet = Fleet(n, seed)
+    fleet = Fleet(n, seed, slow_factor)
     serve_cpu = step_cpu = 0.0
     replied_at = time.process_time()
 
@@ -298,7 +299,7 @@ def serve(n: int, seed: int, commands: IO[str], replies: IO[str]) -> None:
 class Workers:
     """The child process, driven line by line."""
 
-    def __init__(self, n: int, seed: int, token: str) -> None:
+    def __init__(self, n: int, seed: int, slow_factor: float, token: str) -> None:
         # The child imports the code this process runs (an editable install may point at another checkout).
         code = [REPO_ROOT, *(Path(str(m.__file__)).parents[1] for m in (sgdjob_operator, sgdjob_trainer))]
         paths = [*map(str, code), *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
@@ -307,7 +308,17 @@ class Workers:
             ENV_CONTROL_TOKEN: token,
             "PYTHONPATH": os.pathsep.join(dict.fromkeys(p for p in paths if p)),
         }
-        cmd = [sys.executable, "-m", "bench.pass_cost", "--serve", str(n), "--seed", str(seed)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "bench.pass_cost",
+            "--serve",
+            str(n),
+            "--seed",
+            str(seed),
+            "--slow-factor",
+            repr(slow_factor),
+        ]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         self.ports: list[int] = self._read()["ports"]
 
@@ -492,10 +503,10 @@ def parse_cost(text: str, repeat: int = 200) -> float:
     return (time.process_time() - start) / repeat
 
 
-def measure_size(n: int, passes: int, warmup: int, seed: int) -> dict[str, Any]:
+def measure_size(n: int, passes: int, warmup: int, seed: int, slow_factor: float) -> dict[str, Any]:
     """Passes of one job of n workers: the operator's CPU per phase, the trainer's per request."""
     token = secrets.token_hex(16)
-    workers = Workers(n, seed, token)
+    workers = Workers(n, seed, slow_factor, token)
     try:
         start = time.time()
         job = Job(n, workers.ports, start)
@@ -566,13 +577,21 @@ def capacity(cost_ms: float, trainer_ms: float | None) -> dict[str, Any]:
     }
 
 
-def run(out: Path, workers: int, passes: int, sizes: Sequence[int], warmup: int, seed: int) -> dict[str, Any]:
+def run(
+    out: Path,
+    workers: int,
+    passes: int,
+    sizes: Sequence[int],
+    warmup: int,
+    seed: int = 0,
+    slow_factor: float = SLOW_FACTOR,
+) -> dict[str, Any]:
     measured = sorted({*sizes, workers})
     load_start = os.getloadavg()
     results: dict[str, Any] = {}
     for n in measured:
         print(f"measuring {n} workers, {warmup} + {passes} passes ...", flush=True)
-        results[str(n)] = measure_size(n, passes, warmup, seed)
+        results[str(n)] = measure_size(n, passes, warmup, seed, slow_factor)
     job = results[str(workers)]
     # The trainer answers one /metrics per pass (rank 0 also a /status): its CPU per pass, per worker.
     trainer_ms = job["trainer"]["cpu_ms_per_request"]
@@ -592,7 +611,7 @@ def run(out: Path, workers: int, passes: int, sizes: Sequence[int], warmup: int,
             "warmup": warmup,
             "seed": seed,
             "step_compute_s": BATCH / SPEED,
-            "slow_factor": SLOW_FACTOR,
+            "slow_factor": slow_factor,
             "cpu_clock": "time.process_time (utime+stime of the process)",
         },
         "sizes": results,
@@ -648,17 +667,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--sizes", default=",".join(map(str, SIZES)), help="job sizes measured, comma-separated")
     parser.add_argument("--warmup", type=int, default=WARMUP_PASSES, help="passes before the measured ones")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--slow-factor", type=float, default=SLOW_FACTOR, help="rank N-1's step time over the others'")
     parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)  # the child: serve N workers
     args = parser.parse_args(argv)
     if args.serve is not None:
-        serve(args.serve, args.seed, sys.stdin, sys.stdout)
+        serve(args.serve, args.seed, args.slow_factor, sys.stdin, sys.stdout)
         return 0
     if args.out is None:
         parser.error("--out is required")
     sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
-    if args.passes < 1 or args.workers < 1 or any(n < 1 for n in sizes):
-        parser.error("--passes, --workers and --sizes must be positive")
-    run(args.out, args.workers, args.passes, sizes, args.warmup, args.seed)
+    if args.passes < 1 or args.workers < 1 or any(n < 1 for n in sizes) or not args.slow_factor > 0:
+        parser.error("--passes, --workers, --sizes and --slow-factor must be positive")
+    run(args.out, args.workers, args.passes, sizes, args.warmup, args.seed, args.slow_factor)
     return 0
 
 
