@@ -12,7 +12,6 @@ import base64
 import json
 import shutil
 import subprocess
-import time
 import urllib.parse
 import urllib.request
 from pathlib import Path
@@ -106,7 +105,9 @@ def test_a_healthy_run_has_no_warning_from_start_to_succeeded_and_describe_reads
         for i in range(2):
             cluster.end_pod(f"calm-worker-{i}", 0)
         wait_for("Succeeded", lambda: cluster.status("calm").get("phase") == "Succeeded")
-        time.sleep(2)  # a pass after the end could still post one
+        # A pass after the end could still post a Warning: wait for two more, not for a fixed time.
+        ended = operator.passes()
+        wait_for("two passes after the end", lambda: operator.passes() >= ended + 2, timeout=30)
         events = cluster.events("calm")
         assert [(e.reason, e.message) for e in events if e.type == "Warning"] == []
         assert "Succeeded" in {e.reason for e in events} or "WorkersSucceeded" in {e.reason for e in events}, [
