@@ -206,6 +206,11 @@ def gathered_on(e: RealEnv, job: str, node: str) -> bool:
     return all(p and p["spec"].get("nodeName") == node and p["status"].get("phase") == "Running" for p in wanted)
 
 
+def finished(e: RealEnv, job: str) -> Obj | None:
+    st = job_status(e.kube, e.ns, job)
+    return st if st.get("phase") in ("Succeeded", "Failed") else None
+
+
 def watch_marks(marks: dict[str, Any], t0: float, timeout: float) -> dict[str, tuple[float, Any]]:
     """Polls each check in a thread of its own; the returned dict fills in, as each turns truthy, with
     (seconds since `t0`, the check's value)."""
@@ -284,11 +289,7 @@ def test_0_power_cut_of_the_node_with_the_store_worker_0_and_the_leader(env: Rea
         seen["node back"] = (round(time.monotonic() - t0, 1), node)
         wait_for(lambda: len(live(env, job)) == 3 or job_status(env.kube, env.ns, job).get("phase") == "Succeeded",
                  RECOVER_TIMEOUT, "worker-0 back (or the job done)")  # fmt: skip
-        st = wait_for(
-            lambda: (s := job_status(env.kube, env.ns, job)).get("phase") in ("Succeeded", "Failed") and s,
-            600,
-            f"{job} finished",
-        )
+        st: Obj = wait_for(lambda: finished(env, job), 600, f"{job} finished")
     record(f"0 power cut of store+worker-0+leader node ({node})", outcome(env, job), watch, seconds, lost)
     events = [f"{ev['reason']}: {ev['message']}" for ev in job_events(env.kube, env.ns, job)]
     timeline = ", ".join(
