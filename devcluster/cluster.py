@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from devcluster import realcli
+from devcluster import realcli, realcpus
 from devcluster.controlplane import ControlPlane
 from devcluster.kube import KubeApi
 from devcluster.node_agent import NodeAgent, NodeSpec
@@ -257,6 +257,13 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _node_cpus(text: str) -> list[float]:
+    try:
+        return realcpus.parse(text)
+    except ValueError as err:  # argparse shows an ArgumentTypeError's own words
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m devcluster",
@@ -275,6 +282,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     real.add_argument("--workdir", default=str(realcli.DEFAULT_WORKDIR), help="up: the real cluster's folder")
     real.add_argument("--images", default="", help="up: also import these images, e.g. operator,trainer")
     real.add_argument(
+        "--node-cpus",
+        type=_node_cpus,
+        default=None,
+        help="up: CPUs per real node, node-0 first, e.g. 0.8,0.8,0.27: a cgroup CPU quota on each node's pods, "
+        "advertised as its allocatable CPU (devcluster/realcpus.py)",
+    )
+    real.add_argument(
         "--only", default="operator,trainer", help="images: which (pause,python,torch,operator,trainer,charlm)"
     )
     real.add_argument("--rebuild", action="store_true", help="images: build even when the cache is current")
@@ -285,6 +299,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     double.add_argument("--cpu-nodes", type=int, default=1, help="process nodes without GPUs (default 1)")
     args = parser.parse_args(argv)
+    if args.node_cpus is not None:
+        if args.process_nodes:
+            parser.error(
+                "--node-cpus limits real nodes' cgroups; process nodes have none: drop --node-cpus or --process-nodes"
+            )
+        try:
+            realcpus.validate(args.node_cpus, args.real_nodes)
+        except ValueError as err:
+            parser.error(str(err))
     if args.timeout is None:
         args.timeout = 120.0 if args.process_nodes else 300.0  # image imports and three kubelets on two cores
     if args.command == "images":

@@ -194,11 +194,21 @@ def _host_unavailable() -> str | None:
     return unavailable()
 
 
+def session_cluster_images(items: Sequence[pytest.Item]) -> list[str] | None:
+    """The images the session's cluster needs (those named by the realnode markers of the tests that
+    use `real_cluster`), or None when no selected test uses it: a real-node test that starts a cluster
+    of its own (tests/devcluster/test_realnodes_cpus.py) needs no second one beside it."""
+    users = [item for item in items if "real_cluster" in getattr(item, "fixturenames", ())]
+    marks = [m for item in users for m in item.iter_markers("realnode")]
+    if not marks:
+        return None
+    return sorted({name for m in marks for name in m.kwargs.get("images", ())})
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
-    marks = [m for item in session.items for m in item.iter_markers("realnode")]
-    if not marks or session.config.option.collectonly or _host_unavailable() is not None:
+    images = session_cluster_images(session.items)
+    if images is None or session.config.option.collectonly or _host_unavailable() is not None:
         return
-    images = sorted({name for m in marks for name in m.kwargs.get("images", ())})
     session.config.stash[_START] = RealClusterStart(images).start()
     # The cluster now lives through the whole session: SIGTERM (CI cancelling a run) becomes
     # KeyboardInterrupt, so pytest still reaches the teardown that stops it.
@@ -227,8 +237,7 @@ def real_cluster(request: pytest.FixtureRequest) -> Iterator[RealCluster]:
     only: otherwise the tests skip saying why (fail with SGDJOB_REQUIRE_K8S=1). Teardown fails if
     anything of it is left: processes, network namespaces, cgroups, mounts or its folder. `timings`
     holds up's phases."""
-    from devcluster.realhost import HostNotReady, cgroup_pids
-    from devcluster.realnet import exists
+    from devcluster.realhost import HostNotReady
 
     reason = _host_unavailable()
     if reason is not None:
@@ -246,9 +255,18 @@ def real_cluster(request: pytest.FixtureRequest) -> Iterator[RealCluster]:
         t0 = time.monotonic()
         problems = cluster.stop()
         print(f"\nreal cluster: up {cluster.timings}, down {time.monotonic() - t0:.1f} s")
+    assert_nothing_left(cluster, problems)
+
+
+def assert_nothing_left(cluster: RealCluster, problems: list[str]) -> None:
+    """After `cluster.stop()` (which returned `problems`): no process, network namespace, cgroup
+    process or folder of it is left."""
+    from devcluster.realhost import cgroup_pids
+    from devcluster.realnet import exists
+
     lay = cluster.layout
     assert not problems, problems
-    assert not [n for n in [lay.fabric_ns, *(lay.node_ns(i) for i in range(REAL_NODES))] if exists(n)], "netns left"
+    assert not [n for n in [lay.fabric_ns, *(lay.node_ns(i) for i in range(lay.nodes))] if exists(n)], "netns left"
     assert not cgroup_pids(lay.cgroup_root), "processes left in the cluster's cgroups"
     naming = [p.name for p in Path("/proc").iterdir() if p.name.isdigit() and _names(p, str(lay.workdir))]
     assert not naming, f"processes still naming the cluster's folder: {naming}"

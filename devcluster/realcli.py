@@ -1,6 +1,7 @@
 """The real-node side of `python -m devcluster` (devcluster/cluster.py parses the arguments):
 
     eval "$(python -m devcluster up [--real-nodes 3] [--images operator,trainer])"   # root; sets KUBECONFIG, PATH
+    python -m devcluster up --real-nodes 3 --node-cpus 0.8,0.8,0.27      # slow nodes: a CPU quota each
     python -m devcluster images [--only operator] [--rebuild]            # build (cached) + import into the nodes
     python -m devcluster status
     python -m devcluster down                                            # stops everything it started
@@ -19,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from devcluster import realnet
+from devcluster import realcpus, realnet
 from devcluster.controlplane import assets_dir
 from devcluster.images import ImageBuilder, default_cache
 from devcluster.realconf import Layout
@@ -43,6 +44,12 @@ def up(args: argparse.Namespace, info: dict[str, Any] | None) -> int:
     if info and info.get("kind") == "real":
         if _is_up(info):
             print("already up; take it down with: python -m devcluster down", file=sys.stderr)
+            if args.node_cpus and args.node_cpus != info.get("node_cpus"):
+                print(
+                    f"--node-cpus {','.join(f'{c:g}' for c in args.node_cpus)} not applied: the cluster runs with "
+                    f"{info.get('node_cpus') or 'no CPU limits'}; limits are set at up (down first)",
+                    file=sys.stderr,
+                )
             _print_env(Path(info["kubeconfig"]))
             return 0
         print("cleaning up a real cluster that is no longer complete", file=sys.stderr)
@@ -54,7 +61,7 @@ def up(args: argparse.Namespace, info: dict[str, Any] | None) -> int:
     builder = ImageBuilder()
     images = [builder.get(n) for n in [*BASE_IMAGES, *_names(args.images)]]
     built = time.monotonic() - t0
-    cluster = RealCluster(Path(args.workdir), args.real_nodes)
+    cluster = RealCluster(Path(args.workdir), args.real_nodes, node_cpus=args.node_cpus)
     cluster.start(images, timeout=args.timeout)
     state.parent.mkdir(parents=True, exist_ok=True)
     state.write_text(json.dumps(cluster.state(), indent=1))
@@ -63,8 +70,18 @@ def up(args: argparse.Namespace, info: dict[str, Any] | None) -> int:
         f"{cluster.timings.get('ready', 0):.1f} s ({cluster.timings}); files under {cluster.layout.workdir}",
         file=sys.stderr,
     )
+    for line in _cpu_lines(cluster):
+        print(f"# {line}", file=sys.stderr)
     _print_env(cluster.kubeconfig)
     return 0
+
+
+def _cpu_lines(cluster: RealCluster) -> list[str]:
+    """`up`'s summary of the nodes' CPU limits (none: every node has the whole machine)."""
+    if not cluster.node_cpus:
+        return []
+    by_node = dict(zip(cluster.node_names(), cluster.node_cpus, strict=True))
+    return realcpus.describe(by_node, realcpus.hierarchy().version, realcpus.machine_cpus())
 
 
 def _print_env(kubeconfig: Path) -> None:
@@ -94,6 +111,8 @@ def status(info: dict[str, Any]) -> int:
         print("down (a stale real-cluster state file: python -m devcluster down cleans up)")
         return 1
     print(f"up, real nodes {', '.join(info['node_names'])}: export KUBECONFIG={info['kubeconfig']}")
+    if info.get("node_cpus"):
+        print(f"node CPUs (cgroup quota): {dict(zip(info['node_names'], info['node_cpus'], strict=True))}")
     return 0
 
 

@@ -19,6 +19,7 @@ pods reach the cluster DNS on 10.250.0.1 (their default route leads to the fabri
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -273,7 +274,8 @@ def scheduler_argv(bin_dir: Path, layout: Layout) -> list[str]:
     ]
 
 
-def kubelet_argv(bin_dir: Path, layout: Layout, i: int) -> list[str]:
+def kubelet_argv(bin_dir: Path, layout: Layout, i: int, extra: Sequence[str] = ()) -> list[str]:
+    """`extra`: flags of this node only (its CPU limit as allocatable: devcluster/realcpus.py)."""
     d, sock = layout.node_dir(i), layout.containerd_socket(i)
     return [
         str(bin_dir / "kubelet"),
@@ -309,6 +311,7 @@ def kubelet_argv(bin_dir: Path, layout: Layout, i: int) -> list[str]:
         "--image-gc-high-threshold=100",
         "--eviction-hard=memory.available<100Mi",
         "--max-pods=50",
+        *extra,
         "--v=1",
     ]
 

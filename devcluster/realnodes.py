@@ -2,6 +2,7 @@
 network namespace, mount namespace, pod CIDR and cgroup tree (layout: devcluster/realconf.py).
 
     cluster = RealCluster(workdir, nodes=3).start(images)   # ~30-60 s on 2 cores; root only
+    RealCluster(workdir, nodes=3, node_cpus=[0.8, 0.8, 0.27])  # slow nodes: a CPU quota each (realcpus.py)
     cluster.kubectl("get", "nodes")                         # the API through a loopback forwarder
     cluster.stop()                                          # nothing left: processes, namespaces, cgroups
 
@@ -27,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from devcluster import realconf, realhost, realnet
+from devcluster import realconf, realcpus, realhost, realnet
 from devcluster.controlplane import AssetsMissing, assets_dir, free_port, kubeconfig_text, run_kubectl
 from devcluster.images import Image, import_image
 from devcluster.kube import KubeApi, KubeError
@@ -62,8 +63,12 @@ def reclaim_abandoned(lay: Layout) -> bool:
 class RealCluster:
     """Control plane in the fabric namespace, `nodes` kubelet nodes, and a forwarder on the host's loopback."""
 
-    def __init__(self, workdir: Path, nodes: int = 3, prefix: str = "sgdjob") -> None:
+    def __init__(
+        self, workdir: Path, nodes: int = 3, prefix: str = "sgdjob", node_cpus: Sequence[float] | None = None
+    ) -> None:
         self.layout = Layout(Path(workdir).resolve(), nodes, prefix)
+        # CPUs per node (a cgroup CPU quota, advertised as allocatable), node-0 first; None: unlimited.
+        self.node_cpus = realcpus.validate(node_cpus, nodes)
         self.pids: dict[str, int] = {}
         self.cmds: dict[str, str] = {}  # name -> the binary, to tell our pid from a reused one
         self.api_port = 0
@@ -102,6 +107,7 @@ class RealCluster:
             "workdir": str(lay.workdir),
             "nodes": lay.nodes,
             "prefix": lay.prefix,
+            "node_cpus": self.node_cpus,
             "pids": self.pids,
             "cmds": self.cmds,
             "api_port": self.api_port,
@@ -120,7 +126,7 @@ class RealCluster:
     @classmethod
     def load(cls, workdir: Path) -> RealCluster:
         info = json.loads((Path(workdir) / "state.json").read_text())
-        cluster = cls(Path(info["workdir"]), int(info["nodes"]), str(info["prefix"]))
+        cluster = cls(Path(info["workdir"]), int(info["nodes"]), str(info["prefix"]), info.get("node_cpus"))
         cluster.pids = {k: int(v) for k, v in info["pids"].items()}
         cluster.cmds = dict(info["cmds"])
         cluster.api_port = int(info["api_port"])
@@ -139,6 +145,8 @@ class RealCluster:
         if reason is not None:
             raise realhost.HostNotReady(reason)
         bin_dir = assets_dir()
+        if self.node_cpus:
+            realcpus.hierarchy()  # no v1 cpu hierarchy: say so before anything is made
         realhost.ensure_packages(realconf.CNI_BIN, install)
         lay = self.layout
         if realnet.exists(lay.fabric_ns) and not reclaim_abandoned(lay):
@@ -150,6 +158,8 @@ class RealCluster:
         self._save()
         try:
             realhost.make_cgroups([lay.node_cgroup(i) for i in range(lay.nodes)])
+            for i in range(lay.nodes):
+                self._limit_cpus(i)
             realnet.create(lay)
             self._mark("network")
             self._start_plane(bin_dir, timeout)
@@ -265,8 +275,15 @@ class RealCluster:
         lay = self.layout
         sock = lay.containerd_socket(i)
         self._wait(lambda: _containerd_up(sock), timeout, f"{lay.node_name(i)}'s containerd")
-        self._spawn(f"{lay.node_name(i)}.kubelet", realconf.kubelet_argv(bin_dir, lay, i), self._into_node(i))
+        cpus = self.node_cpus[i] if self.node_cpus else None
+        argv = realconf.kubelet_argv(bin_dir, lay, i, realcpus.kubelet_flags(cpus, realcpus.machine_cpus()))
+        self._spawn(f"{lay.node_name(i)}.kubelet", argv, self._into_node(i))
         self._spawn(f"{lay.node_name(i)}.kube-proxy", realconf.kube_proxy_argv(bin_dir, lay, i), self._into_node(i))
+
+    def _limit_cpus(self, i: int) -> None:
+        """Node i's CPU quota on its cgroup, the parent of all its pods' (devcluster/realcpus.py)."""
+        if self.node_cpus:
+            realcpus.apply(realcpus.hierarchy(), self.layout.node_cgroup(i), self.node_cpus[i])
 
     # --- faults (the chaos suite) ---
     def _node_index(self, name: str) -> int:
@@ -278,7 +295,8 @@ class RealCluster:
         """Lose a node as a power cut would: SIGKILL its kubelet, kube-proxy, containerd, the shims and
         every container, with no clean-up and nothing reported to the API server (the Node object stays
         as it was until the node controller's grace runs out). Only the namespace holder survives, so
-        the node can come back (`recover_node`). Returns how many processes were killed."""
+        the node can come back (`recover_node`). Returns how many processes were killed. The node's cgroup
+        stays, and with it its CPU quota (`node_cpus`)."""
         i = self._node_index(name)
         holder = self.pids[f"{name}.holder"]
         killed = realhost.kill_cgroup(self.layout.node_cgroup(i))  # the containers first: no one reports
@@ -294,8 +312,11 @@ class RealCluster:
     def recover_node(self, name: str, timeout: float = 120.0) -> None:
         """The failed node boots again: containerd, kubelet and kube-proxy start in its namespaces as at
         `start`; returns once the node is Ready (its pods are then the kubelet's business, as after a
-        reboot: containers that died are reported as such)."""
+        reboot: containers that died are reported as such). Its cgroup is made again if something removed
+        it (the kubelet refuses a missing --cgroup-root), and its CPU quota written again."""
         i = self._node_index(name)
+        realhost.make_cgroups([self.layout.node_cgroup(i)])  # nothing to do when it is still there
+        self._limit_cpus(i)
         self._spawn(f"{name}.containerd", *self._containerd_argv(i))
         self._start_kubelet(assets_dir(), i, timeout)
         self._wait(self._nodes_schedulable, timeout, f"{name} Ready again")

@@ -1,11 +1,17 @@
 """The real-node tests' time limits: the first waits for the cluster's start, the last for its stop
-(pytest-timeout counts a session fixture's setup and teardown against the test that runs them)."""
+(pytest-timeout counts a session fixture's setup and teardown against the test that runs them); and the
+session's cluster starts only for tests that use it."""
 
 from __future__ import annotations
 
 import pytest
 
-from devcluster.pytest_plugin import START_BUDGET_S, STOP_BUDGET_S, pytest_collection_modifyitems
+from devcluster.pytest_plugin import (
+    START_BUDGET_S,
+    STOP_BUDGET_S,
+    pytest_collection_modifyitems,
+    session_cluster_images,
+)
 
 pytest_plugins = ["pytester"]
 
@@ -52,3 +58,24 @@ def test_a_lone_real_node_test_waits_for_both(pytester: pytest.Pytester) -> None
     items = pytester.getitems("import pytest\n@pytest.mark.realnode\n@pytest.mark.timeout(100)\ndef test_x(): pass\n")
     pytest_collection_modifyitems(items[0].config, items)
     assert limits(items) == {"test_x": 100 + START_BUDGET_S + STOP_BUDGET_S}
+
+
+OWN_CLUSTER = """
+import pytest
+
+@pytest.fixture
+def real_cluster(): pass
+
+@pytest.mark.realnode(images=["operator"])
+def test_on_the_session_cluster(real_cluster): pass
+
+@pytest.mark.realnode(images=["charlm"])
+def test_with_a_cluster_of_its_own(): pass
+"""
+
+
+def test_the_session_cluster_starts_only_for_tests_that_use_it(pytester: pytest.Pytester) -> None:
+    pytester.makeini("[pytest]\nmarkers =\n    realnode: real nodes\n")
+    items = pytester.getitems(OWN_CLUSTER)
+    assert session_cluster_images(items) == ["operator"]
+    assert session_cluster_images([i for i in items if i.name == "test_with_a_cluster_of_its_own"]) is None

@@ -55,6 +55,13 @@ def test_a_mount_showing_a_subtree_maps_the_own_path_inside_it() -> None:
     assert found == CpuHierarchy(1, Path("/sys/fs/cgroup/cpu"))
 
 
+def test_top_is_the_mount_point_where_absolute_cgroup_paths_start() -> None:
+    # devcluster's real nodes write under a kubelet's --cgroup-root, an absolute path.
+    assert find_cpu_hierarchy(V1_MOUNTINFO, V1_SELF, None, top=True) == CpuHierarchy(1, Path("/sys/fs/cgroup/cpu"))
+    found = find_cpu_hierarchy(V2_MOUNTINFO, V2_SELF, "cpu memory", top=True)
+    assert found == CpuHierarchy(2, Path("/sys/fs/cgroup"))
+
+
 def test_quota_per_period_and_files_per_version() -> None:
     assert quota_us(0.27) == 2_700 and quota_us(2.0) == 20_000 and period_us(0.27) == 10_000
     # Under 0.1 CPU the period grows so the quota stays at the kernel's smallest, 1 ms.
@@ -77,9 +84,11 @@ def test_names_and_description_say_what_the_limit_is() -> None:
 
 def test_parse_cpu_limits_names_the_option() -> None:
     assert parse_cpu_limits("0.8, 0.8,0.27") == [0.8, 0.8, 0.27]
-    for bad in ("0.8,abc", "0.8,0", "-1"):
+    for bad in ("0.8,abc", "0.8,0", "-1", "inf"):
         with pytest.raises(ValueError, match="--cpu-limits"):
             parse_cpu_limits(bad)
+    with pytest.raises(ValueError, match=r"^--node-cpus: 'x' is not"):
+        parse_cpu_limits("x", option="--node-cpus")
 
 
 def job_doc(replicas: int = 3, **emulation: Any) -> dict[str, Any]:

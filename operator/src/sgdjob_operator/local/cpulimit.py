@@ -81,16 +81,20 @@ def _under(point: Path, mount_root: str, own: str) -> Path:
     return point if rel == "." else point / rel
 
 
-def find_cpu_hierarchy(mountinfo: str, proc_cgroup: str, v2_controllers: str | None = None) -> CpuHierarchy | None:
+def find_cpu_hierarchy(
+    mountinfo: str, proc_cgroup: str, v2_controllers: str | None = None, *, top: bool = False
+) -> CpuHierarchy | None:
     """The cgroup hierarchy that can limit CPU: a v1 mount with the `cpu` controller first, else the
-    v2 unified mount when its cgroup.controllers (`v2_controllers`) lists cpu. None when neither."""
+    v2 unified mount when its cgroup.controllers (`v2_controllers`) lists cpu. None when neither.
+    `base` is this process's own cgroup, or with `top` the mount point itself: where absolute cgroup
+    paths start, such as a kubelet's --cgroup-root (devcluster's real nodes)."""
     mounts = _mounts(mountinfo)
     for point, root, fstype, options in mounts:
         if fstype == "cgroup" and "cpu" in options:
-            return CpuHierarchy(1, _under(point, root, _own_path(proc_cgroup, 1)))
+            return CpuHierarchy(1, point if top else _under(point, root, _own_path(proc_cgroup, 1)))
     for point, root, fstype, _ in mounts:
         if fstype == "cgroup2" and v2_controllers is not None and "cpu" in v2_controllers.split():
-            return CpuHierarchy(2, _under(point, root, _own_path(proc_cgroup, 2)))
+            return CpuHierarchy(2, point if top else _under(point, root, _own_path(proc_cgroup, 2)))
     return None
 
 
@@ -145,16 +149,16 @@ def describe(limits: Mapping[str, float], version: int) -> list[str]:
     ]
 
 
-def parse_cpu_limits(text: str) -> list[float]:
-    """`--cpu-limits 0.8,0.8,0.27` -> [0.8, 0.8, 0.27]; a ValueError names the bad item."""
+def parse_cpu_limits(text: str, option: str = "--cpu-limits") -> list[float]:
+    """`--cpu-limits 0.8,0.8,0.27` -> [0.8, 0.8, 0.27]; a ValueError names `option` and the bad item."""
     out = []
     for item in text.split(","):
         try:
             value = float(item.strip())
         except ValueError:
-            raise ValueError(f"--cpu-limits: {item.strip()!r} is not a number of CPUs (e.g. 0.8,0.8,0.27)") from None
-        if not value > 0:
-            raise ValueError(f"--cpu-limits: {value:g} must be > 0 CPUs (e.g. 0.8,0.8,0.27)")
+            raise ValueError(f"{option}: {item.strip()!r} is not a number of CPUs (e.g. 0.8,0.8,0.27)") from None
+        if not (value > 0 and math.isfinite(value)):
+            raise ValueError(f"{option}: {value:g} must be a finite number > 0 of CPUs (e.g. 0.8,0.8,0.27)")
         out.append(value)
     return out
 
@@ -250,8 +254,9 @@ def _remove_stale(base: Path) -> None:
                 parent.rmdir()
 
 
-def detect() -> CpuHierarchy | None:
-    """This machine's cpu hierarchy, from /proc (None when it has none)."""
+def detect(top: bool = False) -> CpuHierarchy | None:
+    """This machine's cpu hierarchy, from /proc (None when it has none); `top`: its mount point rather
+    than this process's own cgroup (find_cpu_hierarchy)."""
     try:
         mountinfo, own = CGROUP_MOUNTINFO.read_text(), CGROUP_SELF.read_text()
     except OSError:
@@ -261,7 +266,7 @@ def detect() -> CpuHierarchy | None:
         if fstype == "cgroup2":
             with contextlib.suppress(OSError):
                 controllers = (point / "cgroup.controllers").read_text()
-    return find_cpu_hierarchy(mountinfo, own, controllers)
+    return find_cpu_hierarchy(mountinfo, own, controllers, top=top)
 
 
 def join_cgroup(procs_file: str) -> None:
