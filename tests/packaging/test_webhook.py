@@ -62,6 +62,13 @@ def test_review_refuses_a_new_job_whose_name_cannot_name_its_service_but_not_an_
     review({**spec, "replicas": 3}, spec, name="team.a")  # a job stored before the rule can still be changed
 
 
+def test_review_warns_that_auto_cannot_adapt_a_command_but_stores_it() -> None:
+    spec = _job("x", mode="auto", training={"command": ["python", "train.py"]})["spec"]
+    (warning,) = review(spec, None, name="x")
+    assert warning.startswith("spec.mode: auto cannot adapt spec.training.command"), warning
+    assert review({**spec, "mode": "sync"}, None, name="x") == []
+
+
 def test_webhook_flags_are_checked() -> None:
     assert check(OperatorSettings()) is None
     assert "needs --webhook-cert" in str(check(OperatorSettings(webhook_port=9443)))
@@ -233,6 +240,9 @@ def test_api_server_rejects_a_cross_field_invalid_job_through_the_webhook(
 
     good = apply(_job("fine"))
     assert good.returncode == 0, good.stderr
+    # A valid job the policy cannot adapt is stored, with the webhook's warning printed by kubectl.
+    warned = apply(_job("script", mode="auto", training={"command": ["python", "train.py"]}))
+    assert warned.returncode == 0 and "Warning: spec.mode: auto cannot adapt" in warned.stderr, warned.stderr
     assert k8s_crd.kubectl("-n", ns, "get", "sgdjob", "fine", "-o", "name").stdout.strip() == "sgdjob.sgdjob.dev/fine"
 
     # An update that breaks the rule is refused as well; the stored spec stays.

@@ -17,7 +17,7 @@ import kopf
 
 from sgdjob_operator.api.models import GROUP, PLURAL, VERSION
 from sgdjob_operator.api.names import name_problem
-from sgdjob_operator.api.validation import SpecError, validate_spec
+from sgdjob_operator.api.validation import SpecError, spec_warnings, validate_spec
 from sgdjob_operator.k8s.settings import OperatorSettings
 
 log = logging.getLogger("sgdjob_operator")
@@ -25,27 +25,29 @@ HANDLER_ID = "validate"
 PATH = f"/{HANDLER_ID}"
 
 
-def review(spec: dict[str, Any] | None, old_spec: dict[str, Any] | None, name: str | None = None) -> None:
+def review(spec: dict[str, Any] | None, old_spec: dict[str, Any] | None, name: str | None = None) -> list[str]:
     """Raise kopf.AdmissionError naming the fields when the spec breaks the model's rules, or when a
     new job's name cannot name the objects the operator makes for it (`api.names`). An update that
     leaves the spec as it was (metadata, finalizers, annotations) always passes, so a job stored
-    before the webhook existed can still be patched, labelled and deleted."""
+    before the webhook existed can still be patched, labelled and deleted. Returns the warnings a
+    valid spec earns (`api.validation.spec_warnings`): kubectl prints them, the job is stored."""
     if old_spec is not None and old_spec == spec:
-        return
+        return []
     problems: list[str] = []
     if old_spec is None and name and (problem := name_problem(name)) is not None:
         problems.append(f"metadata.name: {problem}")
     try:
-        validate_spec(dict(spec or {}))
+        valid = validate_spec(dict(spec or {}))
     except SpecError as err:
         problems += err.problems
     if problems:
         raise kopf.AdmissionError("invalid SGDJob: " + "; ".join(problems), code=422)
+    return [w.message for w in spec_warnings(valid)]
 
 
-def _validate(spec: kopf.Spec, **kwargs: Any) -> None:
+def _validate(spec: kopf.Spec, warnings: list[str], **kwargs: Any) -> None:
     old = kwargs.get("old")  # the stored object on UPDATE (kopf passes it; not in WebhookFn's signature)
-    review(dict(spec), dict(old.get("spec") or {}) if old else None, name=kwargs.get("name"))
+    warnings += review(dict(spec), dict(old.get("spec") or {}) if old else None, name=kwargs.get("name"))
 
 
 async def _serve(settings: kopf.OperatorSettings, **_: Any) -> None:
