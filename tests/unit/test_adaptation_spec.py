@@ -53,10 +53,12 @@ def test_auto_on_the_api_is_no_warning_and_not_the_command_mode_note() -> None:
     assert run_note(Path("/w"), api=True).startswith(ADAPTATION_API_NOTE)
 
 
-def test_the_policy_may_rebalance_a_script_on_the_api_but_never_switch_its_mode() -> None:
-    view = job_view(validate_spec(_spec()), step=10_000)
+def test_the_policy_may_rebalance_a_script_on_the_api_but_never_switch_its_mode_or_trim_its_batch() -> None:
+    every = {"policy": {"allowedActions": [a.value for a in Action]}, "maxReplicas": 3}
+    view = job_view(validate_spec({**_spec(), **every}), step=10_000)
     assert view.auto and view.allows(Action.REBALANCE) and view.allows(Action.REPLACE_WORKER)
-    assert not view.allows(Action.SWITCH_MODE)
+    assert view.allows(Action.RESCALE)
+    assert not view.allows(Action.SWITCH_MODE) and not view.allows(Action.TRIM_BATCH)
     assert view.steps_left is None, "the script's own arguments decide its length, not training.steps"
     trainer = job_view(validate_spec({"replicas": 2, "mode": "auto"}), step=10)
     assert trainer.allows(Action.SWITCH_MODE) and trainer.steps_left == 990

@@ -136,8 +136,10 @@ def job_view(
         raise ValueError(f"mode must be one of {', '.join(SYNC_MODES)}, not {active!r}")
     hier = spec.training.hierarchical
     policy = spec.policy
-    if spec.training.on_adaptation_api:  # a script on the adaptation API runs sync only: it cannot switch
-        kept = [a for a in policy.allowed_actions if a is not Action.SWITCH_MODE]
+    if spec.training.on_adaptation_api:
+        # A script on the adaptation API runs sync only, and its learning rate is its own: no switch,
+        # and no trimmed batch (which the trainer pairs with a learning rate scaled to it).
+        kept = [a for a in policy.allowed_actions if a not in (Action.SWITCH_MODE, Action.TRIM_BATCH)]
         policy = policy.model_copy(update={"allowed_actions": kept})
     # A command's own arguments decide how long it trains: training.steps says nothing of it.
     steps_left = max(spec.training.steps - step, 0) if step is not None and spec.training.command is None else None
