@@ -148,6 +148,19 @@ def test_checkpoints_go_through_the_scripts_save_and_a_new_life_resumes_mid_epoc
     assert status["step"] == 9 and status["controlEpoch"] == 1 and status["batchSize"] == 10
 
 
+def test_a_checkpoint_at_an_epochs_end_resumes_at_the_next_epoch(sessions: list[Session], tmp_path: Path) -> None:
+    first = _session(sessions, _settings(tmp_path, every=12))
+    _train(first, first.loader(DATA, batch_size=8, shuffle=False), 12)  # 12 x 8 of 100: 4 samples left over
+    meta = json.loads((tmp_path / "step-0000000012" / "meta.json").read_text())
+    assert meta["session"]["position"] == {"epoch": 1, "cursor": 0, "batch": 12}
+    resumed = _session(sessions, _settings(tmp_path, every=12))
+    loader = resumed.loader(DATA, batch_size=8, shuffle=False)
+    seen: list[int] = []
+    assert loader.epoch == 1 and len(loader) == 12
+    _train(resumed, loader, 1, seen)
+    assert seen == list(range(8))
+
+
 def test_an_agreed_stop_writes_a_checkpoint_and_exits_143(sessions: list[Session], tmp_path: Path) -> None:
     session = _session(sessions, _settings(tmp_path / "ckpt"))
     loader = session.loader(DATA, batch_size=8, shuffle=False)

@@ -77,6 +77,11 @@ class AdaptiveLoader:
         """Batches left in this epoch at the split in force."""
         return batches_left(self.position, self.samples, self.split)
 
+    def resume_position(self, split: Split) -> Position:
+        """Where a checkpoint taken now resumes with `split` (the newest): an epoch with no whole global
+        batch left is over, so a resumed script's epoch loop does not enter it again."""
+        return next_epoch(self.position) if batches_left(self.position, self.samples, split) == 0 else self.position
+
     def resplit(self, split: Split) -> None:
         """`split` from the first batch no rank has cut yet (called at a step boundary, where every
         rank has handed out the same number of batches)."""

@@ -315,7 +315,8 @@ class Session:
         return " after a checkpoint" if self.checkpoint_dir is not None else " (no checkpoint directory)"
 
     def _at(self) -> dict[str, int]:
-        return (self.loader_made.position if self.loader_made is not None else self.position).as_dict()
+        loader = self.loader_made
+        return (loader.resume_position(self.split) if loader is not None else self.position).as_dict()
 
     def _resume(self, root: Path) -> None:
         """Collective: the newest good checkpoint into the script (its `load`) and the session."""
