@@ -19,7 +19,8 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import TensorDataset
 
 from sgdjob_trainer.adapt.comm import Comm
-from sgdjob_trainer.adapt.session import Session, Settings, settings
+from sgdjob_trainer.adapt.session import Session
+from sgdjob_trainer.adapt.settings import Settings, settings
 from sgdjob_trainer.config import Adaptation, Checkpoint, TrainingConfig
 from sgdjob_trainer.recovery import EXIT_STOPPED
 from sgdjob_trainer.runtime import WorldInfo

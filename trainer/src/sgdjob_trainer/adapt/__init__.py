@@ -16,13 +16,27 @@
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+import os
+import signal
+import threading
 from collections.abc import Callable
 from typing import Any
 
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from sgdjob_trainer.adapt.comm import Comm
 from sgdjob_trainer.adapt.loader import AdaptiveLoader
-from sgdjob_trainer.adapt.session import Session, open_session
+from sgdjob_trainer.adapt.session import Session
+from sgdjob_trainer.adapt.settings import Settings, read_run_config, settings
+from sgdjob_trainer.runtime import WorldInfo, setup_logging
+from sgdjob_trainer.server import metrics_port
+from sgdjob_trainer.wire.launch_contract import ENV_RUN_CONFIG
 
 __all__ = ["AdaptiveLoader", "Session", "start"]
+log = logging.getLogger("sgdjob_trainer.adapt")
 
 
 def start(
@@ -39,4 +53,43 @@ def start(
     back (every rank, at once here when a checkpoint exists). The job's training.checkpoint gives
     the directory and interval; `checkpoint_dir`/`checkpoint_every` serve plain torchrun and a job
     without one."""
-    return open_session(model, save, load, checkpoint_dir, checkpoint_every)
+    info = WorldInfo.from_env()
+    if dist.is_initialized():  # the group the script made is the world, whatever the environment says
+        info = dataclasses.replace(info, rank=dist.get_rank(), world_size=dist.get_world_size())
+    elif info.world_size > 1:
+        raise RuntimeError("adapt.start: call torch.distributed.init_process_group first (WORLD_SIZE > 1)")
+    setup_logging(info)
+    config = read_run_config(os.environ)
+    chosen = settings(config, checkpoint_dir, checkpoint_every)
+    port = metrics_port(chosen.training, info.local_rank)
+    session = Session(info, chosen, Comm.for_world(info.world_size), save=save, load=load, port=port)
+    if isinstance(model, DistributedDataParallel):
+        session.attach(model)
+    elif model is not None and info.world_size > 1:
+        raise TypeError("adapt.start(model): give the DistributedDataParallel model (or None)")
+    if chosen.managed and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda signum, frame: session.request_stop())
+    if info.rank == 0:
+        _say_once(chosen, session)
+    return session
+
+
+def _say_once(chosen: Settings, session: Session) -> None:
+    where = f"on port {session.server.port}" if session.server is not None else "(no server)"
+    saves = f"checkpoints in {session.checkpoint_dir}" if session.checkpoint_dir is not None else "no checkpoints"
+    if not chosen.managed:
+        log.warning(
+            "sgdjob adapt: not started by SGDJob (no %s): telemetry only %s; no control, no agreed stop; %s",
+            ENV_RUN_CONFIG,
+            where,
+            saves,
+        )
+    elif not chosen.adapted:
+        log.warning(
+            "sgdjob adapt: the job's spec.training.adaptation is not 'api': its controller does not adapt this "
+            "script; telemetry %s, %s",
+            where,
+            saves,
+        )
+    else:
+        log.info("sgdjob adapt: job %s, telemetry and control %s, %s", chosen.job_name, where, saves)

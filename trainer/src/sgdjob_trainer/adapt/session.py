@@ -25,18 +25,15 @@ from __future__ import annotations
 import logging
 import math
 import os
-import signal
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset
 
@@ -44,54 +41,19 @@ from sgdjob_trainer.adapt import checkpoints
 from sgdjob_trainer.adapt.comm import Comm
 from sgdjob_trainer.adapt.ddp import Exchange
 from sgdjob_trainer.adapt.loader import OWN_ARGUMENTS, AdaptiveLoader
+from sgdjob_trainer.adapt.settings import Settings
 from sgdjob_trainer.adapt.split import Position, Split, apply_command, prefetch_lag
 from sgdjob_trainer.checkpoint import check_shared, claim_dir, remove_stale
-from sgdjob_trainer.config import Adaptation, Compression, SyncMode, TrainingConfig, initial_batches
+from sgdjob_trainer.config import Compression, SyncMode, initial_batches
 from sgdjob_trainer.recovery import EXIT_STOPPED, start_stop_watchdog
-from sgdjob_trainer.runtime import WorldInfo, setup_logging, shutdown_distributed
-from sgdjob_trainer.server import ControlInbox, TrainerServer, metrics_port
+from sgdjob_trainer.runtime import WorldInfo
+from sgdjob_trainer.server import ControlInbox, TrainerServer
 from sgdjob_trainer.strategies.base import exchange_bytes
 from sgdjob_trainer.telemetry import Telemetry
 from sgdjob_trainer.wire.control import ControlCommand
-from sgdjob_trainer.wire.launch_contract import ENV_METRICS_HOST, ENV_REPORT_DIR, ENV_RUN_CONFIG, RunConfig
+from sgdjob_trainer.wire.launch_contract import ENV_METRICS_HOST, ENV_REPORT_DIR
 
 log = logging.getLogger("sgdjob_trainer.adapt")
-
-
-@dataclass(frozen=True, slots=True)
-class Settings:
-    """What the session takes from the job (its run-config) or, under plain torchrun, from the script."""
-
-    managed: bool  # SGDJob started the script: control, agreed stops, the job's settings
-    job_name: str
-    training: TrainingConfig
-    checkpoint_dir: Path | None
-    checkpoint_every: int
-
-    @property
-    def adapted(self) -> bool:
-        return self.managed and self.training.adaptation == Adaptation.API
-
-
-def settings(config: RunConfig | None, checkpoint_dir: str | None, checkpoint_every: int | None) -> Settings:
-    """The job's training.checkpoint wins over the script's arguments, which serve plain torchrun and
-    a job without a checkpoint directory (pure)."""
-    training = config.training if config is not None else TrainingConfig()
-    job_dir = training.checkpoint.dir
-    directory = job_dir if job_dir is not None else checkpoint_dir
-    every = training.checkpoint.interval_steps if job_dir is not None or checkpoint_every is None else checkpoint_every
-    return Settings(
-        managed=config is not None,
-        job_name=config.job_name if config is not None else "script",
-        training=training,
-        checkpoint_dir=Path(directory) if directory is not None else None,
-        checkpoint_every=every,
-    )
-
-
-def read_run_config(env: Mapping[str, str]) -> RunConfig | None:
-    path = env.get(ENV_RUN_CONFIG)
-    return RunConfig.model_validate_json(Path(path).read_text()) if path else None
 
 
 class Session:
@@ -290,8 +252,7 @@ class Session:
             self._checkpoint()
         log.warning("stopped at the agreed step %d%s", self.step_count, self._checkpoint_note())
         self._end()
-        shutdown_distributed()  # no rank runs another collective: each leaves the group alone
-        raise SystemExit(EXIT_STOPPED)
+        raise SystemExit(EXIT_STOPPED)  # the script's process group is its own: left to the process's exit
 
     def _checkpoint(self) -> None:
         due = self.step_count > self._last_checkpoint
@@ -377,51 +338,3 @@ class Session:
         if self.server is not None:
             self.server.stop()
             self.server = None
-
-
-def open_session(
-    model: DistributedDataParallel | Any,
-    save: Callable[[str], None] | None,
-    load: Callable[[str], None] | None,
-    checkpoint_dir: str | None,
-    checkpoint_every: int | None,
-) -> Session:
-    """`adapt.start`: the session of this process, from torchrun's environment and the job's run-config."""
-    info = WorldInfo.from_env()
-    if info.world_size > 1 and not dist.is_initialized():
-        raise RuntimeError("adapt.start: call torch.distributed.init_process_group first (WORLD_SIZE > 1)")
-    setup_logging(info)
-    config = read_run_config(os.environ)
-    chosen = settings(config, checkpoint_dir, checkpoint_every)
-    port = metrics_port(chosen.training, info.local_rank)
-    session = Session(info, chosen, Comm.for_world(info.world_size), save=save, load=load, port=port)
-    if isinstance(model, DistributedDataParallel):
-        session.attach(model)
-    elif model is not None and info.world_size > 1:
-        raise TypeError("adapt.start(model): give the DistributedDataParallel model (or None)")
-    if chosen.managed and threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, lambda signum, frame: session.request_stop())
-    if info.rank == 0:
-        _say_once(chosen, session)
-    return session
-
-
-def _say_once(chosen: Settings, session: Session) -> None:
-    where = f"on port {session.server.port}" if session.server is not None else "(no server)"
-    saves = f"checkpoints in {session.checkpoint_dir}" if session.checkpoint_dir is not None else "no checkpoints"
-    if not chosen.managed:
-        log.warning(
-            "sgdjob adapt: not started by SGDJob (no %s): telemetry only %s; no control, no agreed stop; %s",
-            ENV_RUN_CONFIG,
-            where,
-            saves,
-        )
-    elif not chosen.adapted:
-        log.warning(
-            "sgdjob adapt: the job's spec.training.adaptation is not 'api': its controller does not adapt this "
-            "script; telemetry %s, %s",
-            where,
-            saves,
-        )
-    else:
-        log.info("sgdjob adapt: job %s, telemetry and control %s, %s", chosen.job_name, where, saves)
