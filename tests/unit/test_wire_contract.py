@@ -113,7 +113,7 @@ def test_the_served_status_parses_into_the_model_and_back() -> None:
     telemetry = _telemetry(rank=0)
     telemetry.record_step(1, samples=16, compute_s=0.5, wait_s=0.25, step_s=0.8, loss=float("nan"), staleness=0.0)
     telemetry.record_switch(SyncMode.ASYNC, SyncMode.SYNC, 1, 0.125, "stragglers gone")
-    telemetry.set_control_epoch(4)
+    telemetry.set_control_epoch(4, "mode hierarchical refused")
     telemetry.restart_count = 1
     resume = ResumeRecord(from_step=0, reached_step=3, lost_steps=3, restart_seconds=1.5, world_size=3, restart_count=1)
     telemetry.resumes = [resume]
@@ -124,6 +124,7 @@ def test_the_served_status_parses_into_the_model_and_back() -> None:
     status = parse_status(body.decode())
     assert status.document() == json.loads(body), "nothing the trainer serves is lost or added by the model"
     assert (status.rank, status.control_epoch, status.loss, status.restart_count) == (0, 4, None, 1)
+    assert status.control_error == "mode hierarchical refused"
     assert status.port is not None and status.checkpoint is not None and status.checkpoint.stall_seconds.mean == 1.0
     assert [s.to_mode for s in status.switches] == [SyncMode.SYNC] and status.resumes == telemetry.resumes
     from_status = sample_from_status(status, time=1.0)
@@ -132,7 +133,7 @@ def test_the_served_status_parses_into_the_model_and_back() -> None:
 
 def test_a_fresh_trainers_status_leaves_out_what_it_does_not_know_yet() -> None:
     doc = json.loads(_served_status(_telemetry()))
-    assert not {"restartCount", "resumes", "checkpoint", "gradientSqNorm", "gradientLagDot"} & set(doc)
+    assert not {"restartCount", "resumes", "checkpoint", "gradientSqNorm", "gradientLagDot", "controlError"} & set(doc)
     assert sample_from_status(parse_status(json.dumps(doc)), time=1.0).gradient is None
     assert parse_status(json.dumps(doc)).document() == doc
 

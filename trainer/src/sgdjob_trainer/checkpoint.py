@@ -147,7 +147,7 @@ def cpu_copy(obj: Any) -> Any:
     return obj
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -166,8 +166,26 @@ def write_atomic(path: Path, data: bytes, *, sync: bool = True) -> None:
     os.replace(tmp, path)
 
 
-def _entry(data: bytes) -> dict[str, Any]:
+def file_entry(data: bytes) -> dict[str, Any]:
+    """A file's line in meta.json's `files`: what `verify` checks it against."""
     return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def commit(root: Path, tmp: Path, step: int, meta: dict[str, Any]) -> Path:
+    """Make the written temp directory `tmp` the complete checkpoint of `step`: meta.json into it,
+    then the rename, then COMPLETE, each made durable before the next, so a crash at any point leaves
+    either no checkpoint of `step` or one that verifies. `meta` must list every file under `files`."""
+    meta_bytes = json.dumps({**meta, "format": FORMAT, "step": step}, indent=1).encode()
+    write_atomic(tmp / META, meta_bytes)
+    fsync_dir(tmp)
+    target = step_dir(root, step)
+    if target.exists():  # left by an earlier life that got this far but was never loaded
+        shutil.rmtree(target)
+    os.rename(tmp, target)
+    fsync_dir(root)
+    write_atomic(target / COMPLETE, hashlib.sha256(meta_bytes).hexdigest().encode())
+    fsync_dir(target)
+    return target
 
 
 @dataclass(slots=True)
@@ -251,7 +269,7 @@ class Checkpointer:
             torch.save(obj, buf)
             data = buf.getvalue()
             write_atomic(tmp / name, data)
-            files[name] = _entry(data)
+            files[name] = file_entry(data)
         sidecar = {"rank": self.rank, "step": snap.step, "files": files, "data": snap.data}
         write_atomic(tmp / f"rank-{self.rank:05d}.json", json.dumps(sidecar).encode())
         if snap.meta is not None:
@@ -278,43 +296,21 @@ class Checkpointer:
             files.update(doc["files"])
         meta = dict(snap.meta or {})
         meta.update(
-            format=FORMAT,
-            step=snap.step,
             world_size=snap.world_size,
             life=self.life,
             files=files,
             positions=[d["data"] for d in sidecars],
         )
-        meta_bytes = json.dumps(meta, indent=1).encode()
-        write_atomic(tmp / META, meta_bytes)
-        _fsync_dir(tmp)
-        target = step_dir(self.root, snap.step)
-        if target.exists():  # left by an earlier life that got this far but was never loaded
-            shutil.rmtree(target)
-        os.rename(tmp, target)
-        _fsync_dir(self.root)
-        write_atomic(target / COMPLETE, hashlib.sha256(meta_bytes).hexdigest().encode())
-        _fsync_dir(target)
+        commit(self.root, tmp, snap.step, meta)
         self.completed.append(snap.step)
         log.info("checkpoint of step %d complete (%d files)", snap.step, len(files))
         self.retain()
 
     def retain(self) -> None:
-        """Keep the newest `keep` complete checkpoints; remove older ones and the incomplete
-        directories older than the newest complete one (they can never complete)."""
-        complete = complete_checkpoints(self.root)
-        newest = _step_of(complete[0]) if complete else -1
-        for path in complete[self.cfg.keep :]:
-            shutil.rmtree(path, ignore_errors=True)
-        for path in self.root.glob(f"{STEP_PREFIX}*"):
-            if not (path / COMPLETE).exists() and _step_of(path) < newest:
-                shutil.rmtree(path, ignore_errors=True)
+        retain(self.root, self.cfg.keep)
 
     def remove_stale(self) -> None:
-        """Rank 0 at start: temp directories of earlier lives can never complete."""
-        for path in self.root.glob(f"{TMP_PREFIX}*"):
-            if not path.name.endswith(f"-{self.life}"):
-                shutil.rmtree(path, ignore_errors=True)
+        remove_stale(self.root, self.life)
 
     # -- progress (rank 0) ----------------------------------------------------------------------
     def note_progress(self, step: int, history: list[dict[str, Any]], *, force: bool = False) -> None:
@@ -324,6 +320,25 @@ class Checkpointer:
             self._progress_at = now
             doc = {"life": self.life, "step": step, "time": now, "resumes": history}
             write_atomic(self.root / PROGRESS, json.dumps(doc).encode(), sync=False)
+
+
+def retain(root: Path, keep: int) -> None:
+    """Keep the newest `keep` complete checkpoints; remove older ones and the incomplete
+    directories older than the newest complete one (they can never complete)."""
+    complete = complete_checkpoints(root)
+    newest = _step_of(complete[0]) if complete else -1
+    for path in complete[keep:]:
+        shutil.rmtree(path, ignore_errors=True)
+    for path in root.glob(f"{STEP_PREFIX}*"):
+        if not (path / COMPLETE).exists() and _step_of(path) < newest:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def remove_stale(root: Path, life: str) -> None:
+    """At start: temp directories of earlier lives can never complete."""
+    for path in root.glob(f"{TMP_PREFIX}*"):
+        if not path.name.endswith(f"-{life}"):
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def cpu_copy_snapshot(snap: Snapshot) -> Snapshot:
@@ -357,7 +372,7 @@ def verify(path: Path) -> dict[str, Any]:
             raise CheckpointError(f"format {meta.get('format')} is not {FORMAT}")
         for name, entry in meta["files"].items():
             data = (path / name).read_bytes()
-            if _entry(data) != entry:
+            if file_entry(data) != entry:
                 raise CheckpointError(f"{name}: size or sha256 differs from meta.json")
         return meta
     except (OSError, ValueError, KeyError, TypeError) as err:

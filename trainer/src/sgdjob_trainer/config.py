@@ -36,6 +36,7 @@ __all__ = [
     "BUILTIN_LOSSES",
     "BUILTIN_MODELS",
     "HOOK_PATTERN",
+    "Adaptation",
     "AsyncConfig",
     "Bursts",
     "CamelModel",
@@ -222,6 +223,13 @@ class AsyncConfig(CamelModel):
     ] = 1
 
 
+class Adaptation(StrEnum):
+    """How a command-mode script cooperates with SGDJob."""
+
+    NONE = "none"
+    API = "api"
+
+
 class TrainingConfig(CamelModel):
     """What to train and how; read by every trainer process."""
 
@@ -246,11 +254,22 @@ class TrainingConfig(CamelModel):
                 "Command mode: the argv of your own torchrun script, run unmodified under the job's torchrun "
                 "agents (e.g. [python, train.py, --epochs, '3']); it reads RANK, WORLD_SIZE, LOCAL_RANK, "
                 "MASTER_ADDR/PORT from the environment. Mode switches and rebalancing are off (the script does "
-                "not report to SGDJob). Environment and working directory come from the pod template's "
-                "container; `sgdjob run` runs it in the job file's folder. Excludes task."
+                "not report to SGDJob) unless `adaptation` is api. Environment and working directory come from the "
+                "pod template's container; `sgdjob run` runs it in the job file's folder. Excludes task."
             ),
         ),
     ] = None
+    adaptation: Annotated[
+        Adaptation,
+        Field(
+            description=(
+                "With command: `api` when the script uses SGDJob's adaptation API (sgdjob_trainer.adapt): it "
+                "reports its steps and follows the per-rank batch split, agreed stops and checkpoints, so the "
+                "policy may rebalance it (sync only: no mode switches); batchSize is its per-rank batch. "
+                "`none` (the default) runs it as written."
+            )
+        ),
+    ] = Adaptation.NONE
 
     model: Annotated[
         str,
@@ -374,6 +393,11 @@ class TrainingConfig(CamelModel):
     def _names(self) -> Self:
         if self.command is not None:
             self._command_only()
+        elif self.adaptation != Adaptation.NONE:
+            raise cross_field_error(
+                "adaptation",
+                "training.adaptation is for a training.command script; SGDJob's own trainer adapts without it",
+            )
         if self.task is not None:
             # By value, not by what was set: a run-config file carries every field written out.
             for name in ("model", "dataset", "loss"):
@@ -405,6 +429,16 @@ class TrainingConfig(CamelModel):
                     "evaluation.everySteps", "a target needs periodic validation: give everySteps or everySeconds"
                 )
         return self
+
+    @property
+    def reports(self) -> bool:
+        """Whether the workers report to SGDJob and follow its commands: the trainer, or a command-mode
+        script on the adaptation API."""
+        return self.command is None or self.adaptation == Adaptation.API
+
+    @property
+    def on_adaptation_api(self) -> bool:
+        return self.command is not None and self.adaptation == Adaptation.API
 
     def _command_only(self) -> None:
         """Command mode runs the user's script, not the trainer: what only the trainer does is refused."""

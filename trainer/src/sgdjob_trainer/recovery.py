@@ -28,6 +28,7 @@ import signal
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -46,6 +47,22 @@ if TYPE_CHECKING:
 log = logging.getLogger("sgdjob_trainer.recovery")
 EXIT_STOPPED = 143
 STUCK_MIN_S = 5.0
+
+
+def start_stop_watchdog(step: Callable[[], int], finishing: Callable[[], bool], slowest_s: Callable[[], float]) -> None:
+    """After SIGTERM: torchrun also sends it when a peer died, and a rank blocked in a collective with
+    the dead peer never reaches the agreed stop; it would hold up the restart until torchrun's SIGKILL
+    (30 s). No step within max(5 s, 3 x the slowest step) and not yet finishing: exit at once."""
+    at = step()
+
+    def watch() -> None:
+        time.sleep(max(STUCK_MIN_S, 3.0 * slowest_s()))
+        if step() == at and not finishing():
+            log.warning("SIGTERM: no step completes (a peer is gone?); exiting without a final checkpoint")
+            logging.shutdown()
+            os._exit(EXIT_STOPPED)
+
+    threading.Thread(target=watch, name="sgdjob-stop-watchdog", daemon=True).start()
 
 
 class Recovery:
@@ -128,19 +145,7 @@ class Recovery:
         # Only flags: the loop stops at an agreed step (the handler runs between bytecodes).
         if not self.ctx.stopping.is_set():
             self.ctx.stopping.set()
-            threading.Thread(
-                target=self._watchdog, args=(self.ctx.state.step,), name="sgdjob-stop-watchdog", daemon=True
-            ).start()
-
-    def _watchdog(self, step: int) -> None:
-        """torchrun also sends SIGTERM when a peer died; a rank blocked in a collective with the
-        dead peer never reaches the agreed stop, and would hold up the restart until torchrun's
-        SIGKILL (30 s). No step within max(5 s, 3 x the slowest step): exit at once."""
-        time.sleep(max(STUCK_MIN_S, 3.0 * self.slowest_step))
-        if self.ctx.state.step == step and not self.finishing:
-            log.warning("SIGTERM: no step completes (a peer is gone?); exiting without a final checkpoint")
-            logging.shutdown()
-            os._exit(EXIT_STOPPED)
+            start_stop_watchdog(lambda: self.ctx.state.step, lambda: self.finishing, lambda: self.slowest_step)
 
     # -- called by the training loop ------------------------------------------------------------
     def last_checkpoint(self) -> int:

@@ -24,12 +24,20 @@ from typing import Any
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 
+from sgdjob_trainer.config import TrainingConfig
 from sgdjob_trainer.telemetry import Telemetry
 from sgdjob_trainer.wire.control import ControlCommand, merge
-from sgdjob_trainer.wire.launch_contract import ENV_CONTROL_TOKEN, ENV_CONTROL_TOKEN_FILE
+from sgdjob_trainer.wire.launch_contract import ENV_CONTROL_TOKEN, ENV_CONTROL_TOKEN_FILE, ENV_METRICS_PORT
 
 log = logging.getLogger("sgdjob_trainer.server")
 MAX_BODY = 1 << 20
+
+
+def metrics_port(training: TrainingConfig, local_rank: int) -> int:
+    """SGDJOB_METRICS_PORT (else training.metricsPort) plus the local rank; 0 means ephemeral."""
+    raw = os.environ.get(ENV_METRICS_PORT)
+    base = int(raw) if raw not in (None, "") else training.metrics_port
+    return 0 if base == 0 else base + local_rank
 
 
 def control_token() -> str | None:

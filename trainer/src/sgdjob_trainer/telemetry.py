@@ -56,6 +56,7 @@ class Telemetry:
         self.staleness = 0.0
         self.batch_size = batch_size
         self.control_epoch = 0
+        self.control_error: str | None = None
         self.gradient_bytes = 0
         self.gradient = GradientFigures(0, None, None, None)
         self.switches: list[SwitchRecord] = []
@@ -249,9 +250,11 @@ class Telemetry:
             self.m_gradient[name].set(math.nan if value is None else value)
         self.m_gradient_steps.set(figures.steps)
 
-    def set_control_epoch(self, epoch: int) -> None:
+    def set_control_epoch(self, epoch: int, error: str | None = None) -> None:
+        """The command of `epoch` is applied; `error` says what of it this process refused."""
         with self.lock:
             self.control_epoch = epoch
+            self.control_error = error
         self.m_epoch.set(epoch)
 
     def record_switch(self, from_mode: SyncMode, to_mode: SyncMode, step: int, pause_s: float, reason: str) -> None:
@@ -313,6 +316,7 @@ class Telemetry:
     def status(self) -> WorkerStatus:
         with self.lock:
             optional = {
+                "control_error": self.control_error,
                 "restart_count": self.restart_count,
                 "resumes": self.resumes,
                 "checkpoint": self.checkpoint,

@@ -41,14 +41,14 @@ import torch
 import torch.distributed as dist
 
 from sgdjob_trainer.assembly import assemble
-from sgdjob_trainer.config import Precision, SyncMode, TargetMetric, TrainingConfig, initial_batches
+from sgdjob_trainer.config import Precision, SyncMode, TargetMetric, initial_batches
 from sgdjob_trainer.data import DataPosition
 from sgdjob_trainer.emulation import ComputeEmulator
 from sgdjob_trainer.levers import LossScaler
 from sgdjob_trainer.optim import OptimizerTemplate, adaptive, async_obstacle
 from sgdjob_trainer.recovery import Recovery
 from sgdjob_trainer.runtime import WorldInfo, choose_device, init_distributed, setup_logging, shutdown_distributed
-from sgdjob_trainer.server import ControlInbox, TrainerServer
+from sgdjob_trainer.server import ControlInbox, TrainerServer, metrics_port
 from sgdjob_trainer.strategies import STRATEGIES, Context, Strategy
 from sgdjob_trainer.strategies.base import exchange_bytes
 from sgdjob_trainer.strategies.hierarchical import valid_groups
@@ -59,7 +59,6 @@ from sgdjob_trainer.validation import Validation, Validator, reached
 from sgdjob_trainer.wire.control import ControlCommand
 from sgdjob_trainer.wire.launch_contract import (
     ENV_METRICS_HOST,
-    ENV_METRICS_PORT,
     ENV_REPORT_DIR,
     ENV_TERMINATION_LOG,
     RunConfig,
@@ -67,13 +66,6 @@ from sgdjob_trainer.wire.launch_contract import (
 from sgdjob_trainer.wire.worker_status import Termination
 
 log = logging.getLogger("sgdjob_trainer")
-
-
-def metrics_port(training: TrainingConfig, local_rank: int) -> int:
-    """SGDJOB_METRICS_PORT (else training.metricsPort) plus the local rank; 0 means ephemeral."""
-    raw = os.environ.get(ENV_METRICS_PORT)
-    base = int(raw) if raw not in (None, "") else training.metrics_port
-    return 0 if base == 0 else base + local_rank
 
 
 class Trainer:

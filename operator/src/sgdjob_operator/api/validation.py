@@ -109,7 +109,7 @@ def spec_warnings(spec: SGDJobSpec, mode_field: str = "spec.mode") -> list[SpecW
     """What the spec asks for but will not get; never a reason to refuse it. `mode_field` names
     where the mode came from (`--mode` when `sgdjob run` overrides spec.mode)."""
     warnings: list[SpecWarning] = []
-    if spec.mode is JobMode.AUTO and spec.training.command is not None:
+    if spec.mode is JobMode.AUTO and not spec.training.reports:
         # The policy acts through the trainer's reports and /control; a command-mode script has
         # neither, so `auto` would silently mean "never adapt" (the script runs as written).
         warnings.append(
@@ -117,8 +117,8 @@ def spec_warnings(spec: SGDJobSpec, mode_field: str = "spec.mode") -> list[SpecW
                 MODE_NOT_ADJUSTABLE,
                 f"{mode_field}: auto cannot adapt spec.training.command: the policy switches modes and "
                 "rebalances only a trainer that reports to SGDJob, and a command-mode script does not, so it "
-                f"runs as written; set {mode_field} to sync, or give your model as spec.training.task to let "
-                "the policy adapt it",
+                f"runs as written; set {mode_field} to sync, or give your model as spec.training.task or put "
+                "your script on the adaptation API (spec.training.adaptation: api) to let the policy adapt it",
             )
         )
     return warnings

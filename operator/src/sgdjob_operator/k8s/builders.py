@@ -25,6 +25,7 @@ from sgdjob_trainer.wire.launch_contract import (
     ENV_CONTROL_TOKEN_FILE,
     ENV_METRICS_HOST,
     ENV_NODE_NAME,
+    ENV_RUN_CONFIG,
     ENV_TERMINATION_LOG,
     ENV_UNSHARED_RDZV_STORE,
     STORE_MODULE,
@@ -228,6 +229,7 @@ def worker_env(job: JobRef, spec: SGDJobSpec, index: int) -> list[dict[str, Any]
         {"name": ENV_UNSHARED_RDZV_STORE, "value": "1"},
         {"name": ENV_METRICS_HOST, "value": "$(POD_IP)"},
         {"name": ENV_CONTROL_TOKEN_FILE, "value": f"{TOKEN_DIR}/{TOKEN_KEY}"},
+        {"name": ENV_RUN_CONFIG, "value": f"{CONFIG_DIR}/{CONFIG_FILE}"},  # for a script on the adaptation API
         {"name": "SGDJOB_JOB_NAME", "value": job.name},
         {"name": "SGDJOB_WORKER_INDEX", "value": str(index)},
         {"name": "PYTHONUNBUFFERED", "value": "1"},

@@ -251,8 +251,8 @@ def plan_reconcile(
             if _was_queued(status)
             else Event("Normal", "Resumed", "job resumed: worker pods recreated")
         )
-    # A command-mode script does not report to SGDJob: say what that turns off where users look.
-    note = f"; {COMMAND_MODE_NOTE}" if spec.training.command is not None else ""
+    # A command-mode script that does not report to SGDJob: say what that turns off where users look.
+    note = f"; {COMMAND_MODE_NOTE}" if not spec.training.reports else ""
     if phase is not previous_phase and phase in (Phase.RUNNING, Phase.ADAPTING):
         ready = f"{st.ready_replicas} workers ready" + (note or f" in mode {st.mode or st.target_mode}")
         plan.events.append(Event("Normal", phase.value, why or ready))

@@ -16,7 +16,7 @@ import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
-from sgdjob_trainer.wire.launch_contract import COMMAND_MODE_NOTE
+from sgdjob_trainer.wire.launch_contract import ADAPTATION_API_NOTE, COMMAND_MODE_NOTE
 
 # `python` in a job file means the interpreter `sgdjob run` runs under (which has torch), not
 # whatever `python` the shell's PATH finds first; on a cluster it is the image's own.
@@ -66,6 +66,8 @@ def command_check(command: Sequence[str], work_dir: Path, python: str, path: str
     return command_problem(local_command(command, python), work_dir, path) or script_problem(command, work_dir)
 
 
-def run_note(work_dir: Path) -> str:
-    """What `sgdjob run` prints at the start of a command-mode run."""
+def run_note(work_dir: Path, api: bool = False) -> str:
+    """What `sgdjob run` prints at the start of a command-mode run (`api`: on the adaptation API)."""
+    if api:
+        return f"{ADAPTATION_API_NOTE}; the script runs in {work_dir}"
     return f"{COMMAND_MODE_NOTE}; only a process's liveness is watched; the script runs in {work_dir}"

@@ -29,6 +29,7 @@ from sgdjob_trainer.wire.launch_contract import (
     ENV_METRICS_PORT,
     ENV_NODE_NAME,
     ENV_REPORT_DIR,
+    ENV_RUN_CONFIG,
     ENV_UNSHARED_RDZV_STORE,
     STORE_MODULE,
     TRAINER_MODULE,
@@ -159,9 +160,12 @@ def agent_argv(
     return (python, "-m", AGENT_MODULE, *options.argv(), *trainer_args(str(config_path), module))
 
 
-def agent_env(base: Mapping[str, str], *, node: str, token: str, report_dir: Path) -> dict[str, str]:
+def agent_env(
+    base: Mapping[str, str], *, node: str, token: str, report_dir: Path, run_config: Path | None = None
+) -> dict[str, str]:
     """The agent's environment (its trainer processes inherit it). The user's own settings for
-    threads and the gloo interface are kept."""
+    threads and the gloo interface are kept. `run_config`: the file a script on the adaptation API
+    reads (the trainer gets it as --config)."""
     env = dict(base)
     env.update(
         {
@@ -172,6 +176,9 @@ def agent_env(base: Mapping[str, str], *, node: str, token: str, report_dir: Pat
             "PYTHONUNBUFFERED": "1",
         }
     )
+    env.pop(ENV_RUN_CONFIG, None)  # a run's own, never one inherited from an enclosing run
+    if run_config is not None:
+        env[ENV_RUN_CONFIG] = str(run_config)
     env.pop(ENV_CONTROL_TOKEN_FILE, None)
     env.pop(ENV_METRICS_PORT, None)  # ports come from each agent's config: metricsPort + LOCAL_RANK
     env.setdefault("OMP_NUM_THREADS", "1")
@@ -224,7 +231,7 @@ def plan_agent(ctx: LaunchContext, index: int, mode: SyncMode, metrics_base: int
         index=index,
         node=node,
         argv=agent_argv(ctx.python, ctx.torchrun, config_path, ctx.trainer_module, spec.training.command),
-        env=agent_env(ctx.base_env, node=node, token=ctx.token, report_dir=ctx.report_dir),
+        env=agent_env(ctx.base_env, node=node, token=ctx.token, report_dir=ctx.report_dir, run_config=config_path),
         config_path=config_path,
         run_config=run_config(
             job_name(ctx.job),

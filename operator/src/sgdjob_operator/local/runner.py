@@ -181,16 +181,17 @@ def restart_policy(job: SGDJob, options: RunOptions) -> RestartPolicy:
 
 
 def run_mode(job: SGDJob, options: RunOptions) -> tuple[SyncMode, bool]:
-    """resolve_mode, but a command-mode script cannot be driven: never auto."""
+    """resolve_mode, but a command-mode script that does not report cannot be driven: never auto."""
     mode, auto = resolve_mode(job.spec.mode, options.mode)
-    return mode, auto and job.spec.training.command is None
+    return mode, auto and job.spec.training.reports
 
 
 def prepare(job: SGDJob, options: RunOptions) -> tuple[LaunchPlan, str]:
     """Choose ports and token, create the output directory and write each agent's run-config."""
     mode, auto = run_mode(job, options)
     work_dir = (options.work_dir or Path.cwd()).resolve()
-    notes: tuple[str, ...] = (run_note(work_dir),) if job.spec.training.command is not None else ()
+    training = job.spec.training
+    notes = (run_note(work_dir, training.on_adaptation_api),) if training.command is not None else ()
     ports = free_port_blocks(job.spec.replicas + 1, job.spec.nproc_per_node)
     token = secrets.token_urlsafe(32)
     out_dir = options.out_dir.resolve()
@@ -351,6 +352,8 @@ class CleanUp:
 
 
 def _mode_label(job: SGDJob, mode: SyncMode) -> str:
+    if job.spec.training.on_adaptation_api:
+        return f"{mode.value} (your script, on the adaptation API)"
     return "command (your script's own DDP)" if job.spec.training.command is not None else mode.value
 
 
@@ -447,12 +450,13 @@ async def run_local(job: SGDJob, options: RunOptions, display: Display, on_poll:
     extra["ok"] = code == 0
     if code != 0:
         extra["error"] = message
-    command_mode = job.spec.training.command is not None
-    if command_mode:  # the script reports nothing: no rank is missing, and no training figures to show
+    silent = not job.spec.training.reports
+    if silent:  # the script reports nothing: no rank is missing, and no training figures to show
         extra["command_mode"] = COMMAND_MODE_NOTE
-    report, path = _write_report(plan, job, extra, statuses, run_wall, 0 if command_mode else fleet.world_size())
+    report, path = _write_report(plan, job, extra, statuses, run_wall, 0 if silent else fleet.world_size())
     if code == 0 and report.get("reason") == TARGET_REACHED:
         message = f"the validation reached the target at step {report.get('target_step')}: {message}"
-    message += f"\nreport: {path}" + (f"\nthe script's output: {plan.out_dir / 'logs'}" if command_mode else "")
-    display.finish(None if command_mode else report, message)
+    script = job.spec.training.command is not None
+    message += f"\nreport: {path}" + (f"\nthe script's output: {plan.out_dir / 'logs'}" if script else "")
+    display.finish(None if silent else report, message)
     return RunOutcome(code, message, report, path)

@@ -135,6 +135,14 @@ def job_view(
     if active not in SYNC_MODES:
         raise ValueError(f"mode must be one of {', '.join(SYNC_MODES)}, not {active!r}")
     hier = spec.training.hierarchical
+    policy = spec.policy
+    if spec.training.on_adaptation_api:
+        # A script on the adaptation API runs sync only, and its learning rate is its own: no switch,
+        # and no trimmed batch (which the trainer pairs with a learning rate scaled to it).
+        kept = [a for a in policy.allowed_actions if a not in (Action.SWITCH_MODE, Action.TRIM_BATCH)]
+        policy = policy.model_copy(update={"allowed_actions": kept})
+    # A command's own arguments decide how long it trains: training.steps says nothing of it.
+    steps_left = max(spec.training.steps - step, 0) if step is not None and spec.training.command is None else None
     given_groups = groups if groups is not None else hier.groups
     return JobView(
         requested_mode=spec.mode.value,
@@ -144,7 +152,7 @@ def job_view(
         max_replicas=spec.max_workers,
         nproc_per_node=spec.nproc_per_node,
         base_batch=spec.training.batch_size,
-        policy=spec.policy,
+        policy=policy,
         comm=comm if comm is not None else CommModel(),
         batch_sizes=dict(batch_sizes or {}),
         groups=tuple(tuple(g) for g in given_groups) if given_groups else None,
@@ -161,5 +169,5 @@ def job_view(
         rebalance_seconds=rebalance_seconds,
         in_flight=in_flight,
         goal_replicas=goal_replicas if goal_replicas is not None else spec.replicas,
-        steps_left=max(spec.training.steps - step, 0) if step is not None else None,
+        steps_left=steps_left,
     )

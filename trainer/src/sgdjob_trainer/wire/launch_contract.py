@@ -28,6 +28,11 @@ EXIT_RENDEZVOUS_CLOSED = 3
 EXIT_COMMAND_NOT_FOUND = 127
 # Command mode: the script does not report to SGDJob, so nothing that needs its cooperation runs.
 COMMAND_MODE_NOTE = "command mode: the script does not report to SGDJob; mode switches and rebalancing are off"
+# Command mode with training.adaptation: api: the script reports through sgdjob_trainer.adapt.
+ADAPTATION_API_NOTE = (
+    "adaptation API: the script reports to SGDJob; per-rank rebalancing and agreed stops are on, "
+    "mode switches off (the API runs sync only)"
+)
 
 # The environment a trainer process reads, besides torchrun's own (RANK, WORLD_SIZE, ...).
 ENV_NODE_NAME = "NODE_NAME"  # the node it runs on (a pod's spec.nodeName); else the host name
@@ -36,6 +41,9 @@ ENV_METRICS_PORT = "SGDJOB_METRICS_PORT"  # the server's base port, over trainin
 ENV_CONTROL_TOKEN = "SGDJOB_CONTROL_TOKEN"  # the /control bearer token,
 ENV_CONTROL_TOKEN_FILE = "SGDJOB_CONTROL_TOKEN_FILE"  # or a file holding it (re-read per request)
 ENV_REPORT_DIR = "SGDJOB_REPORT_DIR"  # where it writes rank-<rank>.json when training ends
+# The run-config file, for a command-mode script on the adaptation API (sgdjob_trainer.adapt): the
+# trainer gets it as --config; a script finds it here, and without it knows SGDJob did not start it.
+ENV_RUN_CONFIG = "SGDJOB_RUN_CONFIG"
 # Rank 0 writes how training ended (wire.worker_status.Termination) here: the pod's
 # terminationMessagePath, so the operator reads it from the pod's status after the process is gone.
 ENV_TERMINATION_LOG = "SGDJOB_TERMINATION_LOG"

@@ -93,6 +93,9 @@ class WorkerStatus(WireDocument):
     staleness: float = 0.0
     batch_size: int = 0
     control_epoch: int = 0
+    # What this process could not carry out of the command of `control_epoch`, and why (absent when it
+    # applied all of it). The epoch still counts as applied: a controller must not re-send it.
+    control_error: str | None = None
     gradient_bytes: int = 0
     # Hang signals (see metric_names.STALLED_SECONDS): absent before training began.
     stalled_seconds: float | None = None

@@ -1,0 +1,119 @@
+"""The adaptation API's pure core (sgdjob_trainer.adapt.split): per-rank shares of the global batch,
+where each rank's slice lies, a new split at an agreed batch, and what a command changes or is refused."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from sgdjob_trainer.adapt.split import (
+    Position,
+    Schedule,
+    Split,
+    apply_command,
+    batches_left,
+    next_epoch,
+    prefetch_lag,
+    take,
+)
+from sgdjob_trainer.config import SyncMode
+from sgdjob_trainer.wire.control import ControlCommand
+
+
+def test_a_split_gives_each_rank_its_size_and_a_smaller_world_keeps_the_ranks_it_has() -> None:
+    split = Split.of(3, 32, {1: 16, 4: 8})
+    assert split.sizes == (32, 16, 32) and split.total == 80
+    assert [split.start(r) for r in range(3)] == [0, 32, 48]
+    assert Split.of(2, 32, split.as_dict()).sizes == (32, 16)
+
+
+@given(st.lists(st.integers(1, 64), min_size=1, max_size=8), st.data())
+def test_weighted_ranks_average_to_the_mean_over_every_sample(sizes: list[int], data: st.DataObject) -> None:
+    """DDP divides the sum of the ranks' gradients by the world size; with each rank's mean gradient
+    scaled by its weight first, that is the mean over all samples of the global batch."""
+    split = Split(tuple(sizes))
+    grads = data.draw(st.lists(st.floats(-10, 10), min_size=len(sizes), max_size=len(sizes)))
+    ddp_average = sum(split.weight(r) * g for r, g in enumerate(grads)) / split.world
+    per_sample = sum(b * g for b, g in zip(sizes, grads, strict=True)) / split.total
+    assert ddp_average == pytest.approx(per_sample, abs=1e-9)
+
+
+def _epoch(samples: int, schedule: Schedule, world: int, pos: Position) -> tuple[list[list[range]], Position]:
+    """Every rank's slices of one epoch from `pos` (a list per global batch), as the loaders cut them."""
+    batches: list[list[range]] = []
+    while True:
+        cut = [take(pos, samples, schedule.at(pos.batch), r) for r in range(world)]
+        if cut[0] is None:
+            assert all(c is None for c in cut), "every rank ends the epoch at the same batch"
+            return batches, next_epoch(pos)
+        batches.append([c[0] for c in cut if c is not None])
+        after = {c[1] for c in cut if c is not None}
+        assert len(after) == 1, "every rank moves to the same position"
+        pos = after.pop()
+
+
+def test_the_ranks_slices_tile_each_global_batch_and_no_sample_is_read_twice_across_a_resplit() -> None:
+    plain = Split.of(3, 8)
+    schedule = Schedule.starting(plain).then(5, Split((12, 8, 6)), consumed=2)  # a new split from batch 5
+    batches, after = _epoch(300, schedule, 3, Position())
+    for k, slices in enumerate(batches):
+        expected = schedule.at(k)
+        assert [len(s) for s in slices] == list(expected.sizes)
+        assert [s.start for s in slices[1:]] == [s.stop for s in slices[:-1]], "contiguous, rank 0 first"
+    seen = [i for slices in batches for s in slices for i in s]
+    assert seen == list(range(len(seen))), "the global batches read the epoch's order once, in order"
+    assert [len(slices[0]) for slices in batches] == [8] * 5 + [12] * 6
+    assert 300 - len(seen) < 26, "only what is left short of a global batch is dropped"
+    assert after == Position(epoch=1, cursor=0, batch=len(batches))
+
+
+def test_a_new_split_starts_after_every_batch_a_rank_may_have_cut_already() -> None:
+    old, new = Split.of(2, 16), Split((24, 8))
+    # 3 batches handed out, a loader with 2 workers x prefetch 2 has cut up to batch 6: new from 7.
+    schedule = Schedule.starting(old).then(3 + prefetch_lag(2, None), new, consumed=3)
+    assert [schedule.at(k) for k in (0, 3, 6, 7, 100)] == [old, old, old, new, new]
+    later = schedule.then(12, Split((20, 12)), consumed=9)
+    assert later.changes[0] == (7, new), "changes no batch from 9 on needs are dropped"
+    assert later.at(11) == new and later.at(12) == Split((20, 12))
+
+
+def test_prefetch_lag_is_what_a_torch_dataloader_cuts_ahead() -> None:
+    assert prefetch_lag(0, None) == 0  # the loop's next() cuts the batch
+    assert prefetch_lag(2, None) == 4 and prefetch_lag(3, 5) == 15
+
+
+def test_a_resumed_position_continues_mid_epoch() -> None:
+    split = Split.of(2, 10)
+    pos = Position(epoch=4, cursor=60, batch=123)
+    got = take(pos, 100, split, 1)
+    assert got is not None and got[0] == range(70, 80) and got[1] == Position(4, 80, 124)
+    assert batches_left(pos, 100, split) == 2
+    assert take(Position(4, 90, 0), 100, split, 0) is None
+
+
+def _command(**fields: object) -> ControlCommand:
+    return ControlCommand.model_validate({"epoch": 3, "reason": "test", **fields})
+
+
+def test_batch_sizes_are_applied() -> None:
+    applied = apply_command(Split.of(2, 32), _command(batchSizes={"0": 40, "1": 24}), samples=2048)
+    assert applied.split == Split((40, 24)) and applied.refused is None
+
+
+def test_a_mode_the_api_cannot_run_is_refused_and_the_rest_still_applies() -> None:
+    for mode in (SyncMode.HIERARCHICAL, SyncMode.ASYNC):
+        applied = apply_command(Split.of(2, 32), _command(mode=mode.value, batchSizes={"1": 20}), samples=2048)
+        assert applied.split == Split((32, 20))
+        assert applied.refused is not None and f"mode {mode.value} refused" in applied.refused
+    assert apply_command(Split.of(2, 32), _command(mode="sync"), samples=2048).refused is None
+
+
+def test_batch_sizes_that_cannot_be_cut_are_refused_naming_why() -> None:
+    plain = Split.of(2, 32)
+    unknown = apply_command(plain, _command(batchSizes={"1": 20, "5": 8, "0": 0}), samples=2048)
+    assert unknown.split == Split((32, 20)) and "unknown ranks or below 1" in (unknown.refused or "")
+    too_big = apply_command(plain, _command(batchSizes={"0": 3000}), samples=2048)
+    assert too_big.split == plain and "exceeds the 2048 samples of an epoch" in (too_big.refused or "")
+    no_loader = apply_command(plain, _command(batchSizes={"0": 40}), samples=None)
+    assert no_loader.split == plain and "without session.loader()" in (no_loader.refused or "")
