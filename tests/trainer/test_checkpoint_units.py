@@ -127,6 +127,29 @@ def test_partial_checkpoint_is_never_complete(tmp_path: Path) -> None:
     assert not (tmp_path / ".tmp-step-0000000020-old").exists()
 
 
+def test_a_ranks_failed_part_ends_the_step_at_once_and_leaves_no_data(tmp_path: Path) -> None:
+    """Rank 1's part cannot be written (here: it cannot be pickled; on a full volume: no space). Rank 0
+    gives the step up as soon as rank 1's marker appears, not after completeTimeoutSeconds, and both
+    writers go on to write the next step whole."""
+    cfg = Checkpoint(dir=str(tmp_path), interval_steps=10, complete_timeout_seconds=60)
+    rank0, rank1 = Checkpointer(cfg, 0, "lifeC"), Checkpointer(cfg, 1, "lifeC")
+    bad = _snapshot(10, 2, 1, 1.0)
+    bad.part["unpicklable"] = lambda: None
+    start = time.monotonic()
+    rank1.take(lambda: bad, 10)
+    rank1.flush()
+    rank0.take(lambda: _snapshot(10, 2, 0, 1.0), 10)
+    rank0.flush()
+    assert time.monotonic() - start < 10, "rank 0 waited out the timeout instead of reading the marker"
+    assert [s for s, _ in rank1.failures] == [10] and [s for s, _ in rank0.failures] == [10]
+    assert "rank-00001" in rank0.failures[0][1], rank0.failures
+    assert complete_checkpoints(tmp_path) == [] and not list(tmp_path.glob(".tmp-*"))
+    for rank, writer in ((1, rank1), (0, rank0)):
+        writer.take(lambda r=rank: _snapshot(20, 2, r, 2.0), 20)
+        writer.flush()
+    assert [p.name for p in complete_checkpoints(tmp_path)] == ["step-0000000020"]
+
+
 def test_average_models_weights_groups() -> None:
     parts = [
         {"model": {"w": torch.tensor([0.0, 3.0]), "n": torch.tensor(1)}, "weight": 3},

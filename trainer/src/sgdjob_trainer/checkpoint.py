@@ -38,6 +38,7 @@ an older one. A corrupt or partial checkpoint is skipped with a warning, never l
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -60,6 +61,7 @@ log = logging.getLogger("sgdjob_trainer.checkpoint")
 FORMAT = 1
 STEP_PREFIX = "step-"
 TMP_PREFIX = ".tmp-step-"
+FAILED_SUFFIX = ".failed"  # a rank's marker in a step's temp directory: its part will never come
 COMPLETE = "COMPLETE"
 META = "meta.json"
 PROGRESS = "progress.json"
@@ -99,8 +101,11 @@ def claim_dir(root: Path, job: str, rank: int) -> None:
             f"give each job its own spec.training.checkpoint.dir (or remove {root} if job {owner!r} is done with it)"
         )
     if owner is None and rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        write_atomic(owner_file, json.dumps({"job": job}).encode())
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            write_atomic(owner_file, json.dumps({"job": job}).encode())
+        except OSError as err:  # a full volume: claimed at a later start; its checkpoints fail meanwhile
+            log.warning("cannot claim training.checkpoint.dir %s for job %s: %s", root, job, err)
 
 
 def check_shared(root: Path, life: str, rank: int, world_size: int, group: Any = None) -> None:
@@ -109,19 +114,28 @@ def check_shared(root: Path, life: str, rank: int, world_size: int, group: Any =
     checkpoint and training would stall behind it. Rank 0 writes a marker named by this life; the
     ranks that cannot see it are named in the error (collective: every rank raises)."""
     marker = root / f".visible-{life}"
+    # The last slot: rank 0 could not write the marker (a full or read-only volume). Then nothing can
+    # be checked, and the checkpoints' own failures will be reported; training starts anyway.
+    missing = torch.zeros(world_size + 1, dtype=torch.int64)
     if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        write_atomic(marker, life.encode())
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            write_atomic(marker, life.encode())
+        except OSError as err:
+            log.warning("cannot check that training.checkpoint.dir %s is shared: %s", root, err)
+            missing[world_size] = 1
     dist.barrier(group=group)
-    missing = torch.zeros(world_size, dtype=torch.int64)
-    try:
-        missing[rank] = int(marker.read_text() != life)
-    except OSError:
-        missing[rank] = 1
+    if not missing[world_size]:
+        try:
+            missing[rank] = int(marker.read_text() != life)
+        except OSError:
+            missing[rank] = 1
     dist.all_reduce(missing, group=group)
     dist.barrier(group=group)
     if rank == 0:
         marker.unlink(missing_ok=True)
+    if missing[world_size]:
+        return
     blind = [r for r in range(world_size) if missing[r]]
     if blind:
         raise CheckpointDirNotShared(
@@ -215,11 +229,13 @@ class Checkpointer:
     failures: list[tuple[int, str]] = field(default_factory=list)  # (step, error) of writes that failed
     _queue: queue.Queue[Snapshot] = field(default_factory=lambda: queue.Queue(maxsize=1))
     _progress_at: float = 0.0
+    _progress_failed: bool = False
 
     def __post_init__(self) -> None:
         assert self.cfg.dir is not None
         self.root = Path(self.cfg.dir)
-        self.root.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(OSError):  # a full volume: every write fails, is counted, and training goes on
+            self.root.mkdir(parents=True, exist_ok=True)
         threading.Thread(target=self._run, name="sgdjob-checkpoint", daemon=True).start()
 
     def due(self, step: int) -> bool:
@@ -250,12 +266,36 @@ class Checkpointer:
                 self.writes.append(time.perf_counter() - start)
             except Exception as err:
                 log.exception("checkpoint of step %d failed on rank %d; training goes on", snap.step, self.rank)
-                self.failures.append((snap.step, f"{type(err).__name__}: {err}"[:300]))
-                # The step can no longer complete, and on a full volume its partial files hold the space
-                # the next checkpoint needs.
-                shutil.rmtree(self.root / f"{TMP_PREFIX}{snap.step:010d}-{self.life}", ignore_errors=True)
+                error = f"{type(err).__name__}: {err}"[:300]
+                self.failures.append((snap.step, error))
+                try:
+                    self._give_up(snap.step, error)
+                except OSError:  # rank 0 removing the directory under us: the writer thread must live on
+                    log.warning("clean-up of checkpoint step %d on rank %d incomplete", snap.step, self.rank)
             finally:
                 self._queue.task_done()
+
+    def _give_up(self, step: int, error: str) -> None:
+        """The step can no longer complete, and on a full volume its partial files hold the space the next
+        checkpoint needs: rank 0 removes the step's directory; another rank removes its own files (the
+        directory is shared: removing it would fail rank 0's write in progress) and leaves a marker, so
+        rank 0 gives up at once instead of waiting completeTimeoutSeconds for a part that never comes."""
+        tmp = self.root / f"{TMP_PREFIX}{step:010d}-{self.life}"
+        if self.rank == 0:
+            # Older steps of this life too: a slower rank may have made its directory again after
+            # rank 0 removed it, to leave its marker there.
+            for path in self.root.glob(f"{TMP_PREFIX}*-{self.life}"):
+                if path.name[len(TMP_PREFIX) :].split("-")[0] <= f"{step:010d}":
+                    shutil.rmtree(path, ignore_errors=True)
+            return
+        for path in tmp.glob(f"*-{self.rank:05d}.*"):
+            path.unlink(missing_ok=True)
+        marker = tmp / f"rank-{self.rank:05d}{FAILED_SUFFIX}"
+        try:
+            marker.write_text(error)
+        except OSError:
+            with contextlib.suppress(OSError):
+                marker.touch()  # no room for the text: an empty marker needs no data block
 
     def _write(self, snap: Snapshot) -> None:
         tmp = self.root / f"{TMP_PREFIX}{snap.step:010d}-{self.life}"
@@ -279,6 +319,9 @@ class Checkpointer:
         deadline = time.monotonic() + self.cfg.complete_timeout_seconds
         names = [f"rank-{r:05d}.json" for r in range(snap.world_size)]
         while not all((tmp / n).exists() for n in names):
+            if failed := sorted(tmp.glob(f"rank-*{FAILED_SUFFIX}")):
+                why = "; ".join(f"{m.name.removesuffix(FAILED_SUFFIX)}: {_read(m) or 'see its log'}" for m in failed)
+                raise CheckpointError(f"another rank's part of step {snap.step} failed ({why})")
             if time.monotonic() > deadline:
                 missing = [n for n in names if not (tmp / n).exists()]
                 log.warning(
@@ -319,7 +362,14 @@ class Checkpointer:
         if force or now - self._progress_at >= PROGRESS_EVERY_S:
             self._progress_at = now
             doc = {"life": self.life, "step": step, "time": now, "resumes": history}
-            write_atomic(self.root / PROGRESS, json.dumps(doc).encode(), sync=False)
+            try:
+                write_atomic(self.root / PROGRESS, json.dumps(doc).encode(), sync=False)
+            except OSError as err:
+                # Only the lost-step figure of a later restart rests on it: a full volume costs that
+                # figure's precision, never the training.
+                if not self._progress_failed:
+                    log.warning("cannot record progress in %s (%s); training goes on", self.root, err)
+                self._progress_failed = True
 
 
 def retain(root: Path, keep: int) -> None:
@@ -345,6 +395,13 @@ def cpu_copy_snapshot(snap: Snapshot) -> Snapshot:
     snap.part = cpu_copy(snap.part)
     snap.model = cpu_copy(snap.model) if snap.model is not None else None
     return snap
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()[:200]
+    except OSError:
+        return ""
 
 
 def _step_of(path: Path) -> int:
