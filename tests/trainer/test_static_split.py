@@ -84,6 +84,7 @@ def test_the_split_run_ends_with_plain_syncs_model(ranks: list[dict[str, Any]], 
     # Only the order of a float sum differs (each rank's mean gradient weighted by its batch).
     diff = (split_model - plain_model).abs().max().item()
     print(
-        f"rankBatchSizes {SPLIT} vs plain sync {PLAIN}x{WORLD} after {STEPS} steps: max diff {diff:.2e}, moved {moved:.2e}"
+        f"rankBatchSizes {SPLIT} vs plain sync {PLAIN}x{WORLD} after {STEPS} steps:",
+        f"max diff {diff:.2e}, moved {moved:.2e}",
     )
     assert diff < 1e-5 * max(1.0, moved), diff
