@@ -1,15 +1,18 @@
 """What the real-node cluster needs from the host: Debian packages, cgroup trees, and each node's mount
 namespace (the "holder" process that keeps it).
 
-Why a mount namespace per node: three kubelets on one machine would otherwise share paths that a
-kubelet believes it owns. Every minute a kubelet deletes the /var/log/pods folders of pods it does
-not know, i.e. the other nodes' logs; and it sets machine-wide kernel tunables (vm.overcommit_memory=1,
-kernel.panic=10, kernel.panic_on_oops=1) at start. In its node's namespace /var/log is the node's
-own folder, /run is a private tmpfs (containerd's shim sockets, runc state, the pods' network
-namespace files, the iptables lock), /var/lib/cni (CNI's result cache) is per node, and those
-/proc/sys files are masked by files that already hold the values the kubelet wants, so it writes
-nothing to the host. The namespace disappears, with every mount made in it, when its last process
-exits: nothing is left mounted on the host.
+Why a mount namespace per node: three kubelets on one machine would otherwise share paths that a kubelet
+believes it owns. Every minute a kubelet deletes the /var/log/pods folders of pods it does not know,
+i.e. the other nodes' logs; and it sets machine-wide kernel tunables (vm.overcommit_memory=1,
+kernel.panic=10, kernel.panic_on_oops=1) at start. In its node's namespace /var/log is the node's own
+folder, /run is a private tmpfs (containerd's shim sockets, runc state, the pods' network namespace
+files, the iptables lock), /var/lib/cni (CNI's result cache) is per node, and so is
+/var/lib/kubelet/device-plugins, whose path the kubelet does not take from --root-dir: each kubelet
+empties it and binds kubelet.sock there at start, so three sharing it race (one of them exits with
+"bind: address already in use", seen on a fresh machine). The tunables' /proc/sys files are masked by
+files that already hold the values the kubelet wants, so it writes nothing to the host. The namespace
+disappears, with every mount made in it, when its last process exits: nothing is left mounted on the
+host.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ COMMANDS = (
     "containerd", "containerd-shim-runc-v2", "ctr", "runc", "iptables", "conntrack", "nsenter", "unshare", "dnsmasq",
 )  # fmt: skip
 CNI_PLUGINS = ("bridge", "host-local", "portmap", "loopback")
+# The kubelet's device-plugin socket folder (fixed in v1.20), parent first: mount points per node.
+DEVICE_PLUGINS_PATHS = (Path("/var/lib/kubelet"), Path("/var/lib/kubelet/device-plugins"))
 # The kubelet's desired kernel tunables (pkg/kubelet/cm/container_manager_linux.go, v1.20).
 KUBELET_TUNABLES = {
     "vm/overcommit_memory": "1",
@@ -159,6 +164,7 @@ def holder_script(node_dir: Path) -> str:
         "mount -t tmpfs -o mode=0755,size=64m devcluster-run /run",
         f"mount --bind {q(str(node_dir / 'log'))} /var/log",
         f"mount --bind {q(str(node_dir / 'cni-cache'))} /var/lib/cni",
+        f"mount --bind {q(str(node_dir / 'device-plugins'))} {DEVICE_PLUGINS_PATHS[-1]}",
     ]
     for key in KUBELET_TUNABLES:
         lines.append(f"mount --bind {q(str(node_dir / 'sysctl' / key.replace('/', '.')))} /proc/sys/{key}")
@@ -167,7 +173,7 @@ def holder_script(node_dir: Path) -> str:
 
 
 def prepare_node_dir(node_dir: Path) -> None:
-    for sub in ("log", "cni-cache", "sysctl", "kubelet", "volume-plugins", "cni", "cni-ipam", "runc"):
+    for sub in ("log", "cni-cache", "device-plugins", "sysctl", "kubelet", "volume-plugins", "cni", "cni-ipam", "runc"):
         (node_dir / sub).mkdir(parents=True, exist_ok=True)
     for key, value in KUBELET_TUNABLES.items():
         (node_dir / "sysctl" / key.replace("/", ".")).write_text(value + "\n")

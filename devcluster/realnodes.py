@@ -197,7 +197,8 @@ class RealCluster:
         # The node's resolver, for dnsPolicy Default pods: a query to their own loopback fails at
         # once instead of waiting for a server that is not there.
         (etc / "resolv.conf").write_text("nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")
-        self.created += [str(p) for p in (Path("/var/lib/cni"),) if realhost.ensure_mountpoint(p)]
+        made = [p for p in (Path("/var/lib/cni"), *realhost.DEVICE_PLUGINS_PATHS) if realhost.ensure_mountpoint(p)]
+        self.created += [str(p) for p in reversed(made)]  # a child before its parent: removed with rmdir
         for i in range(lay.nodes):
             d = lay.node_dir(i)
             realhost.prepare_node_dir(d)

@@ -61,6 +61,9 @@ def test_holder_masks_the_kubelets_machine_wide_tunables(tmp_path: Path) -> None
         assert f"/proc/sys/{key}" in script
         assert (tmp_path / "sysctl" / key.replace("/", ".")).read_text() == value + "\n"
     assert "/var/log" in script and script.rstrip().endswith("exec sleep infinity")
+    # Each kubelet's device-plugin socket in a folder of its own node's: three sharing one race at start.
+    assert f"{tmp_path / 'device-plugins'} /var/lib/kubelet/device-plugins" in script
+    assert (tmp_path / "device-plugins").is_dir()
 
 
 def test_image_key_covers_what_the_dockerfile_copies() -> None:
