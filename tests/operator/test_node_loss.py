@@ -4,6 +4,7 @@ does not spend backoffLimit. The test plays the node controller (it writes the N
 
 from __future__ import annotations
 
+import socket
 import time
 from typing import Any
 
@@ -75,5 +76,54 @@ def test_pods_on_a_lost_node_are_replaced_elsewhere_after_the_grace_unbilled(
         assert lost in [e["node"] for e in status["controller"]["excludedNodes"]]
         print(f"lost node's worker replaced {took:.1f}s after Ready=Unknown (grace 3 s)")
     finally:
+        for name in (lost, healthy):
+            cluster.core.delete_node(name)
+
+
+def test_a_worker_still_answering_on_a_lost_node_is_kept_and_replaced_once_silent(
+    cluster: Cluster, operator: Operator
+) -> None:
+    """The node's kubelet stopped, its containers run on (a listener stands in for the trainer's
+    metrics port): the worker still trains, so it is kept with one Event saying why; when it stops
+    answering it is replaced like any pod of a lost node."""
+    lost, healthy = f"{cluster.ns}-c", f"{cluster.ns}-d"
+    for name in (lost, healthy):
+        _node(cluster, name)
+    listener = socket.socket()
+    try:
+        listener.bind(("127.0.14.2", 9400))
+        listener.listen(64)
+        cluster.apply("nk", {"replicas": 2, "runPolicy": {"nodeLostGraceSeconds": 2}})
+        pods = wait_for("2 worker pods", lambda: (p := cluster.pods("nk")) and len(p) == 2 and p)
+        cluster.run_pod("nk-worker-0", "127.0.14.2", node=lost)
+        cluster.run_pod("nk-worker-1", "127.0.14.3", node=healthy)
+        wait_for("rendezvous pod", lambda: cluster.pods("nk", role="rendezvous").get("nk-rdzv"))
+        cluster.run_pod("nk-rdzv", "127.0.14.4", node=healthy)
+        wait_for("Running", lambda: cluster.status("nk").get("phase") == "Running")
+        old = pods["nk-worker-0"].metadata.uid
+
+        _ready(cluster, lost, "Unknown")
+        event = wait_for(
+            "an Event that the lost node's worker still answers",
+            lambda: next((e.message for e in cluster.events("nk") if e.reason == "NodeLostPodsAnswer"), None),
+            timeout=30,
+        )
+        assert "nk-worker-0" in event and lost in event and "nk-rdzv" not in event, event
+        time.sleep(3)  # past the 2-s grace, whose lastTransitionTime has whole seconds
+        seen = operator.passes()
+        wait_for("two more passes", lambda: operator.passes() >= seen + 2, timeout=30)
+        assert cluster.pods("nk")["nk-worker-0"].metadata.uid == old, "an answering worker was replaced"
+        assert not [e for e in cluster.events("nk") if e.reason == "NodeLost"]
+
+        listener.close()
+        wait_for(
+            "worker 0 recreated once silent",
+            lambda: (p := cluster.pods("nk").get("nk-worker-0")) is not None and p.metadata.uid != old,
+            timeout=30,
+        )
+        assert any(e.reason == "NodeLost" and "nk-worker-0" in e.message for e in cluster.events("nk"))
+        assert cluster.status("nk").get("restarts", 0) == 0
+    finally:
+        listener.close()
         for name in (lost, healthy):
             cluster.core.delete_node(name)

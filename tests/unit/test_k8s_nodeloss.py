@@ -66,3 +66,19 @@ def test_a_terminating_pod_stuck_on_a_lost_node_is_force_deleted_too() -> None:
     stuck = [pod(0, node="n1", deleting=True), dataclasses.replace(rdzv(), node="n2")]
     plan = plan_reconcile(spec, running(), stuck, generation=1, now=T0 + 40, lost_nodes={"n1": (T0, "Ready=Unknown")})
     assert plan.force_delete == {"j-worker-0"}
+
+
+def test_a_worker_that_still_answers_on_a_lost_node_is_kept_until_it_stops() -> None:
+    """A node whose kubelet stopped with its containers alive: its worker still trains in the world, and
+    a replacement of its index would run beside it (two worker-0s) until the kubelet returned to kill
+    it. It is kept while it answers the operator; once it stops, it is replaced at once."""
+    spec = _spec(replicas=2, runPolicy={"nodeLostGraceSeconds": 30})
+    pods = [pod(0, node="n1"), pod(1, node="n2"), dataclasses.replace(rdzv(), node="n2")]
+    lost = {"n1": (T0, "Ready=Unknown (NodeStatusUnknown)")}
+    kept = plan_reconcile(
+        spec, running(), pods, generation=1, now=T0 + 90, lost_nodes=lost, answering=frozenset({"j-worker-0"})
+    )
+    assert kept.force_delete == set() and kept.delete_pods == [] and not kept.events
+    assert controller(kept.status).excluded_nodes == []
+    silent = plan_reconcile(spec, running(), pods, generation=1, now=T0 + 95, lost_nodes=lost)
+    assert silent.force_delete == {"j-worker-0"} and [e.reason for e in silent.events] == ["NodeLost"]

@@ -115,8 +115,11 @@ def test_a_store_that_still_answers_on_a_lost_node_is_kept_and_a_silent_one_is_n
     # The kubelet of n0 stopped reporting, its containers run on: the store there still answers.
     spec = _spec(replicas=3, minReplicas=2, runPolicy={"nodeLostGraceSeconds": 30})
     lost = {"n0": (T0, "Ready=Unknown (NodeStatusUnknown)")}
-    kept = plan_reconcile(spec, running(), world(), generation=1, now=T0 + 31, lost_nodes=lost, store_answered=True)
-    assert kept.force_delete == {"j-worker-0"}, "the worker there is replaced, the answering store is not"
+    kept = plan_reconcile(
+        spec, running(), world(), generation=1, now=T0 + 31, lost_nodes=lost, store_answered=True,
+        answering=frozenset({"j-rdzv"}),
+    )  # fmt: skip
+    assert kept.force_delete == {"j-worker-0"}, "the silent worker there is replaced, the answering store is not"
     gone = plan_reconcile(spec, running(), world(), generation=1, now=T0 + 31, lost_nodes=lost, store_answered=False)
     assert gone.force_delete == {"j-worker-0", "j-rdzv"}
     assert controller(gone.status).store_move is not None

@@ -128,21 +128,19 @@ def _replace_lost(
     pods: Sequence[PodView],
     lost: Mapping[str, tuple[float, str]],
     now: float,
-    *,
-    store_answered: bool = False,
+    answering: frozenset[str],
 ) -> None:
     """Pods on a node lost for nodeLostGraceSeconds: force-deleted, the node excluded, one Event per
     pod naming the node. Their replacements are created once the names are free (next pass).
-    A store that still answers (its node's kubelet stopped, its containers alive) is kept: the agents
-    hold connections to it, and a second store would let a second world form beside theirs."""
+    A pod that still answers (its node's kubelet stopped, its containers alive and reachable) is kept:
+    the store because the agents hold connections to it and a second store would let a second world
+    form beside theirs; a worker because it still trains in the world, and a replacement of its index
+    would run beside it until its node's kubelet returns and kills it."""
     ctl = controller(plan.status)
     grace = spec.run_policy.node_lost_grace_seconds
-    probed = store_to_probe(pods)
     for gone in lost_pods(pods, lost, now=now, grace_s=grace):
-        if gone.pod in plan.force_delete:
-            continue  # a store re-homed this pass already
-        if store_answered and probed is not None and gone.pod == probed.name:
-            continue
+        if gone.pod in plan.force_delete or gone.pod in answering:
+            continue  # a store re-homed this pass already, or a pod that still answers
         why = f"node {gone.node} ({gone.how} since {rfc3339(gone.since)})"
         plan.delete_pods.append((gone.pod, f"lost with {why}; force-deleted and recreated"))
         plan.force_delete.add(gone.pod)
@@ -167,12 +165,14 @@ def plan_reconcile(
     queued: str = "",
     lost_nodes: Mapping[str, tuple[float, str]] | None = None,
     store_answered: bool | None = None,
+    answering: frozenset[str] = frozenset(),
 ) -> Plan:
     """One reconciliation step; `status` is not modified (the plan carries a copy). `queued` says why
     the job may not run yet though not suspended (waiting for Kueue admission); '' when it may.
     `lost_nodes`: the pods' nodes that are not Ready, with since when and how (`nodeloss.not_ready_since`);
     `store_answered`: whether the store's pod (`storeloss.store_to_probe`) took a connection this pass
-    (None: not tried)."""
+    (None: not tried); `answering`: the pods on lost nodes that took a connection this pass (a worker
+    at its metrics port, the store at its own), which are kept."""
     st = status.model_copy(deep=True)
     plan = Plan(status=st)
     st.observed_generation = max(st.observed_generation, generation)
@@ -198,7 +198,7 @@ def plan_reconcile(
             )
         else:
             _watch_store(plan, spec, pods, store_answered, now)
-            _replace_lost(plan, spec, pods, lost_nodes or {}, now, store_answered=store_answered is True)
+            _replace_lost(plan, spec, pods, lost_nodes or {}, now, answering)
             _count_failures(plan, spec, pods, lost_nodes or {}, now)
 
     if st.phase in FINISHED:

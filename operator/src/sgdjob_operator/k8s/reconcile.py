@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from sgdjob_operator.api.models import Phase, SGDJobSpec, SGDJobStatus
@@ -65,8 +66,8 @@ from sgdjob_operator.k8s.storeloss import store_excluded, store_to_probe
 from sgdjob_operator.workers.scrape import post_control
 
 log = logging.getLogger("sgdjob_operator")
-# A store on a live node accepts within milliseconds; a powered-off one never answers.
-STORE_PROBE_TIMEOUT_S = 2.0
+# A pod on a live node accepts within milliseconds; a powered-off or cut-off one never answers.
+POD_PROBE_TIMEOUT_S = 2.0
 
 
 async def post_events(rt: Runtime, ref: JobRef, events: list[Event]) -> None:
@@ -223,9 +224,26 @@ async def reconcile(rt: Runtime, ref: JobRef) -> float | None:
     events += gate.events + await _once(rt, ref, "SchedulingFailed", gate.problem)
     lost = await lost_nodes(rt, pods) if st.phase not in FINISHED else {}
     answered = await probe_store(rt, pods) if st.phase in (Phase.RUNNING, Phase.ADAPTING) and not held else None
+    answering = await answering_on_lost_nodes(rt, spec, pods, lost, answered)
     plan = plan_reconcile(
-        spec, st, pods, generation=generation, now=now, queued=gate.queued, lost_nodes=lost, store_answered=answered
+        spec,
+        st,
+        pods,
+        generation=generation,
+        now=now,
+        queued=gate.queued,
+        lost_nodes=lost,
+        store_answered=answered,
+        answering=answering,
     )
+    if kept := sorted(answering & {p.name for p in pods}):
+        kept_on = sorted({p.node or "" for p in pods if p.name in kept})
+        events += await _once(
+            rt, ref, "NodeLostPodsAnswer",
+            f"node {', '.join(kept_on)} not Ready, but {', '.join(kept)} still answer: kept until they stop answering",
+        )  # fmt: skip
+    else:
+        events += await _once(rt, ref, "NodeLostPodsAnswer", "")
     if not gate.ready:
         plan.create_workers = []  # a gang's pods wait for their PodGroup, or a scheduler could split them
     excluded = excluded_names(controller(plan.status))
@@ -316,18 +334,38 @@ async def reconcile(rt: Runtime, ref: JobRef) -> float | None:
     return min(delay, 5.0) if failed else delay
 
 
+async def _accepts(ip: str, port: int) -> bool:
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(ip, port), POD_PROBE_TIMEOUT_S)
+    except (OSError, TimeoutError):
+        return False
+    writer.close()
+    return True
+
+
 async def probe_store(rt: Runtime, pods: list[PodView]) -> bool | None:
     """Whether the store's pod accepts a TCP connection (None: no running store, or an operator that
     reaches pods through SGDJOB_SCRAPE_HOST, which cannot address the store)."""
     store = store_to_probe(pods)
     if store is None or store.ip is None or rt.settings.scrape_host:
         return None
-    try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(store.ip, RDZV_PORT), STORE_PROBE_TIMEOUT_S)
-    except (OSError, TimeoutError):
-        return False
-    writer.close()
-    return True
+    return await _accepts(store.ip, RDZV_PORT)
+
+
+async def answering_on_lost_nodes(
+    rt: Runtime, spec: SGDJobSpec, pods: list[PodView], lost: Mapping[str, object], store_answered: bool | None
+) -> frozenset[str]:
+    """The pods on lost nodes that still take a connection: a worker at its (first) metrics port, the
+    store as `probe_store` found it. An operator that reaches pods through SGDJOB_SCRAPE_HOST cannot
+    address one pod: none then."""
+    if not lost or rt.settings.scrape_host:
+        return frozenset()
+    store = store_to_probe(pods)
+    found = {store.name} if store is not None and store.node in lost and store_answered else set()
+    on_lost = [p for p in worker_pods(pods) if p.node in lost and p.ip and p.phase == "Running"]
+    accepted = await asyncio.gather(*(_accepts(p.ip or "", spec.training.metrics_port) for p in on_lost))
+    found |= {p.name for p, ok in zip(on_lost, accepted, strict=True) if ok}
+    return frozenset(found)
 
 
 async def lost_nodes(rt: Runtime, pods: list[PodView]) -> dict[str, tuple[float, str]]:
