@@ -165,7 +165,8 @@ def test_suspend_and_resume(cluster: Cluster, operator: Operator) -> None:
     wait_for("pods back", lambda: len(cluster.pods("nap")) == 2)
     status = _phase(cluster, "nap", "Pending")
     assert {c["type"]: c["status"] for c in status["conditions"]}["Suspended"] == "False"
-    assert {"Suspended", "Resumed"} <= set(cluster.reasons("nap"))
+    # The operator writes status before it posts the pass's Events (a decision is in status first).
+    wait_for("Suspended and Resumed events", lambda: {"Suspended", "Resumed"} <= set(cluster.reasons("nap")))
     assert cluster.core.read_namespaced_config_map("nap-config", cluster.ns)  # kept across the suspension
 
 

@@ -75,7 +75,7 @@ def gain_text(gain: float) -> str:
     no measured useful progress (a gain over nothing is no percentage: never '+inf%' or 'nan%')."""
     if math.isnan(gain):
         return "gain unknown"
-    if math.isinf(gain):
+    if math.isinf(gain * 100):  # * 100: a finite gain over a denormal rate overflows as a percentage
         return "no useful progress measured now"
     return f"{gain:+.0%}"
 
@@ -168,8 +168,10 @@ def judge(
         return Verdict(Outcome.VOID if expired else Outcome.WAIT)
     diff = after.mean - before.mean
     measured, relative = diff / before.mean, error / before.mean
-    if not (math.isfinite(measured) and math.isfinite(relative)):
-        return Verdict(Outcome.VOID)  # a left configuration that made next to nothing: no comparison
+    # A left configuration that made next to nothing: no comparison. (x 100: a gain is printed as a
+    # percentage, and one over a denormal rate overflows there though finite here.)
+    if not (math.isfinite(measured * 100) and math.isfinite(relative * 100)):
+        return Verdict(Outcome.VOID)
     ratio = min(1.0, max(0.0, after.mean / trial.predicted))
     verdict = Verdict(Outcome.WAIT, measured, relative, ratio, max(0, step - trial.step), after.mean)
     if diff < 0 and -diff > RESPLIT_SIGMAS * error:
@@ -218,6 +220,8 @@ def revert(trial: Trial, verdict: Verdict, view: JobView, summary: str, span: fl
 
 def _error_text(error: float) -> str:
     """'±1.3%', or '±<0.1%' for a smaller one (it is never exactly 0: `judge` needs a measured spread)."""
+    if not math.isfinite(error * 100):
+        return "error too large to print"
     return f"±{error:.1%}" if error >= 0.0005 else "±<0.1%"
 
 
