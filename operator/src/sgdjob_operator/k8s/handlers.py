@@ -80,6 +80,34 @@ def login(**_: Any) -> kopf.ConnectionInfo:
     )
 
 
+CRD_WAIT_S = 120.0
+
+
+async def wait_for_crd(kube: Kube, timeout: float = CRD_WAIT_S) -> None:
+    """Return once API discovery lists the SGDJob resource. kopf looks its resources up in discovery
+    once, after startup, and only looks again when a CRD changes: an operator that starts while an API
+    server just back up does not list the CRD's resources yet serves no SGDJob, for good (seen in the
+    chaos suite after an API server restart: kopf's "Unresolved resources cannot be served"). Past
+    `timeout` the CRD is missing, not late: startup fails saying so, and kopf tries it again a minute
+    later."""
+    deadline = time.monotonic() + timeout
+    path = f"/apis/{GROUP}/{VERSION}"
+    while True:
+        try:
+            found = await kube.get(path)
+        except (ApiError, ValueError) as err:  # coming up; an unknown group's 404 is plain text, not JSON
+            log.info("waiting for the API server to list %s: %s", path, err)
+            found = None
+        if found and any(r.get("name") == PLURAL for r in found.get("resources") or []):
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"the API server does not serve {PLURAL}.{GROUP}/{VERSION} after {timeout:.0f}s: install the "
+                "SGDJob CRD first (kubectl apply -f crds/, or the Helm chart's crds/)"
+            )
+        await asyncio.sleep(1.0)
+
+
 @kopf.on.startup()
 async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
     cfg = current()
@@ -96,6 +124,7 @@ async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.batching.worker_limit = 1000
     settings.execution.max_workers = 8
     kube = Kube(_credentials(), max_connections=cfg.api_concurrency)
+    await wait_for_crd(kube)
     http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=256))
     _State.runtime = Runtime(settings=cfg, kube=kube, http=http)
     if cfg.metrics_port:
