@@ -123,3 +123,39 @@ def test_a_store_that_still_answers_on_a_lost_node_is_kept_and_a_silent_one_is_n
     gone = plan_reconcile(spec, running(), world(), generation=1, now=T0 + 31, lost_nodes=lost, store_answered=False)
     assert gone.force_delete == {"j-worker-0", "j-rdzv"}
     assert controller(gone.status).store_move is not None
+
+
+def test_workers_still_held_by_a_re_homed_store_are_restarted_once_it_is_clear_they_wait_for_good() -> None:
+    """A cut network drops packets and sends no resets: the agents that joined the old store wait on its
+    connection for good. Workers created before the move and still running, with the job not past the
+    step it had at the move, are restarted after STRANDED_GRACES store graces; not before, and not at
+    all once training went on (a power cut's survivors exit and rejoin by themselves)."""
+    spec = _spec(replicas=3, minReplicas=2, runPolicy={"storeLostGraceSeconds": 10})
+    st = running()
+    st.step = 100
+    store = next(p for p in world() if p.name == "j-rdzv")
+    controller(st).store_answered = store.uid
+    for t in (0, 5, 11):
+        plan = plan_reconcile(spec, st, world(), generation=1, now=T0 + t, store_answered=False)
+        st = plan.status
+    assert "j-rdzv" in plan.force_delete and controller(st).store_move is not None
+    moved_at = T0 + 11
+    held = [dataclasses.replace(p, created=T0 - 60) for p in world() if p.name != "j-rdzv"]
+    fresh_store = dataclasses.replace(rdzv(), uid="new", node="n1")
+    early = plan_reconcile(spec, st, [*held, fresh_store], generation=1, now=moved_at + 59, store_answered=True)
+    assert early.delete_pods == []
+    late = plan_reconcile(spec, st, [*held, fresh_store], generation=1, now=moved_at + 60, store_answered=True)
+    assert sorted(n for n, _ in late.delete_pods) == ["j-worker-0", "j-worker-1", "j-worker-2"]
+    assert late.force_delete == set(), "their nodes are fine: a graceful stop"
+    (event,) = [e for e in late.events if e.reason == "WorkersStranded"]
+    assert "made no progress past step 100" in event.message and "old store" in event.message
+    assert late.status.restarts == st.restarts
+    # Training went on after the move: nothing to do.
+    st.step = 101
+    went_on = plan_reconcile(spec, st, [*held, fresh_store], generation=1, now=moved_at + 600, store_answered=True)
+    assert went_on.delete_pods == []
+    # Workers created after the move never joined the old store.
+    st.step = 100
+    newer = [dataclasses.replace(p, created=moved_at + 1) for p in held]
+    after = plan_reconcile(spec, st, [*newer, fresh_store], generation=1, now=moved_at + 600, store_answered=True)
+    assert after.delete_pods == []

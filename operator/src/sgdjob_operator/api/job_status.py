@@ -104,6 +104,7 @@ class StoreMove(CamelModel):
     time: Annotated[str, Field(max_length=64, description="When the old pod was deleted (RFC 3339).")]
     node: Annotated[str | None, Field(max_length=253, description="Node the old pod was on.")] = None
     reason: Annotated[str, Field(max_length=512, description="Why it was replaced.")] = ""
+    step: Annotated[int, Field(ge=0, le=10**12, description="Job step when it was replaced.")] = 0
 
 
 class ControllerState(CamelModel):

@@ -32,7 +32,13 @@ from sgdjob_operator.k8s.status import (
     rfc3339,
     workers,
 )
-from sgdjob_operator.k8s.storeloss import follow_store, moved, store_failure_cause, store_to_probe
+from sgdjob_operator.k8s.storeloss import (
+    follow_store,
+    moved,
+    store_failure_cause,
+    store_to_probe,
+    stranded_workers,
+)
 from sgdjob_trainer.wire.launch_contract import COMMAND_MODE_NOTE
 from sgdjob_trainer.wire.worker_status import TARGET_REACHED, parse_termination
 
@@ -122,6 +128,19 @@ def _watch_store(plan: Plan, spec: SGDJobSpec, pods: Sequence[PodView], answered
     plan.events.append(Event("Warning", "StoreLost", f"{rehome.why}; recreating it{avoid}"))
 
 
+def _restart_stranded(plan: Plan, spec: SGDJobSpec, pods: Sequence[PodView], now: float) -> None:
+    """Workers left waiting on a re-homed store's old connection: deleted (gracefully) and recreated."""
+    grace = spec.run_policy.store_lost_grace_seconds
+    ctl = controller(plan.status)
+    stuck, why = stranded_workers(ctl, workers(pods), step=plan.status.step, now=now, grace_s=grace)
+    stuck = [name for name in stuck if name not in {n for n, _ in plan.delete_pods}]
+    if not stuck:
+        return
+    for name in stuck:
+        plan.delete_pods.append((name, "stranded on a re-homed store; restarted"))
+    plan.events.append(Event("Warning", "WorkersStranded", f"{why}; restarting them"))
+
+
 def _replace_lost(
     plan: Plan,
     spec: SGDJobSpec,
@@ -145,7 +164,7 @@ def _replace_lost(
         plan.delete_pods.append((gone.pod, f"lost with {why}; force-deleted and recreated"))
         plan.force_delete.add(gone.pod)
         if (store := next((p for p in rdzv_pods(pods) if p.name == gone.pod), None)) is not None:
-            moved(ctl, store, now, f"rendezvous store {store.name} lost with {why}")
+            moved(ctl, store, now, f"rendezvous store {store.name} lost with {why}", plan.status.step)
         if gone.node not in excluded_names(ctl):
             exclude(ctl, gone.node, now, spec.policy.exclude_node_seconds, why)
         plan.events.append(
@@ -199,6 +218,7 @@ def plan_reconcile(
         else:
             _watch_store(plan, spec, pods, store_answered, now)
             _replace_lost(plan, spec, pods, lost_nodes or {}, now, answering)
+            _restart_stranded(plan, spec, pods, now)
             _count_failures(plan, spec, pods, lost_nodes or {}, now)
 
     if st.phase in FINISHED:

@@ -16,6 +16,14 @@ is force-deleted and recreated, kept off its old node (that node still looks Rea
 The Service keeps its name, so every agent finds the new store when it rendezvous again; the world
 resumes from the last checkpoint. Failures of workers while the store is silent, or of workers that
 were connected to a store that was replaced since, are the infrastructure's (failures.py).
+
+An agent notices a dead store when its connection fails. Behind a cut network nothing fails: packets
+are dropped, no reset comes back, and the agents (and their workers, in a collective with a peer
+behind the cut) wait on the old store's connection for good; measured on real nodes, the survivors of
+a cut stood still for over four minutes until the cut node's own kubelet killed the old store. So
+workers created before the move that are still running `STRANDED_GRACES` store graces after it, while
+the job has made no progress since, are restarted (deleted gracefully and recreated; not counted
+against backoffLimit). Their new agents rendezvous at the new store.
 """
 
 from __future__ import annotations
@@ -25,6 +33,11 @@ from dataclasses import dataclass
 
 from sgdjob_operator.api.models import ControllerState, StoreMove, StoreSilence
 from sgdjob_operator.k8s.status import PodView, parse_time, rdzv_pods, rfc3339
+
+# How long after a move (in storeLostGraceSeconds) workers that kept their old agents may take to
+# train again before they are taken for stranded: a power cut's survivors, whose connections fail at
+# once, resumed 18-32 s after the move in the chaos suite's runs (loaded 2-core machine).
+STRANDED_GRACES = 6
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,14 +80,33 @@ def follow_store(
         f"({now - since:.0f}s, storeLostGraceSeconds {grace_s:.0f}) and the job made no progress past step {step}"
     )
     ctl.store_silence = None
-    ctl.store_move = StoreMove(time=rfc3339(now), node=store.node, reason=why)
+    ctl.store_move = StoreMove(time=rfc3339(now), node=store.node, reason=why, step=step)
     return Rehome(store.name, store.node, why)
 
 
-def moved(ctl: ControllerState, store: PodView, now: float, why: str) -> None:
+def moved(ctl: ControllerState, store: PodView, now: float, why: str, step: int) -> None:
     """Record a store replaced by another path (its node lost, nodeloss.py) for the failure rules."""
     ctl.store_silence = None
-    ctl.store_move = StoreMove(time=rfc3339(now), node=store.node, reason=why)
+    ctl.store_move = StoreMove(time=rfc3339(now), node=store.node, reason=why, step=step)
+
+
+def stranded_workers(
+    ctl: ControllerState, workers: Sequence[PodView], *, step: int, now: float, grace_s: float
+) -> tuple[list[str], str]:
+    """The running workers still held by a store that was re-homed (created before the move, the job
+    without progress for STRANDED_GRACES x `grace_s` since it), and why; ([], "") when none."""
+    move = ctl.store_move
+    at = parse_time(move.time) if move is not None else None
+    if move is None or at is None or step > move.step or now - at < STRANDED_GRACES * grace_s:
+        return [], ""
+    stuck = [
+        p.name for p in workers if p.phase == "Running" and not p.deleting and p.created is not None and p.created <= at
+    ]
+    why = (
+        f"{', '.join(stuck)} made no progress past step {step} in {now - at:.0f}s since the rendezvous store "
+        f"was re-homed ({STRANDED_GRACES} x storeLostGraceSeconds): their agents still wait on the old store"
+    )
+    return stuck, why if stuck else ""
 
 
 def store_excluded(ctl: ControllerState, job_excluded: Sequence[str]) -> list[str]:
