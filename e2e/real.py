@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from devcluster import realfaults
 from devcluster.images import ImageBuilder
 from devcluster.kube import KubeApi, KubeError
 from devcluster.realnodes import RealCluster
@@ -249,6 +250,10 @@ class RealEnv(Env):
         # The kubelet keeps extended resources it did not make across its restart (its device
         # checkpoint survives); advertising again makes sure the node takes one-GPU pods at once.
         advertise_gpus(self.kube, self.cluster.node_names())
+
+    def start_kubelet(self, node: str) -> None:
+        realfaults.start_kubelet(self.cluster, node)
+        advertise_gpus(self.kube, self.cluster.node_names())  # as after recover_node
 
     def operator_node(self) -> str:
         pod = wait_for(self.operator.pod, 120, "a ready operator pod")

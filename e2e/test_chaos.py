@@ -14,17 +14,25 @@ every 20 steps), the worst single node to lose, chosen rather than spared:
      is re-homed, the survivors train on from the last checkpoint (at most one interval lost), worker-0
      grows back when the node boots again, and the job Succeeds with nothing counted against
      backoffLimit. The moments of each step are printed as a timeline.
-Cases a-d share one job ("chaos": 3 workers, checkpoints every 20 steps, onStop) in file order, each
-waiting for a full world again before its fault; e and f run on jobs of their own after it:
+Cases a-d (b1, b2 included) share one job ("chaos": 3 workers, checkpoints every 20 steps, onStop) in file order, each
+waiting for a full world again before its fault; e, f and g run on jobs of their own after it:
   a) worker-0's pod deleted (kubectl delete: SIGTERM) -> final checkpoint, 0 steps lost (graceful).
   a2) a node drained (kubectl drain: cordon, then the eviction API, SIGTERM) -> the same, and the
      worker comes back on another node.
+  b1) the kubelet of the store's node stopped for two minutes, its containers running on -> the node
+     goes NotReady, the store and worker there still answer and are kept (NodeLostPodsAnswer), the job
+     trains through it with the same pods, nothing lost.
+  b2) the store's node's network cut (its fabric link down), everything on it running -> the store is
+     re-homed, the other two train on from the last checkpoint; once the network is back the job
+     grows to 3 again, nothing counted against backoffLimit.
   c) the operator killed (SIGKILL) in the middle of a mode switch -> restarted, it finishes the switch
      with the same pods.
   d) the API server restarted -> training goes on, the same pods.
   e) a crash-looping worker (faults everyLife) with backoffLimit 1 -> Failed, BackoffLimitExceeded.
   f) a hung worker (faults kind hang) -> WorkerHung (Event and condition), its pod replaced, the job
      Succeeds and the condition says Recovered.
+  g) the checkpoint volume full from the start (a full tmpfs under the hostPath) -> every write fails,
+     CheckpointFailed Warnings name the error, the job Succeeds.
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ from typing import Any
 
 import pytest
 
+from devcluster import realfaults
 from devcluster.realnodes import RealCluster
 from devcluster.testing import Obj, wait_for
 from e2e.helpers import job_events, job_status, worker_pods
@@ -51,6 +60,7 @@ INTERVAL = 20  # checkpoint.intervalSteps
 START_TIMEOUT = 240.0
 POWERCUT_STEPS = 800  # a few minutes on 2 shared cores: long enough to lose a node and grow back
 RECOVER_TIMEOUT = 240.0
+KUBELET_DOWN_S = 120.0  # case b1: the issue's two minutes
 RESTART_RE = re.compile(r"restart: (\d+) steps lost \(reached (\d+), resumed at (\d+)\)")
 NO_GPU = {"spec": {"containers": [{"name": "trainer"}]}}  # e and f may schedule beside the chaos job's pods
 
@@ -341,6 +351,94 @@ def test_a2_node_drain_loses_no_step_and_moves_the_worker(env: RealEnv, chaos: s
     assert watch.per_index == 1 and watch.total <= 3
 
 
+def node_ready(e: RealEnv, node: str) -> bool:
+    conds = e.kube.get(f"/api/v1/nodes/{node}")["status"].get("conditions") or []
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in conds)
+
+
+def test_b1_kubelet_stopped_two_minutes_on_the_store_node_loses_nothing(env: RealEnv, chaos: str) -> None:
+    """The kubelet of the node holding the rendezvous store stops for two minutes while its containers
+    run on (a kubelet crash or `systemctl stop kubelet`): the node goes NotReady, but the store and the
+    worker there still answer, so the operator keeps them (Event NodeLostPodsAnswer) and the job trains
+    through it with the same pods; the kubelet comes back and takes its containers over."""
+    pods, _ = ready_for_fault(env)
+    node = pod_node(env, f"{chaos}-rdzv")
+    assert node is not None
+    store_uid = env.kube.get(f"/api/v1/namespaces/{env.ns}/pods/{chaos}-rdzv")["metadata"]["uid"]
+    before = restarts(env)
+    with PodWatch(env, chaos) as watch:
+        t0 = time.monotonic()
+        at = step(env)
+        realfaults.stop_kubelet(env.cluster, node)
+        try:
+            marks = {
+                "node not Ready": lambda: not node_ready(env, node),
+                "pods kept (Event)": lambda: next(
+                    (
+                        ev["message"]
+                        for ev in job_events(env.kube, env.ns, chaos)
+                        if ev["reason"] == "NodeLostPodsAnswer"
+                    ),
+                    None,
+                ),
+            }
+            seen = watch_marks(marks, t0, KUBELET_DOWN_S)
+            time.sleep(max(0.0, KUBELET_DOWN_S - (time.monotonic() - t0)))
+            trained = step(env) - at
+        finally:
+            env.start_kubelet(node)
+        seen["kubelet back, node Ready"] = (round(time.monotonic() - t0, 1), node)
+        wait_for(lambda: full_world(env), RECOVER_TIMEOUT, "3 ready workers again")
+    lost = sum(r[0] for r in restarts(env) if r not in before)
+    record(f"b1 kubelet stopped 120 s (store node {node})", outcome(env), watch, 0.0, lost)
+    timeline = ", ".join(f"{what} {t}s" for what, (t, _) in sorted(seen.items(), key=lambda i: i[1][0]))
+    FIGURES["kubelet stopped on the store's node: seconds after the stop"] = (
+        f"{timeline}; {trained} steps trained meanwhile"
+    )
+    print(f"kubelet of {node} stopped {KUBELET_DOWN_S:.0f} s: {timeline}; trained {trained} steps meanwhile")
+    assert "node not Ready" in seen and "pods kept (Event)" in seen, seen
+    assert node in seen["pods kept (Event)"][1] and f"{chaos}-rdzv" in seen["pods kept (Event)"][1], seen
+    assert trained > 0, "the job trained on while the node's kubelet was away"
+    assert uids(live(env)) == uids(pods), "the same worker pods: none was replaced while it answered"
+    assert env.kube.get(f"/api/v1/namespaces/{env.ns}/pods/{chaos}-rdzv")["metadata"]["uid"] == store_uid
+    assert lost == 0 and not [ev for ev in job_events(env.kube, env.ns, chaos) if ev["reason"] == "NodeLost"]
+    assert watch.per_index == 1 and watch.total <= 3
+
+
+def test_b2_network_cut_of_the_store_node_then_restored(env: RealEnv, chaos: str) -> None:
+    """The node holding the rendezvous store loses its network (every packet to and from it dropped)
+    with everything on it still running: the store stops answering and is re-homed, the workers of
+    the other nodes (= minReplicas) train on from the last checkpoint, and when the network returns the
+    node's kubelet kills the pods the operator replaced and the job grows back to 3."""
+    ready_for_fault(env)
+    node = pod_node(env, f"{chaos}-rdzv")
+    assert node is not None
+    before, billed = restarts(env), int(job_status(env.kube, env.ns, chaos).get("restarts") or 0)
+    with PodWatch(env, chaos) as watch:
+        t0 = time.monotonic()
+        realfaults.cut_network(env.cluster, node)
+        try:
+            marks = {"store re-homed": lambda: (n := pod_node(env, f"{chaos}-rdzv")) not in (None, node) and n}
+            seen = watch_marks(marks, t0, RECOVER_TIMEOUT)
+            seconds, lost = recovered(env, before, t0)
+            seen["training past the step reached"] = (round(seconds, 1), lost)
+        finally:
+            realfaults.restore_network(env.cluster, node)
+        seen["network back"] = (round(time.monotonic() - t0, 1), node)
+        wait_for(lambda: full_world(env), RECOVER_TIMEOUT, "3 ready workers again")
+        seen["3 workers again"] = (round(time.monotonic() - t0, 1), None)
+    record(f"b2 network cut (store node {node})", outcome(env), watch, seconds, lost)
+    timeline = ", ".join(f"{what} {t}s" for what, (t, _) in sorted(seen.items(), key=lambda i: i[1][0]))
+    FIGURES["network cut of the store's node: seconds after the cut"] = timeline
+    print(f"network of {node} cut: {timeline}")
+    assert "store re-homed" in seen, seen
+    assert lost <= 2 * INTERVAL, f"{lost} steps lost > one interval ({INTERVAL}) + one in-flight write"
+    assert int(job_status(env.kube, env.ns, chaos).get("restarts") or 0) == billed, (
+        "a cut network is not the job's fault"
+    )
+    assert watch.per_index == 1 and watch.total <= 3
+
+
 def test_c_operator_killed_mid_switch_finishes_the_switch(env: RealEnv, chaos: str) -> None:
     pods, _ = ready_for_fault(env)
     before = restarts(env)
@@ -444,3 +542,31 @@ def test_f_hung_worker_is_replaced_and_the_job_succeeds(env: RealEnv) -> None:
     assert (done["status"], done["reason"]) == ("False", "Recovered"), done
     assert lost <= 2 * INTERVAL
     assert watch.per_index == 1 and watch.total <= 2
+
+
+def test_g_full_checkpoint_volume_is_reported_and_the_job_succeeds(env: RealEnv) -> None:
+    """The checkpoint volume has no room left from the start (a full tmpfs where the hostPath points):
+    every write fails, rank 0's /status counts them, the operator posts CheckpointFailed Warnings naming
+    the error, and training goes on to the end: the job Succeeds."""
+    job = "fullvol"
+    ckpt = str(env.tmp / "ckpt-full")
+    manifest = env.manifest(
+        job, steps=300, checkpoint_dir=ckpt, mode="sync", replicas=1, min_replicas=1, max_replicas=1,
+        template=NO_GPU, training={"checkpoint": {"dir": ckpt, "intervalSteps": INTERVAL}},
+    )  # fmt: skip
+    realfaults.mount_full_volume(env.cluster, ckpt)
+    try:
+        with PodWatch(env, job) as watch:
+            env.apply(manifest)
+            t0 = time.monotonic()
+            st = wait_for(lambda: finished(env, job), 300, f"{job} finished")
+            seconds = time.monotonic() - t0
+    finally:
+        realfaults.unmount_volume(env.cluster, ckpt)
+    record("g checkpoint volume full", outcome(env, job), watch, seconds, None)
+    failed = [ev["message"] for ev in job_events(env.kube, env.ns, job) if ev["reason"] == "CheckpointFailed"]
+    print("checkpoint volume full:", failed[:2])
+    assert st["phase"] == "Succeeded", (st.get("phase"), st.get("message"))
+    assert failed and "No space left on device" in failed[0] and "training goes on" in failed[0], failed
+    assert int(st.get("restarts") or 0) == 0
+    env.kubectl("delete", "sgdjob", job, "-n", env.ns, "--wait=false")
