@@ -22,7 +22,7 @@ are dropped, no reset comes back, and the agents (and their workers, in a collec
 behind the cut) wait on the old store's connection for good; measured on real nodes, the survivors of
 a cut stood still for over four minutes until the cut node's own kubelet killed the old store. So
 workers created before the move that are still running `STRANDED_GRACES` store graces after it, while
-the job has made no progress since, are restarted (deleted gracefully and recreated; not counted
+the job is still at the step it had then, are restarted (deleted gracefully and recreated; not counted
 against backoffLimit). Their new agents rendezvous at the new store.
 """
 
@@ -94,16 +94,18 @@ def stranded_workers(
     ctl: ControllerState, workers: Sequence[PodView], *, step: int, now: float, grace_s: float
 ) -> tuple[list[str], str]:
     """The running workers still held by a store that was re-homed (created before the move, the job
-    without progress for STRANDED_GRACES x `grace_s` since it), and why; ([], "") when none."""
+    still at its step of the move STRANDED_GRACES x `grace_s` after it), and why; ([], "") when none."""
     move = ctl.store_move
     at = parse_time(move.time) if move is not None else None
-    if move is None or at is None or step > move.step or now - at < STRANDED_GRACES * grace_s:
+    # Any other step than at the move is progress: a world resumed from an earlier checkpoint reports
+    # a smaller one first, and may need more than the grace to pass the old step on slow hardware.
+    if move is None or at is None or step != move.step or now - at < STRANDED_GRACES * grace_s:
         return [], ""
     stuck = [
         p.name for p in workers if p.phase == "Running" and not p.deleting and p.created is not None and p.created <= at
     ]
     why = (
-        f"{', '.join(stuck)} made no progress past step {step} in {now - at:.0f}s since the rendezvous store "
+        f"{', '.join(stuck)} made no progress from step {step} in {now - at:.0f}s since the rendezvous store "
         f"was re-homed ({STRANDED_GRACES} x storeLostGraceSeconds): their agents still wait on the old store"
     )
     return stuck, why if stuck else ""
