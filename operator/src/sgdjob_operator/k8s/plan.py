@@ -133,7 +133,8 @@ def _restart_stranded(plan: Plan, spec: SGDJobSpec, pods: Sequence[PodView], now
     grace = spec.run_policy.store_lost_grace_seconds
     ctl = controller(plan.status)
     stuck, why = stranded_workers(ctl, workers(pods), step=plan.status.step, now=now, grace_s=grace)
-    stuck = [name for name in stuck if name not in {n for n, _ in plan.delete_pods}]
+    deleting = {name for name, _ in plan.delete_pods}  # lost with their node this pass already
+    stuck = [name for name in stuck if name not in deleting]
     if not stuck:
         return
     for name in stuck:

@@ -236,8 +236,8 @@ async def reconcile(rt: Runtime, ref: JobRef) -> float | None:
         store_answered=answered,
         answering=answering,
     )
-    if kept := sorted(answering & {p.name for p in pods}):
-        kept_on = sorted({p.node or "" for p in pods if p.name in kept})
+    if kept := sorted(answering):
+        kept_on = sorted({p.node or "" for p in pods if p.name in answering})
         events += await _once(
             rt, ref, "NodeLostPodsAnswer",
             f"node {', '.join(kept_on)} not Ready, but {', '.join(kept)} still answer: kept until they stop answering",
