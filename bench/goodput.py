@@ -199,6 +199,19 @@ def run_emulated_or_real(
     return guarded(system, run_dir, lambda: run_sgdjob(cfg, scenario, system, run_dir, timeout_s))
 
 
+def scored(record: RunRecord, workers: int, target: float, budget_s: float, log: Any) -> dict[str, Any]:
+    """One run's figures (goodput_scoring.run_result), with a line of them on `log`."""
+    result = run_result(record, workers, target, budget_s)
+    print(
+        f"         time to target {fmt_number(result['time_to_target_s'], '.1f')}s, accuracy at budget "
+        f"{fmt_number(result['accuracy_at_budget'], '.3f')}, harness {record.harness_s:.0f}s"
+        f"{', ERROR ' + str(record.error) if record.error else ''}",
+        file=log,
+        flush=True,
+    )
+    return result
+
+
 def run_order(systems: Sequence[str], index: int) -> list[str]:
     """The systems of the `index`-th seed, rotated by one place a seed: each system runs early in some
     seeds and late in others, so a machine that drifts over a scenario's minutes (this VM's speed
@@ -240,15 +253,7 @@ def run_benchmark(
                 print(f"[{time.monotonic() - wall0:6.0f}s] {name}: {system} seed {seed} ...", file=log, flush=True)
                 record = run_system(seeded, scenario, system, out / "runs" / name / system / f"seed-{seed}", timeout_s)
                 workers = scfg.workers - 1 if system == "ddp-drop" else scfg.workers
-                result = run_result(record, workers, target, budget_s)
-                per_system[system].append(result)
-                print(
-                    f"         time to target {fmt_number(result['time_to_target_s'], '.1f')}s, accuracy at budget "
-                    f"{fmt_number(result['accuracy_at_budget'], '.3f')}, harness {record.harness_s:.0f}s"
-                    f"{', ERROR ' + str(record.error) if record.error else ''}",
-                    file=log,
-                    flush=True,
-                )
+                per_system[system].append(scored(record, workers, target, budget_s, log))
         results.append(
             {
                 "scenario": name,

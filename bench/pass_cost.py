@@ -6,8 +6,8 @@
 For each job size N in `--sizes` (and `--workers`, always measured), a child process serves N
 real trainer HTTP servers (`sgdjob_trainer.server.TrainerServer` over `sgdjob_trainer.telemetry.
 Telemetry`, the code a worker runs; rank 0's with its control inbox), fed with plausible counters.
-This process is the operator side only, and runs what `k8s.reconcile.reconcile` / `_monitor` run
-for a running job's policy pass, with the operator's own code, each phase timed in process CPU:
+This process is the operator side only, and runs what `k8s.reconcile.reconcile` / `k8s.monitor.monitor`
+run for a running job's policy pass, with the operator's own code, each phase timed in process CPU:
 
 - `scrape`: `k8s.observe.observe` (aiohttp, one session with the operator's connector): every
   worker's /metrics, then rank 0's /status;
@@ -37,6 +37,9 @@ advanced outside those windows) per request, and each GET handler's own thread C
 
 Everything is CPU time (`time.process_time`), which a loaded machine inflates far less than wall
 time; wall figures are reported for information only. Writes DIR/pass_cost.json, prints a table.
+
+The child's fleet and its driver are in `bench.pass_cost_workers`, the job and its pass in
+`bench.pass_cost_operator`; this module measures the passes and reports them.
 """
 
 from __future__ import annotations
@@ -47,422 +50,26 @@ import json
 import math
 import os
 import platform
-import random
 import secrets
 import statistics
-import subprocess
 import sys
-import threading
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
-from typing import IO, Any, cast
+from typing import Any
 
 import aiohttp
 
-import sgdjob_operator
-import sgdjob_trainer
-from sgdjob_operator.api.models import Phase, SGDJobSpec, SGDJobStatus
-from sgdjob_operator.k8s.actuator import apply_step, evaluate_job, first_pass_wait, take_policy_state
-from sgdjob_operator.k8s.builders import ROLE_WORKER
-from sgdjob_operator.k8s.observe import command_to_push, observe, quiet_reason, record_observation, unanswered
-from sgdjob_operator.k8s.reconcile import _pruned
-from sgdjob_operator.k8s.status import PodView, controller, dump_status, in_flight, load_status, rfc3339
-from sgdjob_operator.workers.scrape import Endpoint, parse_metrics, post_control
-from sgdjob_trainer.config import SyncMode
-from sgdjob_trainer.gradient_stats import GradientFigures
-from sgdjob_trainer.runtime import WorldInfo
-from sgdjob_trainer.server import ControlInbox, TrainerServer
-from sgdjob_trainer.telemetry import Telemetry
-from sgdjob_trainer.wire.launch_contract import ENV_CONTROL_TOKEN
+from bench.pass_cost_operator import CONNECTION_LIMIT, Job, PassCost, one_pass
+from bench.pass_cost_workers import BATCH, SLOW_FACTOR, SPEED, Workers, serve
+from sgdjob_operator.workers.scrape import parse_metrics
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 SIZES = (2, 8, 32)
 INTERVALS_S = (1.0, 2.0, 5.0, 10.0)
 CPU_SHARE = 0.2  # the share of one core the operator may spend on policy passes (the recommendation's rule)
 FLEET_JOBS = 100  # jobs the recommendation's rule serves at CPU_SHARE (issue #37: 100 jobs x 8 workers)
 WARMUP_PASSES = 3  # not counted: the first passes set up connections and the policy's first windows
-# The operator's defaults (k8s.settings.Settings, k8s.handlers.startup).
-SCRAPE_TIMEOUT_S = 2.0
-SCRAPE_GRACE_S = 120.0
-CONNECTION_LIMIT = 256
-
-# The worker model: a step of 0.25 s compute at batch 32 (a mid-sized model on one accelerator);
-# rank N-1 2x slower by default (`--slow-factor`), over the default stragglerThreshold (1.5), so every
-# pass runs the straggler path (candidates and cost model), the policy's dearer one (under 1.5x it
-# calls the job homogeneous and stops early); gradients of a 25.6M-parameter model in fp32 (ResNet-50).
-# The job is long (a million steps, days): no pass is cut short by the job's end being near.
-BATCH = 32
-SPEED = 128.0  # samples per second of compute of a rank of factor 1
-SLOW_FACTOR = 2.0  # rank N-1's step time over the others'
-JOB_STEPS = 1_000_000
-JITTER = 0.05
-SYNC_COMM_S = 0.02  # allreduce per synchronous step
-ASYNC_COMM_S = 0.01  # parameter-server exchange per asynchronous step
-GRADIENT_BYTES = 25_600_000 * 4
-VALIDATE_EVERY = 50  # rank 0's steps between validations
-SWITCH_PAUSE_S = 2.0
-
-
-# ---------------------------------------------------------------- worker side (child process)
-
-
-class VirtualTelemetry(Telemetry):
-    """The trainer's Telemetry on the bench's virtual clock: `training_seconds` and
-    `stalled_seconds` are what a process would report `now` seconds into training, so the policy
-    dates windows as in a real job (on the real clock a whole run lasts a few seconds, and every
-    pass would look like a restarted process)."""
-
-    def __init__(self, info: WorldInfo, mode: SyncMode, batch_size: int) -> None:
-        self.now = 0.0
-        self.last_step_at = 0.0
-        super().__init__(info, mode, batch_size)
-
-    def training_seconds(self) -> float:
-        return self.now
-
-    def stalled_seconds(self) -> float:
-        return self.now - self.last_step_at
-
-
-class Tally:
-    """Requests served and the handlers' own thread CPU seconds, per path (handler threads run concurrently)."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.count: dict[str, int] = {}
-        self.cpu_s: dict[str, float] = {}
-
-    def add(self, path: str, cpu_s: float) -> None:
-        with self.lock:
-            self.count[path] = self.count.get(path, 0) + 1
-            self.cpu_s[path] = self.cpu_s.get(path, 0.0) + cpu_s
-
-    def reset(self) -> None:
-        with self.lock:
-            self.count, self.cpu_s = {}, {}
-
-
-def instrument(server: TrainerServer, tally: Tally) -> None:
-    """Time the server's own handlers (what a trainer runs per request, without the accept, the
-    thread and the request parsing: those are in the process figure)."""
-    base = cast(Any, server.httpd.RequestHandlerClass)
-
-    class Timed(base):  # type: ignore[misc,valid-type]
-        def do_GET(self) -> None:
-            start = time.thread_time()
-            super().do_GET()
-            tally.add(self.path.split("?", 1)[0], time.thread_time() - start)
-
-        def do_POST(self) -> None:
-            start = time.thread_time()
-            super().do_POST()
-            tally.add(self.path.split("?", 1)[0], time.thread_time() - start)
-
-    server.httpd.RequestHandlerClass = Timed
-
-
-class Fleet:
-    """N trainer processes' telemetry and HTTP servers in one process, advanced on a virtual clock."""
-
-    def __init__(self, n: int, seed: int, slow_factor: float) -> None:
-        self.n = n
-        self.rng = random.Random(seed)
-        self.tally = Tally()
-        self.inbox = ControlInbox()
-        self.mode = SyncMode.SYNC
-        self.groups: list[list[int]] = [list(range(n))]
-        self.batches = [BATCH] * n
-        self.speeds = [SPEED] * (n - 1) + [SPEED / slow_factor]
-        self.steps = [0] * n
-        self.clock = [0.0] * n  # virtual time each rank's next step starts at
-        self.samples_applied = 0
-        self.telemetry = [
-            VirtualTelemetry(WorldInfo(r, 0, n, 1, r, 0, f"node-{r}"), self.mode, BATCH) for r in range(n)
-        ]
-        self.servers = [
-            TrainerServer(t, self.inbox if r == 0 else None, "127.0.0.1", 0) for r, t in enumerate(self.telemetry)
-        ]
-        for t in self.telemetry:
-            t.begin_training()
-            t.set_gradient_bytes(GRADIENT_BYTES)
-        for s in self.servers:
-            instrument(s, self.tally)
-            s.start()
-
-    def apply_control(self, now: float) -> None:
-        """Rank 0's pending command, applied by every rank at this boundary (as the trainer does)."""
-        command = self.inbox.take()
-        if command is None:
-            return
-        if command.mode is not None and command.mode != self.mode:
-            for r, t in enumerate(self.telemetry):
-                t.record_switch(self.mode, command.mode, self.steps[r], SWITCH_PAUSE_S, command.reason)
-            self.mode = command.mode
-            self.clock = [max(c, now) + SWITCH_PAUSE_S for c in self.clock]
-        if command.batch_sizes:
-            for r, size in command.batch_sizes.items():
-                if 0 <= r < self.n:
-                    self.batches[r] = size
-                    self.telemetry[r].set_batch_size(size)
-        if self.mode is SyncMode.ASYNC:
-            self.groups = [[r] for r in range(self.n)]
-        elif self.mode is SyncMode.HIERARCHICAL and command.groups:
-            self.groups = [list(g) for g in command.groups]
-        elif self.mode is SyncMode.SYNC:
-            self.groups = [list(range(self.n))]
-        for t in self.telemetry:
-            t.set_control_epoch(command.epoch)
-
-    def advance(self, until: float) -> None:
-        """Every group steps until `until` (virtual seconds since training began)."""
-        self.apply_control(until)
-        for group in self.groups:
-            comm = SYNC_COMM_S if len(group) > 1 else ASYNC_COMM_S
-            while True:
-                start = max(self.clock[r] for r in group)
-                costs = {r: self.batches[r] / self.speeds[r] * (1 + self.rng.gauss(0.0, JITTER)) for r in group}
-                wall = max(costs.values()) + comm
-                if start + wall > until:
-                    break
-                for r in group:
-                    self.step(r, costs[r], start + wall - self.clock[r] - costs[r], wall, start + wall)
-        for t in self.telemetry:
-            t.now = until
-        for r, t in enumerate(self.telemetry):
-            # Plausible gradient statistics of a synchronous run (they move slowly).
-            if self.mode is not SyncMode.ASYNC and self.steps[r]:
-                noise = 1 + self.rng.gauss(0.0, 0.02)
-                t.set_gradient_figures(GradientFigures(self.steps[r], 0.8 * noise, 40.0 * noise, 0.6 * noise))
-
-    def step(self, rank: int, compute: float, wait: float, wall: float, end: float) -> None:
-        t = self.telemetry[rank]
-        self.steps[rank] += 1
-        self.samples_applied += self.batches[rank]
-        loss = 2.3 * math.exp(-self.samples_applied / 2e5) + 0.05
-        staleness = float(self.n - 1) if self.mode is SyncMode.ASYNC else 0.0
-        t.now = t.last_step_at = end
-        t.record_step(self.steps[rank], self.batches[rank], compute, max(0.0, wait), wall, loss, staleness)
-        self.clock[rank] = end
-        if rank == 0 and self.steps[0] % VALIDATE_EVERY == 0:
-            t.record_validation(self.steps[0], loss * 1.05, min(0.99, 1.0 - loss / 2.5), 0.5)
-
-    def payload_bytes(self) -> dict[str, int]:
-        rank0 = self.telemetry[0]
-        return {
-            "/metrics": len(rank0.render_metrics()),
-            "/status": len(json.dumps(rank0.status().model_copy(update={"port": self.servers[0].port}).document())),
-        }
-
-    def stop(self) -> None:
-        for s in self.servers:
-            s.stop()
-
-
-def serve(n: int, seed: int, slow_factor: float, commands: IO[str], replies: IO[str]) -> None:
-    """The child's loop: one JSON reply per command line. The process CPU spent between a reply and
-    the next command is serving only (the parent scrapes while this loop waits for input)."""
-    fleet = Fleet(n, seed, slow_factor)
-    serve_cpu = step_cpu = 0.0
-    replied_at = time.process_time()
-
-    def reply(doc: Mapping[str, Any]) -> None:
-        nonlocal replied_at
-        replies.write(json.dumps(doc) + "\n")
-        replies.flush()
-        replied_at = time.process_time()
-
-    reply({"ports": [s.port for s in fleet.servers]})
-    for line in commands:
-        got = time.process_time()
-        serve_cpu += got - replied_at
-        word, _, arg = line.strip().partition(" ")
-        if word == "advance":
-            fleet.advance(float(arg))
-            step_cpu += time.process_time() - got
-            reply({"ok": True})
-        elif word == "reset":
-            serve_cpu = step_cpu = 0.0
-            fleet.tally.reset()
-            reply({"ok": True})
-        elif word == "report":
-            with fleet.tally.lock:
-                count, cpu = dict(fleet.tally.count), dict(fleet.tally.cpu_s)
-            doc = {"serve_cpu_s": serve_cpu, "step_cpu_s": step_cpu, "requests": count, "handler_cpu_s": cpu}
-            reply({**doc, "payload_bytes": fleet.payload_bytes(), "mode": fleet.mode.value, "batches": fleet.batches})
-        else:
-            reply({"error": f"unknown command {word!r}"})
-    fleet.stop()
-
-
-class Workers:
-    """The child process, driven line by line."""
-
-    def __init__(self, n: int, seed: int, slow_factor: float, token: str) -> None:
-        # The child imports the code this process runs (an editable install may point at another checkout).
-        code = [REPO_ROOT, *(Path(str(m.__file__)).parents[1] for m in (sgdjob_operator, sgdjob_trainer))]
-        paths = [*map(str, code), *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
-        env = {
-            **os.environ,
-            ENV_CONTROL_TOKEN: token,
-            "PYTHONPATH": os.pathsep.join(dict.fromkeys(p for p in paths if p)),
-        }
-        cmd = [
-            sys.executable,
-            "-m",
-            "bench.pass_cost",
-            "--serve",
-            str(n),
-            "--seed",
-            str(seed),
-            "--slow-factor",
-            repr(slow_factor),
-        ]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
-        self.ports: list[int] = self._read()["ports"]
-
-    def _read(self) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"worker process exited ({self.proc.wait()}) without answering")
-        doc: dict[str, Any] = json.loads(line)
-        if "error" in doc:
-            raise RuntimeError(doc["error"])
-        return doc
-
-    def ask(self, command: str) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(command + "\n")
-        self.proc.stdin.flush()
-        return self._read()
-
-    def close(self) -> None:
-        if self.proc.stdin is not None:
-            self.proc.stdin.close()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
-
-# ---------------------------------------------------------------- operator side (this process)
-
-
-@dataclass(frozen=True, slots=True)
-class PassCost:
-    """One pass: CPU seconds per phase, the scrape's wall seconds, and what the pass did."""
-
-    scrape: float
-    policy: float
-    push: float
-    status: float
-    scrape_wall: float
-    evaluated: bool
-    decision: str
-    pushed: bool
-    errors: int
-    status_changed: bool
-    policy_state_changed: bool
-
-    @property
-    def total(self) -> float:
-        return self.scrape + self.policy + self.push + self.status
-
-
-def job_spec(n: int) -> SGDJobSpec:
-    """An auto job of n one-process nodes at the shipping policy defaults; replicas fixed (min =
-    max), since this bench has no API server to carry a rescale out."""
-    doc = {
-        "replicas": n,
-        "minReplicas": n,
-        "maxReplicas": n,
-        "mode": "auto",
-        "training": {"batchSize": BATCH, "steps": JOB_STEPS},
-    }
-    return SGDJobSpec.model_validate(doc)
-
-
-def job_pods(n: int) -> list[PodView]:
-    return [
-        PodView(f"job-worker-{r}", f"uid-{r}", ROLE_WORKER, r, "Running", True, "127.0.0.1", f"node-{r}", False)
-        for r in range(n)
-    ]
-
-
-class Job:
-    """What the operator holds of one running job between passes: its stored status (as the API
-    server keeps it after a merge patch), its policy state's ConfigMap text and the scrape table."""
-
-    def __init__(self, n: int, ports: Sequence[int], start: float) -> None:
-        self.spec = job_spec(n)
-        self.pods = job_pods(n)
-        # As k8s.observe.endpoints builds them (pod IP + metricsPort), with the child's ports.
-        self.endpoints = [
-            Endpoint(f"http://127.0.0.1:{port}", pod=pod.name, node=pod.node)
-            for port, pod in zip(ports, self.pods, strict=True)
-        ]
-        status = SGDJobStatus(phase=Phase.RUNNING, start_time=rfc3339(start), replicas=n, ready_replicas=n)
-        self.raw_status: dict[str, Any] = _pruned(dump_status(status))
-        self.policy_text: str | None = None
-        self.failing_since: dict[str, float] = {}
-
-
-async def one_pass(job: Job, session: aiohttp.ClientSession, now: float, token: str) -> PassCost:
-    """One policy pass of `job` at (virtual) time `now`, as `reconcile` and `_monitor` make it."""
-    cpu = time.process_time
-    c0 = cpu()
-    st = load_status(job.raw_status)
-    controller(st).policy_state = job.policy_text
-    c1 = cpu()
-    w1 = time.perf_counter()
-    obs = await observe(job.endpoints, now=now, timeout=SCRAPE_TIMEOUT_S, session=session)
-    w2 = time.perf_counter()
-    c2 = cpu()
-    job.failing_since, _late = unanswered(
-        obs.errors,
-        job.endpoints,
-        job.pods,
-        job.failing_since,
-        now=now,
-        grace_s=SCRAPE_GRACE_S,
-        quiet=quiet_reason(st, job.spec, job.pods),
-    )
-    evaluated, decision, command = False, "", None
-    if obs.samples and first_pass_wait(job.spec, st, obs) <= 0:
-        busy = in_flight(st, job.spec, job.pods)
-        step, _problem = evaluate_job(job.spec, st, obs, now, busy)
-        record_observation(st, obs, step.health, job.spec)
-        outcome = apply_step(st, step, now, job.spec, job.pods)
-        command = command_to_push(st, obs)
-        evaluated, decision = True, outcome.applied or ("held" if outcome.held else "keep")
-    policy_after = take_policy_state(st)
-    c3 = cpu()
-    if command is not None and obs.control is not None:
-        await post_control(obs.control, command, token, timeout=SCRAPE_TIMEOUT_S, session=session)
-    c4 = cpu()
-    after = _pruned(dump_status(st))
-    status_changed = after != job.raw_status
-    c5 = cpu()
-    state_changed = policy_after is not None and policy_after != job.policy_text
-    job.raw_status = after
-    if policy_after is not None:
-        job.policy_text = policy_after
-    return PassCost(
-        scrape=c2 - c1,
-        policy=c3 - c2,
-        push=c4 - c3,
-        status=(c1 - c0) + (c5 - c4),
-        scrape_wall=w2 - w1,
-        evaluated=evaluated,
-        decision=decision,
-        pushed=command is not None,
-        errors=len(obs.errors),
-        status_changed=status_changed,
-        policy_state_changed=state_changed,
-    )
 
 
 def summary(values: Sequence[float]) -> dict[str, float]:

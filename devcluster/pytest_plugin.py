@@ -189,7 +189,7 @@ _START = pytest.StashKey[RealClusterStart]()
 
 
 def _host_unavailable() -> str | None:
-    from devcluster.realnodes import unavailable  # loaded only where real-node tests are collected
+    from devcluster.realhost import unavailable  # loaded only where real-node tests are collected
 
     return unavailable()
 

@@ -24,9 +24,9 @@ def stop_kubelet(cluster: RealCluster, name: str) -> None:
     containerd, kube-proxy and every container run on and stay reachable, but nothing reports to
     the API server any more, so the node controller marks the node NotReady after its grace."""
     cluster._node_index(name)
-    cluster._terminate([f"{name}.kubelet"], 10)
-    cluster._procs.pop(f"{name}.kubelet", None)  # stopped on purpose: `_wait` takes an exit for a crash
-    cluster.pids.pop(f"{name}.kubelet", None)
+    cluster.daemons.terminate([f"{name}.kubelet"], 10)
+    cluster.daemons.procs.pop(f"{name}.kubelet", None)  # stopped on purpose: `wait` takes an exit for a crash
+    cluster.daemons.pids.pop(f"{name}.kubelet", None)
     cluster._save()
     log.warning("node %s: kubelet stopped, its containers left running", name)
 
@@ -38,10 +38,10 @@ def start_kubelet(cluster: RealCluster, name: str, timeout: float = 120.0) -> No
     i = cluster._node_index(name)
     cpus = cluster.node_cpus[i] if cluster.node_cpus else None
     flags = realcpus.kubelet_flags(cpus, realcpus.machine_cpus())
-    cluster._spawn(
+    cluster.daemons.spawn(
         f"{name}.kubelet", realconf.kubelet_argv(assets_dir(), cluster.layout, i, flags), cluster._into_node(i)
     )
-    cluster._wait(cluster._nodes_schedulable, timeout, f"{name} Ready again")
+    cluster.daemons.wait(cluster._nodes_schedulable, timeout, f"{name} Ready again")
 
 
 def cut_network(cluster: RealCluster, name: str) -> None:
@@ -72,13 +72,13 @@ def mount_full_volume(cluster: RealCluster, path: str) -> None:
         f"(dd if=/dev/zero of={path}/filler bs=4096 2>/dev/null; true)"
     )
     for name in cluster.node_names():
-        holder = cluster.pids[f"{name}.holder"]
+        holder = cluster.daemons.pids[f"{name}.holder"]
         subprocess.run(["nsenter", "-t", str(holder), "-m", "--", "sh", "-c", fill], check=True, capture_output=True)
     log.warning("a full volume at %s on every node", path)
 
 
 def unmount_volume(cluster: RealCluster, path: str) -> None:
     for name in cluster.node_names():
-        holder = cluster.pids.get(f"{name}.holder")
+        holder = cluster.daemons.pids.get(f"{name}.holder")
         if holder is not None:
             subprocess.run(["nsenter", "-t", str(holder), "-m", "--", "umount", "-l", path], check=False)

@@ -1,5 +1,6 @@
 """What the real-node cluster needs from the host: Debian packages, cgroup trees, and each node's mount
-namespace (the "holder" process that keeps it).
+namespace (the "holder" process that keeps it); whether this host can run one at all (`unavailable`),
+and the removal of what a killed run left (`reclaim_abandoned`).
 
 Why a mount namespace per node: three kubelets on one machine would otherwise share paths that a kubelet
 believes it owns. Every minute a kubelet deletes the /var/log/pods folders of pods it does not know,
@@ -27,7 +28,10 @@ import subprocess
 import time
 from pathlib import Path
 
+from devcluster import realconf, realnet
+from devcluster.controlplane import AssetsMissing, assets_dir
 from devcluster.proctree import alive
+from devcluster.realconf import Layout
 
 log = logging.getLogger("devcluster.realnodes")
 
@@ -37,6 +41,7 @@ COMMANDS = (
     "containerd", "containerd-shim-runc-v2", "ctr", "runc", "iptables", "conntrack", "nsenter", "unshare", "dnsmasq",
 )  # fmt: skip
 CNI_PLUGINS = ("bridge", "host-local", "portmap", "loopback")
+NODE_BINARIES = ("kubelet", "kube-proxy", "kube-controller-manager", "kube-scheduler")
 # The kubelet's device-plugin socket folder (fixed in v1.20), parent first: mount points per node.
 DEVICE_PLUGINS_PATHS = (Path("/var/lib/kubelet"), Path("/var/lib/kubelet/device-plugins"))
 # The kubelet's desired kernel tunables (pkg/kubelet/cm/container_manager_linux.go, v1.20).
@@ -52,6 +57,20 @@ KUBELET_TUNABLES = {
 
 class HostNotReady(RuntimeError):
     """The machine cannot run real nodes (not root, no packages, no binaries)."""
+
+
+def unavailable() -> str | None:
+    """Why real nodes cannot run on this host (root, the node binaries), or None."""
+    if os.geteuid() != 0:
+        return "real nodes need root (network namespaces, containerd, cgroups)"
+    try:
+        bin_dir = assets_dir()
+    except AssetsMissing as err:
+        return str(err)
+    missing = [b for b in NODE_BINARIES if not (bin_dir / b).is_file()]
+    if missing:
+        return f"KUBEBUILDER_ASSETS={bin_dir} lacks {', '.join(missing)} (../shared/k8s/install.sh provides them)"
+    return None
 
 
 def missing_host_tools(cni_bin: Path) -> list[str]:
@@ -196,3 +215,17 @@ def mounts_under(prefix: Path) -> list[str]:
         if target == str(prefix) or target.startswith(f"{prefix}/"):
             out.append(target)
     return out
+
+
+def reclaim_abandoned(lay: Layout) -> bool:
+    """Remove the namespaces and cgroups of a cluster with this layout whose every process is gone (a
+    run killed before its stop: the namespaces outlive their processes); True when removed. A cluster
+    with any process left in its namespaces or cgroups is someone's running cluster: left alone."""
+    every = Layout(lay.workdir, realconf.MAX_NODES, lay.prefix)  # it may have had more nodes than this one
+    names = [n for n in [every.fabric_ns, *(every.node_ns(i) for i in range(every.nodes))] if realnet.exists(n)]
+    if realnet.pids_in(names) or any(alive(p) for p in cgroup_pids(lay.cgroup_root)):
+        return False
+    removed = realnet.delete(every)
+    left = remove_cgroups(lay.cgroup_root)
+    log.warning("removed an abandoned cluster's namespaces %s (no process left in them)", ", ".join(removed))
+    return not left and not realnet.exists(lay.fabric_ns)

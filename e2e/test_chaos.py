@@ -15,7 +15,9 @@ every 20 steps), the worst single node to lose, chosen rather than spared:
      grows back when the node boots again, and the job Succeeds with nothing counted against
      backoffLimit. The moments of each step are printed as a timeline.
 Cases a-d (b1, b2 included) share one job ("chaos": 3 workers, checkpoints every 20 steps, onStop) in file order, each
-waiting for a full world again before its fault; e, f and g run on jobs of their own after it:
+waiting for a full world again before its fault; after d the job is suspended, given a step target a
+little past where it stopped and resumed, and must Succeed (nothing lost, nothing billed). e, f, g and h
+run on jobs of their own after it:
   a) worker-0's pod deleted (kubectl delete: SIGTERM) -> final checkpoint, 0 steps lost (graceful).
   a2) a node drained (kubectl drain: cordon, then the eviction API, SIGTERM) -> the same, and the
      worker comes back on another node.
@@ -33,13 +35,18 @@ waiting for a full world again before its fault; e, f and g run on jobs of their
      Succeeds and the condition says Recovered.
   g) the checkpoint volume full from the start (a full tmpfs under the hostPath) -> every write fails,
      CheckpointFailed Warnings name the error, the job Succeeds.
+  h) two nodes lost one after the other down to minReplicas, then both back: a job with a worker on
+     every node (4, minReplicas 2); the first node lost holds the store, worker-0 and the leader; once
+     the operator's lost replica runs again on a live node (the chart's nodeLostTolerationSeconds),
+     the node the store was re-homed to loses power too. Two workers (= minReplicas) train on, the job
+     grows back to 4 when the nodes return and Succeeds, nothing counted against backoffLimit, at most
+     one interval lost per loss.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -49,69 +56,41 @@ import pytest
 from devcluster import realfaults
 from devcluster.realnodes import RealCluster
 from devcluster.testing import Obj, wait_for
+from e2e.chaos import (
+    INTERVAL,
+    JOB,
+    RECOVER_TIMEOUT,
+    START_TIMEOUT,
+    PodWatch,
+    finished,
+    full_world,
+    live,
+    node_ready,
+    outcome,
+    pod_node,
+    ready_for_fault,
+    record,
+    recovered,
+    restarts,
+    results_table,
+    spared_worker,
+    standby_back,
+    start_gathered,
+    step,
+    uids,
+    watch_marks,
+)
 from e2e.helpers import job_events, job_status, worker_pods
 from e2e.real import OPERATOR_IMAGES, RealEnv, RealOperator, real_scenario_env
 from tests.figures import FIGURES
 
 pytestmark = [pytest.mark.k8s, pytest.mark.multiproc, pytest.mark.realnode(images=OPERATOR_IMAGES)]
 
-JOB = "chaos"
-INTERVAL = 20  # checkpoint.intervalSteps
-START_TIMEOUT = 240.0
 POWERCUT_STEPS = 800  # a few minutes on 2 shared cores: long enough to lose a node and grow back
-RECOVER_TIMEOUT = 240.0
+TWO_NODES_STEPS = 2400  # case h at 0.05 s a step: both nodes were back by step 635-874 in three runs, grown soon after
 KUBELET_DOWN_S = 120.0  # case b1: the issue's two minutes
-RESTART_RE = re.compile(r"restart: (\d+) steps lost \(reached (\d+), resumed at (\d+)\)")
+END_STEPS = 300  # the shared job's last steps after a-d: well past the status' lag, ~20-40 s of training
 NO_GPU = {"spec": {"containers": [{"name": "trainer"}]}}  # e and f may schedule beside the chaos job's pods
-
-
-class PodWatch:
-    """Polls a job's worker pods in the background: the most live pods per worker index and in all, and
-    every worker log seen (the kubelet removes a deleted pod's logs; each life is kept here)."""
-
-    def __init__(self, env: RealEnv, job: str) -> None:
-        self.env, self.kube, self.ns, self.job = env, env.kube, env.ns, job
-        self.per_index = 0
-        self.total = 0
-        self.logs: dict[str, str] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> PodWatch:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.5):
-            try:
-                pods = worker_pods(self.kube, self.ns, self.job)
-            except Exception:  # the API server may be restarting (case d)
-                continue
-            live = [p for p in pods if p["status"].get("phase") not in ("Succeeded", "Failed")]
-            counts: dict[str, int] = {}
-            for pod in live:
-                index = str(pod["metadata"]["labels"].get("sgdjob.dev/replica-index"))
-                counts[index] = counts.get(index, 0) + 1
-            self.per_index = max(self.per_index, *counts.values(), 0)
-            self.total = max(self.total, len(live))
-            self.logs.update(self.env.job_logs(self.job))
-
-
-RESULTS: dict[str, dict[str, Any]] = {}
-
-
-def record(case: str, outcome: str, watch: PodWatch, recovery_s: float | None, lost: int | None) -> None:
-    RESULTS[case] = {
-        "outcome": outcome,
-        "recovery_s": None if recovery_s is None else round(recovery_s, 1),
-        "lost_steps": lost,
-        "dup_pods": watch.per_index - 1 if watch.per_index else 0,
-        "max_pods": watch.total,
-    }
 
 
 @pytest.fixture(scope="module")
@@ -120,73 +99,7 @@ def env(
 ) -> Iterator[RealEnv]:
     with real_scenario_env(real_cluster, real_operator, "chaos", tmp_path_factory.mktemp("chaos")) as e:
         yield e
-    lines = [f"{'case':<34} {'outcome':<34} {'recovery_s':>10} {'lost_steps':>10} {'dup_pods':>8} {'max_pods':>8}"]
-    for case, r in RESULTS.items():
-        lines.append(
-            f"{case:<34} {r['outcome']:<34} {r['recovery_s']!s:>10} {r['lost_steps']!s:>10} "
-            f"{r['dup_pods']:>8} {r['max_pods']:>8}"
-        )
-    FIGURES["chaos suite on real nodes (emulated compute)"] = "\n".join(lines)
-
-
-def step(e: RealEnv, job: str = JOB) -> int:
-    try:
-        return int(job_status(e.kube, e.ns, job).get("step") or 0)
-    except Exception:  # the API server may be restarting (case d)
-        return 0
-
-
-def outcome(e: RealEnv, job: str = JOB) -> str:
-    st = job_status(e.kube, e.ns, job)
-    failed = [c for c in st.get("conditions") or [] if c["type"] == st.get("phase") and c.get("reason")]
-    return f"{st.get('phase')}" + (f" ({failed[0]['reason']})" if failed else "")
-
-
-def live(e: RealEnv, job: str = JOB) -> list[Obj]:
-    return [p for p in worker_pods(e.kube, e.ns, job) if not p["metadata"].get("deletionTimestamp")]
-
-
-def uids(pods: list[Obj]) -> dict[str, str]:
-    return {str(p["metadata"]["name"]): str(p["metadata"]["uid"]) for p in pods}
-
-
-def full_world(e: RealEnv, n: int = 3) -> list[Obj] | None:
-    pods = live(e)
-    ok = len(pods) == n and all(p["status"].get("phase") == "Running" for p in pods)
-    return pods if ok and job_status(e.kube, e.ns, JOB).get("readyReplicas") == n else None
-
-
-def restarts(e: RealEnv, job: str = JOB) -> list[tuple[int, int, int]]:
-    """Every restart record (lost, reached, resumed-at) in the worker logs the nodes hold so far."""
-    found: list[tuple[int, int, int]] = []
-    for text in e.job_logs(job).values():
-        found += [(int(a), int(b), int(c)) for a, b, c in RESTART_RE.findall(text)]
-    return found
-
-
-def recovered(e: RealEnv, before: list[tuple[int, int, int]], t0: float, job: str = JOB) -> tuple[float, int]:
-    """Waits for a new restart record and then training past the step it had reached; returns the
-    seconds from `t0` and the lost steps."""
-    fresh = wait_for(lambda: [r for r in restarts(e, job) if r not in before], RECOVER_TIMEOUT, "a restart record")
-    lost, reached, _ = fresh[0]
-    wait_for(lambda: step(e, job) > reached, RECOVER_TIMEOUT, f"training past step {reached}")
-    return time.monotonic() - t0, lost
-
-
-def spared_worker(e: RealEnv, pods: list[Obj]) -> Obj:
-    """A worker whose node holds neither the rendezvous store nor, where it can be, the operator: the
-    fault is meant for a worker, not the store every rank needs (or the operator's restart)."""
-    rdzv = e.kube.get(f"/api/v1/namespaces/{e.ns}/pods/{JOB}-rdzv")["spec"].get("nodeName")
-    candidates = [p for p in reversed(pods) if p["spec"]["nodeName"] != rdzv]
-    operator = e.operator_node()
-    return next((p for p in candidates if p["spec"]["nodeName"] != operator), candidates[0])
-
-
-def ready_for_fault(e: RealEnv) -> tuple[list[Obj], int]:
-    pods = wait_for(lambda: full_world(e), RECOVER_TIMEOUT, "3 running, ready workers")
-    at = step(e)
-    wait_for(lambda: step(e) > at + INTERVAL, 120, "a fresh checkpoint and steps")
-    return pods, step(e)
+    FIGURES["chaos suite on real nodes (emulated compute)"] = results_table()
 
 
 @pytest.fixture(scope="module")
@@ -204,45 +117,6 @@ def chaos(env: RealEnv) -> str:
     return JOB
 
 
-def pod_node(e: RealEnv, name: str) -> str | None:
-    pod = e.kube.get_or_none(f"/api/v1/namespaces/{e.ns}/pods/{name}")
-    return None if pod is None else pod["spec"].get("nodeName")
-
-
-def gathered_on(e: RealEnv, job: str, node: str) -> bool:
-    """The job's rendezvous store and worker-0 both running on `node`."""
-    pods = {p["metadata"]["name"]: p for p in e.kube.get(f"/api/v1/namespaces/{e.ns}/pods")["items"]}
-    wanted = [pods.get(f"{job}-rdzv"), pods.get(f"{job}-worker-0")]
-    return all(p and p["spec"].get("nodeName") == node and p["status"].get("phase") == "Running" for p in wanted)
-
-
-def finished(e: RealEnv, job: str) -> Obj | None:
-    st = job_status(e.kube, e.ns, job)
-    return st if st.get("phase") in ("Succeeded", "Failed") else None
-
-
-def watch_marks(marks: dict[str, Any], t0: float, timeout: float) -> dict[str, tuple[float, Any]]:
-    """Polls each check in a thread of its own; the returned dict fills in, as each turns truthy, with
-    (seconds since `t0`, the check's value)."""
-    seen: dict[str, tuple[float, Any]] = {}
-
-    def poll(name: str, check: Any) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                value = check()
-            except Exception:  # the API server answers slowly while a node's pods are torn down
-                value = None
-            if value:
-                seen[name] = (round(time.monotonic() - t0, 1), value)
-                return
-            time.sleep(0.5)
-
-    for name, check in marks.items():
-        threading.Thread(target=poll, args=(name, check), daemon=True).start()
-    return seen
-
-
 def test_0_power_cut_of_the_node_with_the_store_worker_0_and_the_leader(env: RealEnv) -> None:
     """The worst single node to lose (issue #38): the one holding the job's rendezvous store, worker-0
     (the first rank to start and the usual rank 0) and the operator's leader, all killed at once. The
@@ -252,7 +126,6 @@ def test_0_power_cut_of_the_node_with_the_store_worker_0_and_the_leader(env: Rea
     job, steps = "powercut", POWERCUT_STEPS
     node = env.operator_node()  # the leader's
     assert any(p["spec"]["nodeName"] != node for p in env.operator.pods()), "a standby on another node"
-    others = [n for n in env.cluster.node_names() if n != node]
     ckpt = str(env.tmp / "ckpt-powercut")
     manifest = json.loads(
         env.manifest(
@@ -260,25 +133,7 @@ def test_0_power_cut_of_the_node_with_the_store_worker_0_and_the_leader(env: Rea
             training={"checkpoint": {"dir": ckpt, "intervalSteps": INTERVAL, "onStop": True}},
         )
     )  # fmt: skip
-    # Placed by hand, as bad luck would place them: the store and worker-0 start while every other node
-    # is cordoned, then the job grows to 3 over the others.
-    for other in others:
-        env.kubectl("cordon", other)
-    try:
-        env.apply(json.dumps(manifest))
-        wait_for(lambda: gathered_on(env, job, node), START_TIMEOUT, f"store and worker-0 running on {node}")
-    finally:
-        for other in others:
-            env.kubectl("uncordon", other)
-    env.kubectl("patch", "sgdjob", job, "-n", env.ns, "--type=merge", "-p", '{"spec":{"replicas":3,"minReplicas":2}}')
-    wait_for(
-        lambda: len(live(env, job)) == 3 and job_status(env.kube, env.ns, job).get("readyReplicas") == 3,
-        START_TIMEOUT,
-        "3 ready workers",
-    )
-    at = step(env, job)
-    wait_for(lambda: step(env, job) > at + 2 * INTERVAL, 180, "steps and a fresh checkpoint in a world of 3")
-    assert gathered_on(env, job, node) and env.operator_node() == node, "still gathered on one node"
+    start_gathered(env, job, manifest, node, min_replicas=2)
     leader = env.operator.leader_name()
     restarts_before = int(job_status(env.kube, env.ns, job).get("restarts") or 0)
     before = restarts(env, job)
@@ -349,11 +204,6 @@ def test_a2_node_drain_loses_no_step_and_moves_the_worker(env: RealEnv, chaos: s
     assert next(p["spec"]["nodeName"] for p in back if p["metadata"]["name"] == name) != node
     assert lost == 0, "an eviction is a graceful stop: a final checkpoint"
     assert watch.per_index == 1 and watch.total <= 3
-
-
-def node_ready(e: RealEnv, node: str) -> bool:
-    conds = e.kube.get(f"/api/v1/nodes/{node}")["status"].get("conditions") or []
-    return any(c["type"] == "Ready" and c["status"] == "True" for c in conds)
 
 
 def test_b1_kubelet_stopped_two_minutes_on_the_store_node_loses_nothing(env: RealEnv, chaos: str) -> None:
@@ -476,8 +326,41 @@ def test_d_api_server_restart_keeps_training(env: RealEnv, chaos: str) -> None:
     # probes again), which the job shows as Adapting meanwhile; it must be Running again soon.
     wait_for(lambda: job_status(env.kube, env.ns, chaos)["phase"] == "Running", 60, "phase Running again")
     assert watch.per_index == 1 and watch.total <= 3
-    env.kubectl("delete", "sgdjob", chaos, "-n", env.ns, "--wait=false")
-    wait_for(lambda: not worker_pods(env.kube, env.ns, chaos), 90, "the chaos job's pods gone")
+
+
+def test_d_end_the_job_that_went_through_a_to_d_succeeds(env: RealEnv, chaos: str) -> None:
+    """The job of cases a-d must still reach its end: it is suspended (a graceful stop: a final
+    checkpoint), given a step target a little past the step it stopped at, and resumed; it loads that
+    checkpoint, trains to the target and Succeeds, with nothing lost and nothing billed."""
+    try:
+        wait_for(lambda: full_world(env), RECOVER_TIMEOUT, "3 ready workers")
+        before, billed = restarts(env), int(job_status(env.kube, env.ns, chaos).get("restarts") or 0)
+        with PodWatch(env, chaos) as watch:
+            t0 = time.monotonic()
+            env.kubectl(
+                "patch", "sgdjob", chaos, "-n", env.ns, "--type=merge", "-p", '{"spec":{"runPolicy":{"suspend":true}}}'
+            )
+            wait_for(
+                lambda: job_status(env.kube, env.ns, chaos).get("phase") == "Suspended" and not live(env),
+                RECOVER_TIMEOUT,
+                "suspended, no worker pods",
+            )
+            # The status' step lags the workers' by up to an interval; the target leaves room past it.
+            target = step(env) + END_STEPS
+            resume = {"spec": {"runPolicy": {"suspend": False}, "training": {"steps": target}}}
+            env.kubectl("patch", "sgdjob", chaos, "-n", env.ns, "--type=merge", "-p", json.dumps(resume))
+            st: Obj = wait_for(lambda: finished(env, chaos), START_TIMEOUT + 120, f"{chaos} finished")
+            seconds = time.monotonic() - t0
+        lost = sum(r[0] for r in restarts(env) if r not in before)
+        record(f"a-d's job ended (suspend, steps {target}, resume)", outcome(env), watch, seconds, lost)
+        assert st["phase"] == "Succeeded", (st.get("phase"), st.get("message"))
+        assert int(st.get("restarts") or 0) == billed, "a suspend is the user's stop, not a failure"
+        assert int(st.get("step") or 0) >= target
+        assert lost == 0, "a suspend is a graceful stop: a final checkpoint"
+        assert watch.per_index == 1 and watch.total <= 3
+    finally:
+        env.kubectl("delete", "sgdjob", chaos, "-n", env.ns, "--ignore-not-found", "--wait=false", check=False)
+        wait_for(lambda: not worker_pods(env.kube, env.ns, chaos), 120, "the chaos job's pods gone")
 
 
 def test_e_crash_loop_fails_at_the_backoff_limit(env: RealEnv) -> None:
@@ -569,4 +452,115 @@ def test_g_full_checkpoint_volume_is_reported_and_the_job_succeeds(env: RealEnv)
     assert st["phase"] == "Succeeded", (st.get("phase"), st.get("message"))
     assert failed and "No space left on device" in failed[0] and "training goes on" in failed[0], failed
     assert int(st.get("restarts") or 0) == 0
+    env.kubectl("delete", "sgdjob", job, "-n", env.ns, "--wait=false")
+
+
+def test_h_two_nodes_lost_one_after_the_other_down_to_min_replicas_then_returned(env: RealEnv) -> None:
+    """Issue #38's last case: a job with a worker on every node (4) and minReplicas 2 loses the node
+    holding its store, worker-0 and the operator's leader, trains on with three, then loses the node
+    its store was re-homed to as well (whatever else it holds), and trains on with two (= minReplicas);
+    both nodes come back, the job grows back to 4 and Succeeds, nothing counted against backoffLimit.
+    Between the two losses the operator's lost replica is started again on a live node (the chart's
+    nodeLostTolerationSeconds), so the second loss still leaves an operator whichever node it takes."""
+    job, nodes = "twonodes", len(env.cluster.node_names())
+    first = env.operator_node()  # the leader's
+    ckpt = str(env.tmp / "ckpt-twonodes")
+    manifest = json.loads(
+        env.manifest(
+            job, steps=TWO_NODES_STEPS, checkpoint_dir=ckpt, mode="sync", replicas=1, min_replicas=1,
+            max_replicas=nodes, training={"checkpoint": {"dir": ckpt, "intervalSteps": INTERVAL, "onStop": True}},
+            emulation={"computeSeconds": 0.05},
+        )
+    )  # fmt: skip
+    start_gathered(env, job, manifest, first, min_replicas=nodes - 2, workers=nodes)
+    billed = int(job_status(env.kube, env.ns, job).get("restarts") or 0)
+    lost_nodes: list[str] = []
+    losses: list[int] = []
+    per_loss: dict[str, tuple[float, int]] = {}  # recovery seconds, lost steps
+    seen: dict[str, tuple[float, Any]] = {}
+    watched: list[dict[str, tuple[float, Any]]] = []
+    t0 = time.monotonic()
+
+    down: list[str] = []  # lost and not back yet
+
+    def running_off_lost() -> int:
+        pods = live(env, job)
+        return len([p for p in pods if p["status"].get("phase") == "Running" and p["spec"].get("nodeName") not in down])
+
+    def ready(left: int) -> bool:
+        return job_status(env.kube, env.ns, job).get("readyReplicas") == left == running_off_lost()
+
+    def rehomed() -> str | None:
+        where = pod_node(env, f"{job}-rdzv")
+        return where if where not in (None, *down) else None
+
+    try:
+        with PodWatch(env, job) as watch:
+            try:
+                for n, name in enumerate(("1st", "2nd")):
+                    node = first if n == 0 else pod_node(env, f"{job}-rdzv")
+                    assert node is not None and node not in lost_nodes, (node, lost_nodes)
+                    leader, before = env.operator.leader_name(), restarts(env, job)
+                    leader_there = env.operator_node() == node
+                    t_loss = time.monotonic()
+                    seen[f"{name} loss ({node}, at step {step(env, job)})"] = (round(t_loss - t0, 1), node)
+                    env.fail_node(node)
+                    lost_nodes.append(node)
+                    down.append(node)
+                    left = nodes - len(down)
+                    marks: dict[str, Any] = {
+                        f"{name}: store re-homed": rehomed,
+                        f"{name}: {left} ready": lambda left=left: ready(left),
+                    }
+                    if leader_there:
+                        marks[f"{name}: new leader"] = lambda leader=leader: (
+                            (x := env.operator.leader_name()) not in ("", leader) and x
+                        )
+                    watched.append(watch_marks(marks, t0, RECOVER_TIMEOUT))  # fills in as each mark happens
+                    seconds, lost = recovered(env, before, t_loss, job)
+                    losses.append(lost)
+                    seen[f"{name}: training past the step reached"] = (round(time.monotonic() - t0, 1), lost)
+                    per_loss[f"{name} ({node}{', leader' if leader_there else ''})"] = (round(seconds, 1), lost)
+                    if n == 0:
+                        at, how = standby_back(env, down)
+                        seen[f"standby again ({at}, {how})"] = (round(time.monotonic() - t0, 1), at)
+                wait_for(lambda: ready(nodes - 2), 60, f"a world of {nodes - 2} (= minReplicas)")
+                wait_for(lambda: f"2nd: {nodes - 2} ready" in watched[-1], 5, "the mark of that world")
+                alone = step(env, job)
+                wait_for(lambda: step(env, job) > alone + INTERVAL, 120, "training with minReplicas")
+            finally:
+                before_back = restarts(env, job)
+                for node in lost_nodes:
+                    env.recover_node(node)  # the power comes back to both
+                down.clear()
+            seen[f"nodes back (at step {step(env, job)})"] = (round(time.monotonic() - t0, 1), lost_nodes)
+
+            # Grown back: 4 ready and a world re-formed over them (a fresh restart record after the return).
+            def regrown() -> bool:
+                return ready(nodes) and any(r not in before_back for r in restarts(env, job))
+
+            grown = wait_for(lambda: regrown() or finished(env, job), RECOVER_TIMEOUT, f"{nodes} workers again")
+            assert grown is True, f"{job} ended before it grew back: give it more than {TWO_NODES_STEPS} steps"
+            seen[f"{nodes} workers again (at step {step(env, job)})"] = (round(time.monotonic() - t0, 1), None)
+            st: Obj = wait_for(lambda: finished(env, job), 600, f"{job} finished")
+    finally:
+        for marks_seen in watched:
+            seen.update(marks_seen)
+        timeline = ", ".join(f"{what} {t}s" for what, (t, _) in sorted(seen.items(), key=lambda i: i[1][0]))
+        events = [f"{ev['reason']}: {ev['message']}" for ev in job_events(env.kube, env.ns, job)]
+        print(
+            f"two nodes lost: {timeline}; recovery s and lost steps per loss {per_loss}; events:\n" + "\n".join(events)
+        )
+    record(
+        f"h two nodes lost ({', '.join(lost_nodes)}), then back", outcome(env, job), watch,
+        max(r[0] for r in per_loss.values()), sum(losses),
+    )  # fmt: skip
+    FIGURES["two nodes lost one after the other, then back: seconds after the 1st loss"] = timeline
+    assert any(k.startswith("standby again") for k in seen) and f"2nd: {nodes - 2} ready" in seen, seen
+    assert st["phase"] == "Succeeded", (st.get("phase"), st.get("message"), events)
+    assert int(st.get("restarts") or 0) == billed, "lost nodes are the infrastructure's fault, not the job's"
+    assert all(lost <= 2 * INTERVAL for lost in losses), (
+        f"steps lost per loss {losses} > one interval ({INTERVAL}) + one write"
+    )
+    assert watch.per_index == 1 and watch.total <= nodes
     env.kubectl("delete", "sgdjob", job, "-n", env.ns, "--wait=false")

@@ -153,7 +153,10 @@ def test_2_straggler_mid_run_switches_mode_and_throughput_rises(env: Env) -> Non
     reasons = [ev["reason"] for ev in job_events(env.kube, env.ns, job)]
     assert "SwitchMode" in reasons and "ModeSwitched" in reasons, reasons
     # Throughput with the straggler before the switch vs after it (the switch's own pause excluded).
-    deadline = switched.time + 10
+    # 20 s: the async ranks' real CPU work shares the two cores with whatever else runs (CI runs the other
+    # half of the suite beside this one); a 10-s window under a spike of that measured 207 against 178 once,
+    # where an idle machine gives 755 against 188.
+    deadline = switched.time + 20
     while time.monotonic() < deadline:
         meter.read()
         time.sleep(0.3)
@@ -216,5 +219,14 @@ def test_3_node_bound_straggler_is_replaced_on_another_node(env: Env) -> None:
 
     docs = wait_for(training_again, RECOVER_TIMEOUT, f"{job} training again with 3 workers")
     assert bad_node not in {d["node"] for d in docs}
+
+    # What the replacement paused is measured (k8s.restart_cost), from the decision until every rank of
+    # the new world trained, and kept in status: the next membership change is weighed by it.
+    def measured() -> Obj | None:
+        ctl = job_status(env.kube, env.ns, job).get("controller") or {}
+        return ctl if ctl.get("restartSeconds") and not ctl.get("restartFrom") else None
+
+    ctl = wait_for(measured, 60, f"{job}: the replacement's restart measured")
+    assert 1.0 <= ctl["restartSeconds"] < RECOVER_TIMEOUT, ctl
     env.kubectl("delete", "sgdjob", job, "-n", env.ns, "--wait=false")
     assert_children_gone(env.kube, env.ns, job)

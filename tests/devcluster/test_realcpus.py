@@ -131,10 +131,10 @@ def test_recover_writes_the_quota_again_into_a_cgroup_made_anew(
         spawned[name] = argv
         return 0
 
-    monkeypatch.setattr(made, "_spawn", spawn)
-    monkeypatch.setattr(made, "_wait", lambda check, timeout, what: None)
+    monkeypatch.setattr(made.daemons, "spawn", spawn)
+    monkeypatch.setattr(made.daemons, "wait", lambda check, timeout, what: None)
     monkeypatch.setattr(realnodes, "assets_dir", lambda: Path("/b"))
-    made.pids["node-1.holder"] = 1
+    made.daemons.pids["node-1.holder"] = 1
     shutil.rmtree(realcpus.cgroup_dir(fake_host, lay.node_cgroup(1)))  # a reboot: the node's cgroups are gone
     made.recover_node("node-1")
     assert realcpus.read(fake_host, lay.node_cgroup(1)) == pytest.approx(0.25)

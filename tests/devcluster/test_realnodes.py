@@ -25,7 +25,8 @@ import pytest
 from devcluster.images import ImageBuilder
 from devcluster.kube import KubeApi, pod_path
 from devcluster.pytest_plugin import REAL_NODES
-from devcluster.realnodes import DAEMON_NICE, RealCluster
+from devcluster.realdaemons import DAEMON_NICE
+from devcluster.realnodes import RealCluster
 from devcluster.testing import new_namespace, phase_in, wait_for
 
 pytestmark = pytest.mark.realnode(images=["operator", "trainer"])
@@ -72,7 +73,7 @@ def test_every_node_ready_and_the_host_untouched(real_cluster: RealCluster) -> N
     # The imports ran containerd at normal priority; afterwards every thread of it is back at the
     # daemons' nice, so the containers it starts do not crowd out the rest of the machine.
     for i in range(REAL_NODES):
-        pid = real_cluster.pids[f"node-{i}.containerd"]
+        pid = real_cluster.daemons.pids[f"node-{i}.containerd"]
         nice = {_nice(pid, task) for task in os.listdir(f"/proc/{pid}/task")}
         assert nice == {DAEMON_NICE}, f"node-{i}'s containerd threads at nice {nice}"
     # Nothing of the cluster on the host: every address lives inside the cluster's namespaces.

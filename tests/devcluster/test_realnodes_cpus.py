@@ -23,7 +23,6 @@ from devcluster.images import ImageBuilder
 from devcluster.kube import KubeApi
 from devcluster.pytest_plugin import assert_nothing_left, unavailable
 from devcluster.realnodes import RealCluster
-from devcluster.realnodes import unavailable as host_unavailable
 from devcluster.testing import new_namespace, phase_in, wait_for
 from tests.devcluster.test_realnodes import _apply, _pod
 
@@ -67,7 +66,7 @@ def _logs(cluster: RealCluster, ns: str, pod: str) -> str:
 
 
 def _start(images: list[str]) -> RealCluster:
-    reason = host_unavailable()
+    reason = realhost.unavailable()
     if reason is not None:
         unavailable(f"real nodes cannot run here: {reason}")
     builder = ImageBuilder()

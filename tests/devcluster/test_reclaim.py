@@ -15,7 +15,7 @@ import pytest
 from devcluster import realnet
 from devcluster.pytest_plugin import unavailable
 from devcluster.realconf import Layout
-from devcluster.realnodes import reclaim_abandoned
+from devcluster.realhost import reclaim_abandoned
 
 PREFIX = "sgdjunit"
 

@@ -119,3 +119,22 @@ def test_explain_has_field_text(k8s_crd: ControlPlane) -> None:
     assert "minReplicas" in out and "torchrun --nnodes min" in out
     out = k8s_crd.kubectl("explain", "sgdjob.spec.policy.stragglerThreshold").stdout
     assert "exceeds the median" in out
+
+
+def test_worker_and_store_pods_kept_off_two_lost_nodes_are_accepted_by_the_api_server(k8s: ControlPlane) -> None:
+    """Two nodes excluded at once (two lost one after the other, e2e chaos case h): the pods the
+    operator builds pass the API server's validation (server-side dry run), which allows one value
+    per node field selector."""
+    from sgdjob_operator.api.validation import validate_spec
+    from sgdjob_operator.k8s.builders import JobRef, build_rdzv_pod, build_worker_pod
+
+    spec = validate_spec({"replicas": 3, "minReplicas": 1})
+    ref = JobRef(name="two-lost", namespace="default", uid="u-1")
+    lost = ["node-0", "node-2"]
+    k8s.kubectl("create", "serviceaccount", "default", "-n", "default", check=False)  # no controller-manager here
+    for pod in (
+        build_worker_pod(ref, spec, 1, default_image="img", excluded_nodes=lost),
+        build_rdzv_pod(ref, spec, default_image="img", excluded_nodes=lost),
+    ):
+        result = k8s.kubectl("apply", "--dry-run=server", "-f", "-", check=False, input_text=json.dumps(pod))
+        assert result.returncode == 0, result.stderr

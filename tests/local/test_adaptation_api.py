@@ -7,8 +7,6 @@ world re-forms and the script resumes from the checkpoint the session wrote thro
 
 from __future__ import annotations
 
-import asyncio
-import io
 import re
 import shutil
 import signal
@@ -19,12 +17,12 @@ import pytest
 import yaml
 
 from sgdjob_operator.api.validation import validate_job
-from sgdjob_operator.local.progress import PlainDisplay, ProgressFrame
+from sgdjob_operator.local.progress import ProgressFrame
 from sgdjob_operator.local.revive import last_checkpoint
-from sgdjob_operator.local.runner import LocalRun, RunOptions, run_local
+from sgdjob_operator.local.runner import LocalRun
 from sgdjob_operator.workers.scrape import ScrapeResult
 from sgdjob_trainer.wire.control import ControlCommand
-from tests.local.example_runs import REPO, processes_mentioning
+from tests.local.example_runs import REPO, run_polled
 
 pytestmark = pytest.mark.multiproc
 
@@ -74,23 +72,8 @@ def test_a_pushed_rebalance_reaches_every_rank_and_a_killed_agent_resumes_from_t
     tmp_path: Path,
 ) -> None:
     job = _job(tmp_path)
-    out = tmp_path / "out"
     scenario = Scenario()
-    notes = io.StringIO()
-    options: dict[str, Any] = {"poll_interval_s": 0.5, "stop_grace_s": 3.0, "failure_grace_s": 5.0,
-                               "restart_backoff_s": 2.0}  # fmt: skip
-    outcome = asyncio.run(
-        run_local(
-            job,
-            RunOptions(out_dir=out, timeout_s=150.0, work_dir=tmp_path, **options),
-            PlainDisplay(stream=notes, every_s=5.0),
-            on_poll=scenario,
-        )
-    )
-    logs = "\n".join(p.read_text(errors="replace") for p in sorted((out / "logs").glob("local-*.log")))
-    context = outcome.message + "\n" + notes.getvalue() + logs[-4000:]
-    assert outcome.exit_code == 0, context
-    assert processes_mentioning(str(out)) == [], "processes of the run are left behind"
+    outcome, logs, context = run_polled(job, tmp_path, scenario, restart_backoff_s=2.0, log_tail=4000)
 
     # Both ranks applied the split at one step boundary and served it; the script's epochs show it.
     assert scenario.served == SPLIT, context

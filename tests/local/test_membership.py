@@ -61,6 +61,10 @@ def test_rescale_drops_the_straggler_and_finishes_with_fewer_workers(run_example
     speeds = [r["speed_samples_per_s"] for r in report["per_rank"]]
     assert max(speeds) < 1.3 * median(speeds), speeds
     assert report["final_loss"] < report["initial_loss"]
+    # The run weighed the change by its own launch's measured length, and measured the change as well.
+    launch, change_took = report["restarts_measured"]
+    assert launch["from"] == "launch" and change_took["from"] == "change", report["restarts_measured"]
+    assert 1.0 <= change_took["seconds"] < 120.0
 
 
 def test_a_hung_worker_is_replaced_and_the_job_finishes_from_the_checkpoint(run_example: RunExample) -> None:

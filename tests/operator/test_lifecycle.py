@@ -161,8 +161,12 @@ def test_suspend_and_resume(cluster: Cluster, operator: Operator) -> None:
     status = _phase(cluster, "nap", "Suspended")
     assert {c["type"]: c["status"] for c in status["conditions"]}["Suspended"] == "True"
     wait_for("pods removed", lambda: not cluster.pods("nap") and not cluster.pods("nap", role="rendezvous"))
-    cluster.patch_spec("nap", {"runPolicy": {"suspend": False}})
+    # Resumed with a new step target in the same patch: the pods must start with it (the ConfigMap they
+    # mount is updated before the pass that creates them, not in a handler that may run after it).
+    cluster.patch_spec("nap", {"runPolicy": {"suspend": False}, "training": {"steps": 777}})
     wait_for("pods back", lambda: len(cluster.pods("nap")) == 2)
+    config = cluster.core.read_namespaced_config_map("nap-config", cluster.ns).data["run-config.json"]
+    assert json.loads(config)["training"]["steps"] == 777, config
     status = _phase(cluster, "nap", "Pending")
     assert {c["type"]: c["status"] for c in status["conditions"]}["Suspended"] == "False"
     # The operator writes status before it posts the pass's Events (a decision is in status first).

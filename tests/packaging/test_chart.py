@@ -171,7 +171,7 @@ def test_rendered_chart_passes_server_side_dry_run(k8s_crd: ControlPlane, option
     assert result.returncode == 0, result.stderr
 
 
-def test_operator_args_are_what_sgdjob_operator_accepts_and_the_webhook_path_is_kopfs() -> None:
+def test_operator_args_are_what_sgdjob_operator_accepts_and_the_webhook_path_is_served() -> None:
     from click.testing import CliRunner
 
     from sgdjob_operator.cli import main
@@ -190,6 +190,10 @@ def test_operator_args_are_what_sgdjob_operator_accepts_and_the_webhook_path_is_
     } <= set(container["args"])
     hook = docs["ValidatingWebhookConfiguration"]["webhooks"][0]["clientConfig"]
     assert hook["service"]["path"] == PATH and hook["caBundle"] == "Zm9v"
+    # The Service routes admissions only to a replica whose webhook port listens.
+    assert container["readinessProbe"]["tcpSocket"] == {"port": "webhook"}
+    plain = next(d for d in _render() if d["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    assert plain["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
 
 
 LEASES = {("coordination.k8s.io", "leases", verb) for verb in ("create", "get", "update")}
@@ -222,6 +226,30 @@ def test_two_replicas_run_leader_election_with_rbac_for_exactly_their_lease() ->
     assert binding["roleRef"]["name"] == role["metadata"]["name"]
     # Defaults: one replica, no election, no Lease permissions.
     assert not LEASES & set().union(*(_grants(d) for d in _render()))
+
+
+def _tolerations(*args: str) -> list[dict[str, Any]]:
+    deploy = next(d for d in _render(*args) if d["kind"] == "Deployment")
+    return list(deploy["spec"]["template"]["spec"].get("tolerations") or [])
+
+
+def test_operator_leaves_a_lost_node_after_its_toleration_not_kubernetes_300_s() -> None:
+    """A replica on a node that stopped reporting is evicted after nodeLostTolerationSeconds (30 s)
+    and started elsewhere, so a second node lost later still leaves one; the user's own tolerations
+    come with it, and null leaves Kubernetes' default (300 s, added by the API server)."""
+    lost = {
+        (t["key"], t["effect"], t["tolerationSeconds"])
+        for t in _tolerations("--set", "replicaCount=2")
+        if t["key"].startswith("node.kubernetes.io/")
+    }
+    assert lost == {(f"node.kubernetes.io/{taint}", "NoExecute", 30) for taint in ("unreachable", "not-ready")}
+    mine = {"key": "dedicated", "operator": "Equal", "value": "ops", "effect": "NoSchedule"}
+    args = ["--set", "nodeLostTolerationSeconds=45"] + [f"--set=tolerations[0].{k}={v}" for k, v in mine.items()]
+    tolerations = _tolerations(*args)
+    assert mine in tolerations and {t.get("tolerationSeconds") for t in tolerations} == {None, 45}
+    assert _tolerations("--set", "nodeLostTolerationSeconds=null") == []
+    bad = _helm_run("template", "x", str(CHART), "--set", "nodeLostTolerationSeconds=-1")
+    assert bad.returncode != 0 and "nodeLostTolerationSeconds" in bad.stderr
 
 
 def test_leader_election_settings_that_cannot_work_are_refused_naming_the_value() -> None:

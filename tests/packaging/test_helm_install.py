@@ -114,6 +114,10 @@ def _job(ckpt: Path) -> dict[str, Any]:
                 "emulation": {"computeSeconds": 0.01},
             },
             "policy": {"intervalSeconds": 1},
+            # Created suspended and then resumed with more steps: the new generation is written to the
+            # ConfigMap made for the first, the chart's one use of configmaps/patch that does not hang
+            # on timing (the policy-state ConfigMap is written twice only if the policy runs twice).
+            "runPolicy": {"suspend": True},
         },
     }
 
@@ -138,6 +142,12 @@ def test_helm_install_upgrade_uninstall_runs_a_job_under_exactly_the_charts_rbac
         job = _job(tmp_path / "ckpt")
         cluster.plane.kubectl("-n", ns, "apply", "-f", "-", input_text=yaml.safe_dump(job))
         path = f"/apis/sgdjob.dev/v1alpha1/namespaces/{ns}/sgdjobs/tiny"
+        config = f"/api/v1/namespaces/{ns}/configmaps/tiny-config"
+        wait_for(lambda: kube.get_or_none(config), 120, "the suspended job's ConfigMap")
+        cluster.plane.kubectl(
+            "-n", ns, "patch", "sgdjob", "tiny", "--type=merge",
+            "-p", '{"spec":{"runPolicy":{"suspend":false},"training":{"steps":24}}}',
+        )  # fmt: skip
 
         def phase() -> str | None:
             obj = kube.get_or_none(path)

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import base64
+import contextlib
+import json
 import os
 import signal
 import socket
@@ -11,8 +13,10 @@ import ssl
 import subprocess
 import sys
 import time
+import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -137,6 +141,32 @@ def make_certs(folder: Path, ip: str = "127.0.0.1", dns: str = "") -> tuple[Path
     return folder / "ca.crt", folder / "tls.crt", folder / "tls.key"
 
 
+@dataclass(frozen=True)
+class WebhookRun:
+    port: int
+    ca: Path
+    log: Callable[[], str]
+
+    def admits(self, spec: dict[str, Any]) -> bool | None:
+        """The webhook's answer to a CREATE of `spec` (allowed?), or None when it did not answer."""
+        review_ = {
+            "apiVersion": "admission.k8s.io/v1",
+            "kind": "AdmissionReview",
+            "request": {"uid": "u", "name": "x", "object": {"metadata": {"name": "x"}, "spec": spec}},
+        }
+        request = urllib.request.Request(
+            f"https://127.0.0.1:{self.port}{PATH}",
+            data=json.dumps(review_).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        try:
+            ctx = ssl.create_default_context(cafile=str(self.ca))
+            with urllib.request.urlopen(request, timeout=2, context=ctx) as answer:
+                return bool(json.load(answer)["response"]["allowed"])
+        except OSError:
+            return None
+
+
 def _serving(port: int, ca: Path) -> bool:
     ctx = ssl.create_default_context(cafile=str(ca))
     try:
@@ -149,25 +179,15 @@ def _serving(port: int, ca: Path) -> bool:
         return False
 
 
-@pytest.fixture
-def webhook_operator(k8s_crd: ControlPlane, tmp_path: Path) -> Iterator[tuple[str, Callable[[], str]]]:
-    """The operator with its webhook on a free port, watching one fresh namespace, and a
-    ValidatingWebhookConfiguration (limited to that namespace) pointing at it by URL."""
+@contextlib.contextmanager
+def operator_with_webhook(k8s_crd: ControlPlane, tmp_path: Path, ns: str, *flags: str) -> Iterator[WebhookRun]:
+    """`sgdjob operator` (with `flags`) watching `ns` and serving its webhook on a free port over TLS;
+    yields once the port completes a TLS handshake."""
     ca, cert, key = make_certs(tmp_path)
-    port, ns, name = free_port(), f"wh-{uuid.uuid4().hex[:6]}", f"sgdjob-test-{uuid.uuid4().hex[:6]}"
-    k8s_crd.kubectl("create", "namespace", ns)
-    k8s_crd.kubectl("label", "namespace", ns, f"sgdjob-webhook-test={name}")
+    port = free_port()
     argv = [str(Path(sys.executable).parent / "sgdjob"), "operator", "--kubeconfig", str(k8s_crd.kubeconfig), "-n", ns]
-    argv += [
-        "--webhook-port",
-        str(port),
-        "--webhook-addr",
-        "127.0.0.1",
-        "--webhook-cert",
-        str(cert),
-        "--webhook-key",
-        str(key),
-    ]
+    argv += ["--webhook-port", str(port), "--webhook-addr", "127.0.0.1", "--webhook-cert", str(cert)]
+    argv += ["--webhook-key", str(key), *flags]
     log = tmp_path / "operator.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
@@ -177,43 +197,14 @@ def webhook_operator(k8s_crd: ControlPlane, tmp_path: Path) -> Iterator[tuple[st
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
             start_new_session=True,
         )
-    config = {
-        "apiVersion": "admissionregistration.k8s.io/v1",
-        "kind": "ValidatingWebhookConfiguration",
-        "metadata": {"name": name},
-        "webhooks": [
-            {
-                "name": "validate.sgdjob.dev",
-                "admissionReviewVersions": ["v1"],
-                "sideEffects": "None",
-                "failurePolicy": "Fail",
-                "timeoutSeconds": 10,
-                "namespaceSelector": {"matchLabels": {"sgdjob-webhook-test": name}},
-                "clientConfig": {
-                    "url": f"https://127.0.0.1:{port}{PATH}",
-                    "caBundle": base64.b64encode(ca.read_bytes()).decode(),
-                },
-                "rules": [
-                    {
-                        "apiGroups": ["sgdjob.dev"],
-                        "apiVersions": ["v1alpha1"],
-                        "operations": ["CREATE", "UPDATE"],
-                        "resources": ["sgdjobs"],
-                    }
-                ],
-            }
-        ],
-    }
     try:
         deadline = time.monotonic() + 90
         while not _serving(port, ca):
             assert proc.poll() is None, log.read_text()[-3000:]
             assert time.monotonic() < deadline, "webhook not serving after 90 s:\n" + log.read_text()[-3000:]
             time.sleep(0.3)
-        k8s_crd.kubectl("apply", "-f", "-", input_text=yaml.safe_dump(config))
-        yield ns, log.read_text
+        yield WebhookRun(port, ca, log.read_text)
     finally:
-        k8s_crd.kubectl("delete", "validatingwebhookconfiguration", name, "--ignore-not-found", check=False)
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)
             try:
@@ -221,6 +212,48 @@ def webhook_operator(k8s_crd: ControlPlane, tmp_path: Path) -> Iterator[tuple[st
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=10)
+
+
+@pytest.fixture
+def webhook_operator(k8s_crd: ControlPlane, tmp_path: Path) -> Iterator[tuple[str, Callable[[], str]]]:
+    """The operator with its webhook on a free port, watching one fresh namespace, and a
+    ValidatingWebhookConfiguration (limited to that namespace) pointing at it by URL."""
+    ns, name = f"wh-{uuid.uuid4().hex[:6]}", f"sgdjob-test-{uuid.uuid4().hex[:6]}"
+    k8s_crd.kubectl("create", "namespace", ns)
+    k8s_crd.kubectl("label", "namespace", ns, f"sgdjob-webhook-test={name}")
+    try:
+        with operator_with_webhook(k8s_crd, tmp_path, ns) as run:
+            config = {
+                "apiVersion": "admissionregistration.k8s.io/v1",
+                "kind": "ValidatingWebhookConfiguration",
+                "metadata": {"name": name},
+                "webhooks": [
+                    {
+                        "name": "validate.sgdjob.dev",
+                        "admissionReviewVersions": ["v1"],
+                        "sideEffects": "None",
+                        "failurePolicy": "Fail",
+                        "timeoutSeconds": 10,
+                        "namespaceSelector": {"matchLabels": {"sgdjob-webhook-test": name}},
+                        "clientConfig": {
+                            "url": f"https://127.0.0.1:{run.port}{PATH}",
+                            "caBundle": base64.b64encode(run.ca.read_bytes()).decode(),
+                        },
+                        "rules": [
+                            {
+                                "apiGroups": ["sgdjob.dev"],
+                                "apiVersions": ["v1alpha1"],
+                                "operations": ["CREATE", "UPDATE"],
+                                "resources": ["sgdjobs"],
+                            }
+                        ],
+                    }
+                ],
+            }
+            k8s_crd.kubectl("apply", "-f", "-", input_text=yaml.safe_dump(config))
+            yield ns, run.log
+    finally:
+        k8s_crd.kubectl("delete", "validatingwebhookconfiguration", name, "--ignore-not-found", check=False)
         k8s_crd.kubectl("-n", ns, "delete", "sgdjobs", "--all", "--wait=false", check=False)
 
 
@@ -253,3 +286,43 @@ def test_api_server_rejects_a_cross_field_invalid_job_through_the_webhook(
         worse.stderr
     )
     assert k8s_crd.kubectl("-n", ns, "get", "sgdjob", "fine", "-o", "jsonpath={.spec.maxReplicas}").stdout == "3"
+
+
+def test_the_webhook_answers_without_a_gap_while_a_standby_takes_the_lease_and_starts_kopf(
+    k8s_crd: ControlPlane, tmp_path: Path
+) -> None:
+    """Every replica's webhook is behind one Service, so a replica that is taking over must not refuse
+    connections: the port opens at the process' start and stays open through taking the Lease and
+    kopf's start. Here a Lease held by a leader that stopped renewing keeps the operator a standby for
+    a few seconds; the webhook is called every 50 ms from then until kopf has run a while."""
+    ns = f"whl-{uuid.uuid4().hex[:6]}"
+    k8s_crd.kubectl("create", "namespace", ns)
+    now = time.strftime("%Y-%m-%dT%H:%M:%S.000000Z", time.gmtime())
+    lease = {
+        "apiVersion": "coordination.k8s.io/v1",
+        "kind": "Lease",
+        "metadata": {"name": "sgdjob-operator", "namespace": ns},
+        "spec": {"holderIdentity": "gone-leader", "leaseDurationSeconds": 4, "acquireTime": now, "renewTime": now},
+    }
+    k8s_crd.kubectl("apply", "-f", "-", input_text=yaml.safe_dump(lease))
+    flags = ["--leader-elect", "--lease-namespace", ns, "--lease-duration", "4", "--renew-deadline", "3"]
+    bad = _job("x", minReplicas=3)["spec"]
+    try:
+        with operator_with_webhook(k8s_crd, tmp_path, ns, *flags, "--retry-period", "0.5") as run:
+            answers: list[tuple[str, bool | None]] = []  # (role when asked, the answer)
+            led_at: float | None = None
+            deadline = time.monotonic() + 90
+            while led_at is None or time.monotonic() < led_at + 6:
+                assert time.monotonic() < deadline, "never took the lease:\n" + run.log()[-3000:]
+                role = "leader" if "holds lease" in run.log() else "standby"
+                if role == "leader" and led_at is None:
+                    led_at = time.monotonic()
+                answers.append((role, run.admits(bad)))
+                time.sleep(0.05)
+            assert "Activity" in run.log() or "kopf" in run.log(), run.log()[-3000:]  # kopf ran meanwhile
+    finally:
+        k8s_crd.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+    roles = {role for role, _ in answers}
+    unanswered = [n for n, (_, allowed) in enumerate(answers) if allowed is not False]
+    assert roles == {"standby", "leader"}, answers
+    assert not unanswered, f"{len(unanswered)} of {len(answers)} calls not refused as they should be: {unanswered[:10]}"

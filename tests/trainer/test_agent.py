@@ -1,7 +1,8 @@
 """`python -m sgdjob_trainer.agent`: torchrun with workers forked from a warm agent keeps torchrun's
 contract: a crashed worker fails the round and the restarted (forked again) workers resume from the
 checkpoint; a worker stopped by SIGTERM is a failure, not a success; a wrong command is refused;
-a node that joins after the job ended exits with its own status, not torchrun's crash."""
+a node that joins after the job ended, or whose peers never join, exits with its own status, not
+torchrun's crash."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import pytest
 
 from bench.trainer_modes import read_reports
 from sgdjob_operator.local.procs import free_port_blocks
-from sgdjob_trainer.wire.launch_contract import EXIT_RENDEZVOUS_CLOSED
+from sgdjob_trainer.wire.launch_contract import EXIT_RENDEZVOUS_CLOSED, EXIT_RENDEZVOUS_TIMEOUT
 
 pytestmark = pytest.mark.multiproc
 WORLD = 2
@@ -122,3 +123,46 @@ def test_a_node_joining_after_the_job_ended_exits_with_the_closed_rendezvous_sta
     log = (tmp_path / "late" / "log.txt").read_text()
     assert code == EXIT_RENDEZVOUS_CLOSED, log[-3000:]
     assert "the job ended before this node joined a world" in log
+
+
+def test_a_node_whose_peers_never_join_exits_with_the_rendezvous_timeout_status(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    [port] = free_port_blocks(1)
+    store = subprocess.Popen(
+        [sys.executable, "-m", "sgdjob_trainer.rendezvous_store", "--host", "127.0.0.1", "--port", str(port)],
+        stdout=(tmp_path / "store.txt").open("wb"),
+        stderr=subprocess.STDOUT,
+    )
+    termination = tmp_path / "termination-log"
+    monkeypatch.setenv("SGDJOB_TERMINATION_LOG", str(termination))
+    rdzv = [f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-backend=c10d", "--rdzv-id=alone", "--nnodes=2:2",
+            "--rdzv-conf=join_timeout=5,last_call_timeout=1", "--local-addr=127.0.0.1"]  # fmt: skip
+    try:
+        alone = _launch(tmp_path / "alone", {"steps": 5}, max_restarts=0, rendezvous=rdzv)
+        code = alone.wait(timeout=120)
+    finally:
+        store.terminate()
+        store.wait(timeout=30)
+    log = (tmp_path / "alone" / "log.txt").read_text()
+    assert code == EXIT_RENDEZVOUS_TIMEOUT, log[-3000:]
+    said = (
+        "the world could not form: fewer than the minimum of 2 nodes joined the rendezvous within its "
+        "timeout (5 s); its peers are missing"
+    )
+    assert f"sgdjob agent: {said}" in log, log[-3000:]
+    assert termination.read_text().startswith(said)
+
+
+def test_a_program_exiting_with_the_rendezvous_timeout_status_fails_the_agent_with_1() -> None:
+    cmd = [sys.executable, "-m", "sgdjob_trainer.agent", "--standalone", "--nproc-per-node=1", "--max-restarts=0",
+           "--no-python", sys.executable, "-c", f"import sys; sys.exit({EXIT_RENDEZVOUS_TIMEOUT})"]  # fmt: skip
+    proc = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert f"the program exited {EXIT_RENDEZVOUS_TIMEOUT}, which the agent reserves; exiting 1" in proc.stderr

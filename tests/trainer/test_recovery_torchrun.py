@@ -44,6 +44,7 @@ def _config(
         "async": {"shards": 2},
         "emulation": {"computeSeconds": compute},
         "faults": [fault] if fault else [],
+        "evaluation": {"everySteps": 5},  # validations in both lives of a run with a fault
     }
     return {"jobName": f"recover-{mode}", "mode": mode, "referenceWorldSize": WORLD, "training": training}
 
@@ -115,6 +116,13 @@ def test_a_killed_worker_costs_at_most_one_interval(runs: dict[str, Any], mode: 
     if mode != "async":
         assert 0 <= resume["lostSteps"] <= 2 * INTERVAL, "no jump back beyond the interval plus one in-flight write"
     assert control["modeTimeline"][0]["mode"] == mode, "resumed in the mode it ran in"
+    # The job's validation curve survives the restart: the first life's points up to the step resumed
+    # from, then this life's, on one clock since the job began training (not since this life did).
+    curve = control["validationHistory"]
+    steps, times = [p[0] for p in curve], [p[3] for p in curve]
+    assert steps[0] < resume["fromStep"] and steps[-1] == STEPS, steps
+    assert steps == sorted(steps) and times == sorted(times), curve
+    assert control["jobStartTime"] < control["startTime"] and times[-1] > control["wallSeconds"]
     # Loss continues where it was: right after the resume the model is the trained one.
     untrained = runs["untrained"]
     assert control["initialLoss"] < 0.6 * untrained, (control["initialLoss"], untrained)

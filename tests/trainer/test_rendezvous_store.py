@@ -1,8 +1,10 @@
 """The rendezvous store process: `python -m sgdjob_trainer.rendezvous_store` serves a c10d TCPStore on the
-address it is given (only there, so several jobs' stores can share a machine) and stops on SIGTERM."""
+address it is given (only there, so several jobs' stores can share a machine) and stops on SIGTERM; with
+--health-port it serves GET /healthz, which the operator's probe reads, and a stopped store fails."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
@@ -12,7 +14,10 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+import aiohttp
 import pytest
+
+from sgdjob_operator.k8s.probes import POD_PROBE_TIMEOUT_S, store_answers
 
 torch_distributed = pytest.importorskip("torch.distributed")
 pytestmark = pytest.mark.multiproc
@@ -50,6 +55,55 @@ def test_store_serves_clients_on_its_address_and_stops_on_sigterm() -> None:
         assert other.get("rdzv/state") == b"round-1"
         assert other.compare_set("rdzv/state", "round-1", "round-2") == b"round-2"  # what c10d rendezvous relies on
     finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+
+
+def _answers(host: str, port: int) -> bool:
+    async def go() -> bool:
+        async with aiohttp.ClientSession() as session:
+            return await store_answers(session, host, port)
+
+    return asyncio.run(go())
+
+
+def test_a_stopped_store_still_accepts_connections_but_fails_the_operators_health_probe() -> None:
+    """The gap a TCP connect leaves: SIGSTOPped, the store's process serves nothing, yet the kernel still
+    completes connections into its listen backlog. Its health endpoint answers nothing then, and the
+    operator's probe reports it silent within its timeout; once continued, it answers again."""
+    host = "127.0.0.79"
+    port, health_port = _free_port(host), _free_port(host)
+    proc = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "sgdjob_trainer.rendezvous_store", "--host", host),
+            *("--port", str(port), "--health-port", str(health_port)),
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not _answers(host, health_port):
+            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+            assert time.monotonic() < deadline, "the store's health endpoint never answered 200"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGSTOP)
+        started = time.monotonic()
+        assert not _answers(host, health_port), "a stopped store answered its health check"
+        took = time.monotonic() - started
+        assert took <= POD_PROBE_TIMEOUT_S + 1.0, took
+        socket.create_connection((host, port), timeout=1).close()  # what the old probe saw: it accepts
+        proc.send_signal(signal.SIGCONT)
+        deadline = time.monotonic() + 10
+        while not _answers(host, health_port):
+            assert time.monotonic() < deadline, "the continued store did not answer its health check again"
+            time.sleep(0.2)
+        # The store itself serves the agents as before.
+        client = torch_distributed.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=20))
+        client.set("rdzv/state", "round-1")
+        assert client.get("rdzv/state") == b"round-1"
+    finally:
+        proc.send_signal(signal.SIGCONT)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
 

@@ -148,13 +148,13 @@ def _switch_chain(rank: int) -> dict[str, Any]:
 
 
 def _count_tails(run: Any) -> tuple[Any, int]:
-    """Run `run()` counting this rank's separate tail allreduces (4 elements: samples, epoch, stop,
-    late offer) next to the gradient's."""
+    """Run `run()` counting this rank's separate tail allreduces (3 elements: samples, epoch, stop)
+    next to the gradient's."""
     count = [0]
     original = dist.all_reduce
 
     def counting(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        if tensor.numel() == 4 and tensor.dtype == torch.float64:
+        if tensor.numel() == 3 and tensor.dtype == torch.float64:
             count[0] += 1
         return original(tensor, *args, **kwargs)
 
@@ -167,8 +167,8 @@ def _count_tails(run: Any) -> tuple[Any, int]:
 
 def _landing(rank: int) -> dict[str, Any]:
     """Rank 0's controller sends a new split while rank 0 waits in a step's exchange for a straggler
-    (rank 3, ten times slower): the split must ride that step, not the next one. An equal fleet
-    exchanges one allreduce a step (no separate tail)."""
+    (rank 3, ten times slower): the split rides the next step, every rank at once, and every step
+    is one allreduce (no separate tail), with a straggler as on an equal fleet."""
     applied: list[int] = []
     sent: list[int] = []
 
@@ -283,17 +283,17 @@ def test_every_switch_pair_keeps_one_model(results: list[dict[str, Any]]) -> Non
         assert all(c["switches"][i]["pauseS"] >= 0 for c in chain)
 
 
-def test_a_split_sent_during_the_wait_for_a_straggler_rides_that_step(results: list[dict[str, Any]]) -> None:
+def test_a_split_sent_during_the_wait_for_a_straggler_rides_the_next_step_in_one_allreduce(
+    results: list[dict[str, Any]],
+) -> None:
     print("separate tail allreduces (straggler run, equal fleet):", [r["landing"]["tails"] for r in results])
     assert results[0]["landing"]["sent"] == [3], "sent while rank 0 waited in the fourth step's exchange"
     for r in results:
-        assert r["landing"]["applied"] == [4], "applied after the fourth step, every rank"
+        assert r["landing"]["applied"] == [5], "applied after the fifth step, every rank"
         assert r["landing"]["batch"] == 1
-        # Rank 0 waited in the first exchange, asked in the second, so the third and fourth read
-        # their offer late (the split then made rank 3 the fastest). The equal fleet never waits
-        # half its compute: one allreduce a step (one late step allowed for a loaded machine).
-        late, equal = r["landing"]["tails"]
-        assert late >= 2 and equal <= 1, r["landing"]["tails"]
+        # One collective a step whatever the wait: a second one cost sync 25-35 % of its throughput
+        # under a real CPU quota (base.Strategy.weighted_allreduce).
+        assert r["landing"]["tails"] == [0, 0], r["landing"]["tails"]
 
 
 def test_async_start_with_three_shards_learns_and_ends_consistent(results: list[dict[str, Any]]) -> None:

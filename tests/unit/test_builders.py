@@ -38,7 +38,8 @@ def test_worker_pod_carries_the_torchrun_contract() -> None:
     assert (
         env["PET_RDZV_BACKEND"] == "c10d"
         and env["PET_RDZV_ID"] == "u-1"
-        and env["PET_RDZV_CONF"] == ("is_host=0,last_call_timeout=10,keep_alive_interval=2,keep_alive_max_attempt=5")
+        and env["PET_RDZV_CONF"]
+        == "is_host=0,join_timeout=86400,last_call_timeout=10,keep_alive_interval=2,keep_alive_max_attempt=5"
     )
     assert env["PET_RDZV_ENDPOINT"] == "j-rdzv.j.ns.svc:29400"
     assert env["PET_MAX_RESTARTS"] == "5"  # backoffLimit + maxReplicas
@@ -67,7 +68,7 @@ def test_worker_pod_carries_the_torchrun_contract() -> None:
     spec = pod["spec"]
     assert spec["hostname"] == "j-worker-1" and spec["subdomain"] == "j" and spec["restartPolicy"] == "Never"
     container = spec["containers"][0]
-    assert container["image"] == IMAGE and container["command"] == ["torchrun"]
+    assert container["image"] == IMAGE and container["command"] == ["python", "-m", "sgdjob_trainer.agent"]
     assert container["args"] == ["-m", "sgdjob_trainer", "--config", "/etc/sgdjob/config/run-config.json"]
     assert [p["containerPort"] for p in container["ports"]] == [9400, 9401, 9402, 9403]
     assert "affinity" not in spec
@@ -124,7 +125,10 @@ def test_template_is_merged_not_overwritten() -> None:
     assert {v["name"] for v in ps["volumes"]} == {"ckpt", "sgdjob-config", "sgdjob-control"}
     (term,) = ps["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
     assert term["matchExpressions"][0]["key"] == "zone"  # the user's term kept, ANDed with the exclusion
-    assert term["matchFields"] == [{"key": "metadata.name", "operator": "NotIn", "values": ["slow-a", "slow-b"]}]
+    assert term["matchFields"] == [  # one node a requirement: the API server allows one value per field selector
+        {"key": "metadata.name", "operator": "NotIn", "values": ["slow-a"]},
+        {"key": "metadata.name", "operator": "NotIn", "values": ["slow-b"]},
+    ]
 
 
 def test_user_command_is_kept() -> None:
@@ -165,6 +169,13 @@ def test_rendezvous_pod_and_fixed_objects() -> None:
         "-m",
         "sgdjob_trainer.rendezvous_store",
     ]
+    # Its health endpoint, not a TCP connect, is what the kubelet's probes (and the operator) ask.
+    assert container["command"][-2:] == ["--health-port", "29401"]
+    assert {p["name"]: p["containerPort"] for p in container["ports"]} == {"rendezvous": 29400, "store-health": 29401}
+    for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert container[kind]["httpGet"] == {"path": "/healthz", "port": "store-health"}, kind
+    live = container["livenessProbe"]
+    assert live["periodSeconds"] * live["failureThreshold"] >= 30 and live["timeoutSeconds"] >= 5
     svc = build_service(JOB)
     assert (
         svc["spec"]["clusterIP"] == "None"

@@ -131,7 +131,7 @@ def test_an_unschedulable_replacement_is_recreated_once_its_exclusion_expires() 
     held = plan_reconcile(_spec(), st, pods, generation=1, now=T0 + 599)
     assert held.delete_pods == [] and held.create_workers == []
     freed = plan_reconcile(_spec(), st, pods, generation=1, now=T0 + 600)
-    assert freed.delete_pods == [("j-worker-1", "exclusion of bad expired; recreated")]
+    assert freed.delete_pods == [("j-worker-1", "exclusion of bad ended; recreated")]
     assert "NodeExclusionExpired" in [e.reason for e in freed.events]
 
 

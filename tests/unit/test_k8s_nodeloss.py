@@ -82,3 +82,38 @@ def test_a_worker_that_still_answers_on_a_lost_node_is_kept_until_it_stops() -> 
     assert controller(kept.status).excluded_nodes == []
     silent = plan_reconcile(spec, running(), pods, generation=1, now=T0 + 95, lost_nodes=lost)
     assert silent.force_delete == {"j-worker-0"} and [e.reason for e in silent.events] == ["NodeLost"]
+
+
+def test_a_lost_node_ready_again_is_readmitted_and_the_pending_replacement_recreated_for_it() -> None:
+    """Two nodes lost, then back (e2e chaos case h): a replacement Pending for want of the lost nodes
+    (every other node busy) is recreated once they are Ready again, instead of waiting out the hour
+    of policy.excludeNodeSeconds that a slow node's exclusion lasts."""
+    spec = _spec(replicas=2, runPolicy={"nodeLostGraceSeconds": 30})
+    lost = {"n1": (T0, "Ready=Unknown (NodeStatusUnknown)")}
+    plan = plan_reconcile(
+        spec, running(), [pod(0, node="n1"), pod(1, node="n2")], generation=1, now=T0 + 30, lost_nodes=lost
+    )
+    [excluded] = controller(plan.status).excluded_nodes
+    assert excluded.node == "n1" and excluded.lost
+    status = restarted(plan.status)
+    pending = dataclasses.replace(pod(0, "Pending", ready=False), excluded=("n1",))
+    still = plan_reconcile(spec, status, [pending, pod(1, node="n2")], generation=1, now=T0 + 60)
+    assert still.delete_pods == [] and [e.node for e in controller(still.status).excluded_nodes] == ["n1"]
+
+    back = plan_reconcile(
+        spec, status, [pending, pod(1, node="n2")], generation=1, now=T0 + 90, ready_nodes=frozenset({"n1"})
+    )
+    assert controller(back.status).excluded_nodes == []
+    [event] = [e for e in back.events if e.reason == "NodeReadmitted"]
+    assert "node n1 Ready again" in event.message and event.type == "Normal"
+    assert back.delete_pods == [("j-worker-0", "exclusion of n1 ended; recreated")]
+
+
+def test_a_slow_nodes_exclusion_outlasts_the_node_being_ready() -> None:
+    from sgdjob_operator.k8s.membership import exclude, readmit
+
+    ctl = controller(running())
+    exclude(ctl, "slow", T0, 3600, "rank 1 slow on it")
+    exclude(ctl, "gone", T0, 3600, "lost", lost=True)
+    assert [e.node for e in readmit(ctl, {"slow", "gone"})] == ["gone"]
+    assert [e.node for e in ctl.excluded_nodes] == ["slow"]

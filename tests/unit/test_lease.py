@@ -1,4 +1,4 @@
-"""Leader election's pure core and the standby's webhook answers: who may take the Lease and when,
+"""Leader election's pure core and the webhook's AdmissionReview answers: who may take the Lease and when,
 the Lease objects written, timings that could not guarantee one leader, and the CLI refusing them."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from click.testing import CliRunner
 from sgdjob_operator.cli import main
 from sgdjob_operator.k8s import lease as core
 from sgdjob_operator.k8s.settings import OperatorSettings
-from sgdjob_operator.k8s.standby import admission_response
+from sgdjob_operator.k8s.webhook import admission_response
 
 
 def _lease(holder: str, renew: str = "2026-01-01T00:00:00.000000Z", transitions: int = 0) -> dict[str, Any]:
@@ -89,15 +89,30 @@ def test_election_settings_come_from_the_environment() -> None:
     assert not OperatorSettings.from_env({}).leader_election
 
 
-def _review(spec: dict[str, Any], old: dict[str, Any] | None = None) -> dict[str, Any]:
-    request = {"uid": "u1", "object": {"spec": spec}, "oldObject": {"spec": old} if old else None}
+def _review(spec: dict[str, Any], old: dict[str, Any] | None = None, name: str = "job") -> dict[str, Any]:
+    request = {
+        "uid": "u1",
+        "name": name,
+        "object": {"metadata": {"name": name}, "spec": spec},
+        "oldObject": {"spec": old} if old else None,
+    }
     return admission_response({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": request})
 
 
-def test_the_standby_webhook_refuses_a_bad_spec_naming_the_field() -> None:
+def test_the_webhook_refuses_a_bad_spec_naming_the_field() -> None:
     answer = _review({"replicas": 1, "minReplicas": 3, "maxReplicas": 4, "training": {}})["response"]
     assert answer["uid"] == "u1" and answer["allowed"] is False
     assert answer["status"]["code"] == 422 and "minReplicas" in answer["status"]["message"]
     # An update that leaves the spec as it was passes, as in the leader's webhook.
     bad = {"replicas": 1, "minReplicas": 3, "maxReplicas": 4, "training": {}}
     assert _review(bad, old=bad)["response"]["allowed"] is True
+
+
+def test_the_webhook_answer_carries_warnings_and_checks_a_new_jobs_name() -> None:
+    """What kubectl prints: a stored job's warnings, and a refused name (every replica answers alike)."""
+    script = {"replicas": 1, "mode": "auto", "training": {"command": ["python", "train.py"]}}
+    answer = _review(script)["response"]
+    assert answer["allowed"] is True and answer["warnings"][0].startswith("spec.mode: auto cannot adapt")
+    refused = _review({"replicas": 1, "training": {}}, name="team.a")["response"]
+    assert refused["allowed"] is False and "metadata.name" in refused["status"]["message"]
+    assert "warnings" not in _review({"replicas": 1, "training": {}})["response"]

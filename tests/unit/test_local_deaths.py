@@ -16,6 +16,7 @@ from sgdjob_operator.local.deaths import (
 )
 from sgdjob_operator.local.report import summary_lines
 from sgdjob_operator.local.revive import last_checkpoint
+from sgdjob_trainer.wire.launch_contract import EXIT_RENDEZVOUS_TIMEOUT
 
 POLICY = RestartPolicy(backoff_limit=5, min_nodes=2, crash_loop_deaths=3, crash_loop_window_s=60.0)
 
@@ -105,4 +106,18 @@ def test_agents_dying_of_a_lost_store_are_not_charged_to_the_backoff_limit() -> 
     assert decide(strict, again, live=0).action == "restart"  # no crash loop either
     # A user's crash still counts, and the infrastructure deaths before it do not add to it.
     crash = decide(strict, [*again, Death("local-2", 300.0, 1)], live=3)
+    assert crash.action == "fail" and "1 agent deaths exceed runPolicy.backoffLimit 0" in crash.reason
+
+
+def test_an_agent_whose_rendezvous_timed_out_is_not_charged_to_the_backoff_limit() -> None:
+    strict = RestartPolicy(backoff_limit=0, min_nodes=2)
+    alone = [Death("local-1", 700.0, EXIT_RENDEZVOUS_TIMEOUT, infrastructure=True)]
+    verdict = decide(strict, alone, live=0)
+    assert verdict.action == "restart", verdict
+    assert "agent local-1 died (exit code 4) of a rendezvous fewer than minReplicas agents joined in time" in (
+        verdict.reason
+    )
+    assert "not counted against runPolicy.backoffLimit" in verdict.reason
+    # The peer it waited for, crashing with its own code, still counts.
+    crash = decide(strict, [*alone, Death("local-0", 710.0, 1)], live=1)
     assert crash.action == "fail" and "1 agent deaths exceed runPolicy.backoffLimit 0" in crash.reason

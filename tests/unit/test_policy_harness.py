@@ -58,6 +58,8 @@ class Harness:
     in_flight: str = ""
     # Seconds from the scrape to the evaluation: a shell's clock reads `now` after it scraped.
     evaluation_lag: float = 0.0
+    # What a membership change pauses, as the shell tells the policy (the operator measures it).
+    restart_seconds: float = 60.0
 
     def __post_init__(self) -> None:
         nodes = len(self.speeds) // self.nproc
@@ -152,6 +154,7 @@ class Harness:
             groups=self.groups,
             comm=self.comm,
             in_flight=self.in_flight,
+            restart_seconds=self.restart_seconds,
         )
         ev = evaluate(PolicyState.from_dict(self.state_doc), self.samples(), view, self.now + self.evaluation_lag)
         self.state_doc = ev.state.to_dict()

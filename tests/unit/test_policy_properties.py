@@ -3,18 +3,19 @@ straggler, at most one change per stable phase (and at most two corrections of a
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sgdjob_operator.policy import Rebalance, ReplaceWorker, Rescale
 from tests.unit.test_policy_harness import Harness
 
-# Randomized: every run searches new fleets. The known flapping (dispersed fleets with 3-4 % noise per
-# window split at once mid-phase, then corrected three times) came from the fast rule acting on one
-# window of a rank measured before; it now waits out persistence (splits.slow_from_start). Checked
-# with hypothesis seeds 1-3 x 300 examples of each property and seeds 4-9 of the flapping one (seed 3
-# of the flapping property fails on the fast rule before).
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow], database=None)
+# Randomized: every run searches new fleets. Known failures remain (#37, about 7 of 60 hypothesis
+# seeds): two classes, each pinned below as an example that must keep failing until it is fixed
+# (strict xfail): (A) a re-split's trial judged across a fleet change, taken back, then split again;
+# (B) under 3-4 % noise, three corrections of a split at the +3 % re-split margin while the speeds'
+# errors are unmeasured. They are bugs of the policy to fix, not to hide.
 
 
 @SETTINGS
@@ -60,7 +61,7 @@ def test_persistent_3x_straggler_is_detected_within_3_intervals(
     assert all(e.decision.action == "keep" for e in after[:-1])
 
 
-def _phase(kind: str, n: int, draw: st.DataObject) -> list[float]:
+def _phase(kind: str, n: int, draw: st.DataObject | _Drawn) -> list[float]:
     if kind == "homogeneous":
         return [100.0] * n
     if kind == "straggler":
@@ -84,6 +85,36 @@ def _phase(kind: str, n: int, draw: st.DataObject) -> list[float]:
 def test_no_flapping_at_most_one_change_per_stable_phase(
     n: int, kinds: list[str], noise: float, data: st.DataObject
 ) -> None:
+    _assert_calm_phases(n, kinds, noise, data)
+
+
+class _Drawn:
+    """The draws of a falsifying example hypothesis printed, replayed in order."""
+
+    def __init__(self, values: list[float]) -> None:
+        self.values = list(values)
+
+    def draw(self, strategy: object) -> float:
+        return self.values.pop(0)
+
+
+@pytest.mark.xfail(strict=True, reason="#37: known flapping the policy does not yet avoid (see SETTINGS)")
+@pytest.mark.parametrize(
+    ("n", "kinds", "noise", "draws"),
+    [
+        # (A) the fleet changes in the window the re-split lands in: its trial reads the change as the
+        # split's fault, takes it back, and the next phase splits again.
+        pytest.param(41, ["dispersed"] * 3, 0.0, [2.0, 1.6015625, 2.0], id="trial-judged-across-a-fleet-change"),
+        # (B) under 3 % noise a dispersed fleet's split is corrected three times at the +3 % margin while
+        # the speeds' errors are still unmeasured.
+        pytest.param(17, ["dispersed", "homogeneous"], 0.03125, [2.4375], id="corrections-under-noise"),
+    ],
+)
+def test_known_flapping_examples(n: int, kinds: list[str], noise: float, draws: list[float]) -> None:
+    _assert_calm_phases(n, kinds, noise, _Drawn(draws))
+
+
+def _assert_calm_phases(n: int, kinds: list[str], noise: float, data: st.DataObject | _Drawn) -> None:
     h = Harness([100.0] * n, noise=noise, seed=n)
     h.step()
     for kind in kinds:

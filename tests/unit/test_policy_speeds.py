@@ -78,7 +78,10 @@ EARLY_SPLIT = {0: 39, 1: 39, 2: 36, 3: 14}
 
 
 def test_an_early_split_off_by_a_few_percent_is_corrected_once_the_speeds_are_settled_and_then_kept() -> None:
-    h = Harness(list(SPEEDS), mode="sync", start_batches=dict(EARLY_SPLIT))
+    # The splits alone: with replaceWorker (a default) the 3x straggler is replaced after the correction,
+    # the replaced world predicted at the job's batch on every rank, as it restarts.
+    within = {"allowedActions": ["switchMode", "rebalance"]}
+    h = Harness(list(SPEEDS), mode="sync", start_batches=dict(EARLY_SPLIT), policy=within)
     for _ in range(12):
         h.step()
     changes = h.changes()

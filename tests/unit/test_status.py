@@ -13,12 +13,12 @@ from sgdjob_operator.api.validation import validate_spec
 from sgdjob_operator.k8s.actuator import Outcome, apply_step, driver_state, store
 from sgdjob_operator.k8s.observe import Observation, command_to_push, record_observation
 from sgdjob_operator.k8s.plan import plan_reconcile
-from sgdjob_operator.k8s.reconcile import mark_invalid
 from sgdjob_operator.k8s.status import (
     PodView,
     controller,
     dump_status,
     load_status,
+    mark_invalid,
     pod_changed,
     record_decision,
     rfc3339,

@@ -12,7 +12,14 @@ were it initialised, the workers are spawned instead.
 Command mode (`--no-python CMD [args]`, the SGDJob's training.command): each worker execs CMD as
 torchrun does, so a user's script runs as a normal process, unmodified. A CMD not on PATH exits
 127 before any rendezvous, saying so; a worker that fails ends the agent with the worker's own
-exit status (torchrun would exit 1), so the job's message can name the script's code.
+exit status (torchrun would exit 1), so the job's message can name the script's code; but a script
+that exits `EXIT_RENDEZVOUS_TIMEOUT` ends the agent with 1, since that status means missing peers
+(below) and is not counted against backoffLimit, so a script's crash loop must not exit with it.
+
+Two ends are no failure of this node, and exit with statuses of their own instead of torchrun's 1:
+a rendezvous already closed (the job ended before this node joined: `EXIT_RENDEZVOUS_CLOSED`) and a
+rendezvous that timed out (fewer than the minimum of nodes joined within its join timeout, its
+peers missing: `EXIT_RENDEZVOUS_TIMEOUT`). Controllers do not count those against backoffLimit.
 """
 
 from __future__ import annotations
@@ -23,18 +30,21 @@ import shutil
 import signal
 import sys
 import uuid
+from typing import NoReturn
 
 import torch
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
-from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
+from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousTimeoutError
+from torch.distributed.elastic.rendezvous.utils import _parse_rendezvous_config
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-from torch.distributed.run import config_from_args, parse_args
+from torch.distributed.run import config_from_args, parse_args, parse_min_max_nnodes
 
 import sgdjob_trainer.trainer  # noqa: F401  (imported once here, inherited by every worker)
 from sgdjob_trainer.wire.launch_contract import (
     ENV_TERMINATION_LOG,
     EXIT_COMMAND_NOT_FOUND,
     EXIT_RENDEZVOUS_CLOSED,
+    EXIT_RENDEZVOUS_TIMEOUT,
 )
 
 # Signals torchrun's agent handles; a forked worker inherits the handlers and must not keep them.
@@ -74,6 +84,36 @@ def main(argv: list[str] | None = None) -> None:
             flush=True,
         )
         sys.exit(EXIT_RENDEZVOUS_CLOSED)
+    except RendezvousTimeoutError:
+        # A survivor whose peers vanished (a lost node's pods deleted, their replacements not yet
+        # scheduled) waits the join timeout for the minimum of nodes; torchrun would call that a crash.
+        give_up(world_not_formed(argv), EXIT_RENDEZVOUS_TIMEOUT)
+
+
+def world_not_formed(argv: list[str] | None) -> str:
+    """What a rendezvous that timed out means, with the job's terms where its options say them."""
+    try:
+        args = parse_args(argv)  # type: ignore[no-untyped-call]
+        min_nodes = parse_min_max_nnodes(args.nnodes)[0]
+        join_s = _parse_rendezvous_config(args.rdzv_conf).get("join_timeout", "600")
+        terms = f"fewer than the minimum of {min_nodes} nodes joined the rendezvous within its timeout ({join_s} s)"
+    except (SystemExit, Exception):  # unreadable options: the launch would have failed before
+        terms = "fewer than the minimum of nodes joined the rendezvous within its timeout"
+    return (
+        f"the world could not form: {terms}; its peers are missing (a lost node, a worker not yet "
+        f"scheduled); exiting with status {EXIT_RENDEZVOUS_TIMEOUT}"
+    )
+
+
+def give_up(message: str, status: int) -> NoReturn:
+    """Exit with `status`, saying why on stderr and in the termination log (the pod's termination
+    message, what `kubectl describe` shows), where the environment names one."""
+    print(f"sgdjob agent: {message}", file=sys.stderr, flush=True)
+    log = os.environ.get(ENV_TERMINATION_LOG)
+    if log:
+        with open(log, "w") as out:
+            out.write(message + "\n")
+    sys.exit(status)
 
 
 # A worker dies with its agent, as a container's processes die with the container: an agent killed
@@ -106,19 +146,18 @@ def run_command(config: LaunchConfig, program: str, argv: list[str]) -> None:
     """Command mode: every worker execs `program argv` (torchrun's own --no-python path)."""
     problem = command_not_found(program)
     if problem is not None:
-        print(f"sgdjob agent: {problem}", file=sys.stderr, flush=True)
-        log = os.environ.get(ENV_TERMINATION_LOG)
-        if log:
-            with open(log, "w") as out:  # the pod's termination message: what `kubectl describe` shows
-                out.write(problem + "\n")
-        sys.exit(EXIT_COMMAND_NOT_FOUND)
+        give_up(problem, EXIT_COMMAND_NOT_FOUND)
     entrypoint, args = worker_argv(program, argv)
     try:
         elastic_launch(config=config, entrypoint=entrypoint)(*args)
     except ChildFailedError as failed:
         print(failed.format_msg(), file=sys.stderr, flush=True)  # type: ignore[no-untyped-call]
         first = failed.get_first_failure()[1]
-        sys.exit(first.exitcode if first.exitcode > 0 else 1)
+        code = first.exitcode if first.exitcode > 0 else 1
+        if code == EXIT_RENDEZVOUS_TIMEOUT:  # the script's own 4 is its failure, not missing peers
+            print(f"sgdjob agent: the program exited {code}, which the agent reserves; exiting 1", file=sys.stderr)
+            code = 1
+        sys.exit(code)
 
 
 @record  # as torchrun's main: a failed worker's error is printed, and the exit status is 1

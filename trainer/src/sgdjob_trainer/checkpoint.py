@@ -48,6 +48,7 @@ import queue
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -356,12 +357,20 @@ class Checkpointer:
         remove_stale(self.root, self.life)
 
     # -- progress (rank 0) ----------------------------------------------------------------------
-    def note_progress(self, step: int, history: list[dict[str, Any]], *, force: bool = False) -> None:
-        """Rank 0's high-water mark, a few times a second: what a restart counts as lost steps."""
+    def note_progress(
+        self,
+        step: int,
+        history: list[dict[str, Any]],
+        *,
+        force: bool = False,
+        lineage: Callable[[], dict[str, Any]] | None = None,
+    ) -> None:
+        """Rank 0's high-water mark, a few times a second: what a restart counts as lost steps, and
+        (`lineage`, Telemetry.lineage) the job's start and validations, which a restart continues."""
         now = time.time()
         if force or now - self._progress_at >= PROGRESS_EVERY_S:
             self._progress_at = now
-            doc = {"life": self.life, "step": step, "time": now, "resumes": history}
+            doc = {"life": self.life, "step": step, "time": now, "resumes": history, **(lineage() if lineage else {})}
             try:
                 write_atomic(self.root / PROGRESS, json.dumps(doc).encode(), sync=False)
             except OSError as err:

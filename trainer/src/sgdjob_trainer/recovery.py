@@ -130,6 +130,11 @@ class Recovery:
                 "restartCount": info.restart_count,
             }
             self.history = [*previous.get("resumes", []), record]
+            began, validations = previous.get("began"), previous.get("validations")
+            if isinstance(began, int | float) and isinstance(validations, list):
+                # Validations past the step resumed from are redone by this life.
+                kept = [v for v in validations if isinstance(v, list) and v and v[0] <= state.step]
+                telemetry.continue_lineage(float(began), kept)
             log.info(
                 "restart: %d steps lost (reached %d, resumed at %d), %.1f s from the last progress to the loaded model",
                 record["lostSteps"],
@@ -139,7 +144,7 @@ class Recovery:
             )
         if info.rank == 0:
             telemetry.resumes = [ResumeRecord.model_validate(record) for record in self.history]
-            ckpt.note_progress(state.step, self.history, force=True)
+            ckpt.note_progress(state.step, self.history, force=True, lineage=telemetry.lineage)
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         # Only flags: the loop stops at an agreed step (the handler runs between bytecodes).
@@ -166,7 +171,7 @@ class Recovery:
                 if state.mode == SyncMode.ASYNC and ctx.ps is not None:
                     ctx.ps.checkpoint_request = state.step
             if rank == 0:
-                ckpt.note_progress(state.step, self.history)
+                ckpt.note_progress(state.step, self.history, lineage=ctx.telemetry.lineage)
             if len(ckpt.failures) != self._failures_reported:
                 self.report()  # a failed write shows in /status at once, not at the end
         self._faults()
@@ -187,7 +192,7 @@ class Recovery:
             self.take(ctx.state.step, ctx.info.world_size if ctx.info.rank == 0 else 0)
         ckpt.flush()
         if ctx.info.rank == 0:
-            ckpt.note_progress(ctx.state.step, self.history, force=True)
+            ckpt.note_progress(ctx.state.step, self.history, force=True, lineage=ctx.telemetry.lineage)
         if interrupted:
             log.warning(
                 "stopped by SIGTERM at step %d%s",

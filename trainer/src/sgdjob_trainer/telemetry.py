@@ -79,6 +79,10 @@ class Telemetry:
         # Rank 0's validations: the latest, and (step, loss, accuracy, seconds since start, own samples).
         self.validation: dict[str, Any] = {}
         self.validation_history: list[tuple[int, float, float | None, float, int, float | None]] = []
+        # Rank 0 after a restart: when the job's first life began training (wall clock) and the earlier
+        # lives' validations, seconds since then (`lineage`), so the job's curve survives its restarts.
+        self.job_began: float | None = None
+        self.earlier_validations: list[list[Any]] = []
 
         self.registry = CollectorRegistry()
         r = self.registry
@@ -298,11 +302,34 @@ class Telemetry:
             self.m_validation_metric.set(metric)
 
     def record_target(self, step: int) -> None:
-        """Rank 0's validation reached the job's target at `step` (the job then ends at an agreed step)."""
+        """Rank 0's validation reached the job's target at `step` (the job then ends at an agreed step),
+        in seconds since the job began training (its first life's start)."""
         with self.lock:
-            self.validation.update(
-                target_step=step, time_to_target_s=time.time() - self.start_time, end_reason=TARGET_REACHED
-            )
+            began = self._began()
+            self.validation.update(target_step=step, time_to_target_s=time.time() - began, end_reason=TARGET_REACHED)
+
+    def _began(self) -> float:
+        """When the job began training (wall clock): its first life's start. Call under the lock."""
+        return self.start_time if self.job_began is None else self.job_began
+
+    def continue_lineage(self, began: float, validations: list[list[Any]]) -> None:
+        """A restarted rank 0 carries on the job's history: its first training start and the
+        validations of its earlier lives (as `lineage` gave them)."""
+        with self.lock:
+            self.job_began = began
+            self.earlier_validations = [list(v) for v in validations][-HISTORY_POINTS:]
+
+    def lineage(self) -> dict[str, Any]:
+        """When the job began training and every validation of its lives so far, seconds since then:
+        what a restart's rank 0 continues from (kept beside the checkpoints)."""
+        with self.lock:
+            began = self._began()
+            shift = self.start_time - began
+            mine = [
+                [s, _finite(v), a, round(t + shift, 3), n, None if m is None else _finite(m)]
+                for s, v, a, t, n, m in self.validation_history
+            ]
+            return {"began": began, "validations": [*self.earlier_validations, *mine]}
 
     def finish(self, final_loss: float) -> None:
         with self.lock:
@@ -362,14 +389,13 @@ class Telemetry:
                 initialLoss=_finite(self.initial_loss),
                 finalLoss=_finite(self.final_loss),
                 lossHistory=[[s, _finite(v), round(t, 3)] for s, v, t in self.loss_history],
-                validationHistory=[
-                    [s, _finite(v), a, round(t, 3), n, None if m is None else _finite(m)]
-                    for s, v, a, t, n, m in self.validation_history
-                ],
+                jobStartTime=self._began(),
                 modeTimeline=list(self.mode_timeline),
                 wallSeconds=end - self.start_time,
                 speedSamplesPerS=self.samples / self.compute_seconds if self.compute_seconds > 0 else 0.0,
             )
+        # Every life's validations, seconds since the job began training (this life's alone before a restart).
+        doc["validationHistory"] = self.lineage()["validations"]
         return doc
 
     def write_report(self, directory: str) -> Path:

@@ -82,6 +82,15 @@ class ExcludedNode(CamelModel):
         Field(max_length=64, description="When the exclusion ends (RFC 3339); absent: never (excludeNodeSeconds 0)."),
     ] = None
     reason: Annotated[str, Field(max_length=512, description="Why the node was excluded.")] = ""
+    lost: Annotated[
+        bool,
+        Field(
+            description=(
+                "Excluded because the node was lost (not Ready for runPolicy.nodeLostGraceSeconds): the "
+                "exclusion ends as soon as the node is Ready again, and the job grows back onto it."
+            )
+        ),
+    ] = False
 
     @model_validator(mode="before")
     @classmethod
@@ -176,6 +185,22 @@ class ControllerState(CamelModel):
     ] = None
     last_change_time: Annotated[
         str | None, Field(max_length=64, description="When the operator last changed the job (RFC 3339).")
+    ] = None
+    restart_seconds: Annotated[
+        float | None,
+        Field(
+            ge=0.0,
+            le=86_400.0,
+            description=(
+                "Seconds the job's latest start took, measured: from its creation, or from the policy's latest "
+                "membership change, until every rank trained. The policy weighs a replacement or rescale by it "
+                "(60 until measured)."
+            ),
+        ),
+    ] = None
+    restart_from: Annotated[
+        str | None,
+        Field(max_length=64, description="When the policy's latest membership change began, until its world trains."),
     ] = None
     checkpoint_failures: Annotated[
         int, Field(ge=0, le=10**9, description="Rank 0's failed checkpoint writes already reported in an Event.")

@@ -253,9 +253,9 @@ class RunPolicy(CamelModel):
             ge=5,
             le=3600,
             description=(
-                "Seconds the rendezvous store's pod may fail to accept the operator's connections while the job makes "
-                "no progress before it is re-homed on another node (the workers then rendezvous again from the last "
-                "checkpoint). Applies to a store that answered before."
+                "Seconds the rendezvous store's pod may fail the operator's health check (GET /healthz, a round trip "
+                "through the store) while the job makes no progress before it is re-homed on another node (the "
+                "workers then rendezvous again from the last checkpoint). Applies to a store that answered before."
             ),
         ),
     ] = 10

@@ -144,9 +144,7 @@ def operator(
     import kopf
 
     import sgdjob_operator.k8s.handlers  # noqa: F401 - registers the handlers
-    from sgdjob_operator.k8s.webhook import register
-
-    register(settings)
+    from sgdjob_operator.k8s import webhook
 
     kopf.configure(verbose=verbose, debug=False, log_prefix=True)
     if not verbose:
@@ -161,13 +159,18 @@ def operator(
             liveness_endpoint=settings.liveness,
         )
 
-    if settings.leader_election:
-        from sgdjob_operator.k8s.election import run_elected
+    async def serve() -> None:
+        # The webhook outlives kopf: it answers while a standby waits, while kopf starts and stops.
+        async with webhook.serving(settings):
+            if settings.leader_election:
+                from sgdjob_operator.k8s.election import run_elected
 
-        run_elected(settings, run_kopf)  # a standby until it holds the Lease
-    else:
-        with contextlib.suppress(asyncio.CancelledError):
-            asyncio.run(run_kopf())  # what kopf.run does
+                await run_elected(settings, run_kopf)  # a standby until it holds the Lease
+            else:
+                await run_kopf()
+
+    with contextlib.suppress(asyncio.CancelledError):
+        asyncio.run(serve())  # what kopf.run does, with the webhook around it
 
 
 def use_service_account_dir(folder: str) -> None:

@@ -30,11 +30,13 @@ from sgdjob_operator.k8s.membership import (
     wanted_indices,
 )
 from sgdjob_operator.k8s.observe import Observation
+from sgdjob_operator.k8s.restart_cost import measure_restart, restart_began, restart_estimate
 from sgdjob_operator.k8s.status import Event, PodView, controller, record_decision, rfc3339
 from sgdjob_operator.policy.decisions import SwitchMode, per_rank_text
 from sgdjob_operator.policy.driver import (
     DriverState,
     Observed,
+    PlatformCosts,
     Push,
     Replace,
     Scale,
@@ -86,15 +88,22 @@ def store(st: SGDJobStatus, state: DriverState) -> None:
     ctl.command = state.command_dict()
 
 
-def evaluate_job(spec: SGDJobSpec, st: SGDJobStatus, obs: Observation, now: float, busy: str) -> tuple[Step, str]:
+def evaluate_job(
+    spec: SGDJobSpec, st: SGDJobStatus, obs: Observation, now: float, busy: str, created: float | None = None
+) -> tuple[Step, str]:
     """The driver's step for this scrape (`busy`: why a change is in flight, from the pods), with
-    its state already kept in `st`, and any problem loading or evaluating to report."""
+    its state already kept in `st`, and any problem loading or evaluating to report. `created`: the
+    job's creation time, from which its first start is measured (restart_cost)."""
     state, problem = driver_state(st)
-    goal = goal_replicas(spec, controller(st))
+    ctl = controller(st)
+    goal = goal_replicas(spec, ctl)
     observed = Observed(
         obs.samples, applied_epoch=obs.control_epoch, in_flight=busy, goal_replicas=goal, step=st.step or None
     )
-    step = drive(state, observed, spec, now)
+    # The first start is measured from the job's creation only while no worker has restarted: a world
+    # that a failure restarted began long after it, and that span is no restart's cost.
+    measure_restart(ctl, obs.samples, created if st.restarts == 0 else None)
+    step = drive(state, observed, spec, now, PlatformCosts(restart_seconds=restart_estimate(ctl)))
     store(st, step.state)
     return step, "; ".join(p for p in (problem, step.problem) if p)
 
@@ -146,6 +155,7 @@ class StatusActuator:
             exclude(ctl, node, self.now, self.spec.policy.exclude_node_seconds, f"rank {action.rank} slow on it")
         elif action.pod:
             self.out.delete_pod = action.pod
+        restart_began(ctl, self.now)
         d = action.decision
         record = record_decision(self.st, self.now, d.action, d.reason, rank=action.rank, pod=action.pod, hung=d.hung)
         where = f"; node {node} excluded for this job" if node else ""
@@ -167,6 +177,7 @@ class StatusActuator:
         removed = [self.indices[p] for p in action.remove_pods if p in self.indices]
         current = wanted_indices(ctl, self.spec.replicas)
         store_indices(ctl, rescaled_indices(current, action.replicas, removed))
+        restart_began(ctl, self.now)
         record_scale(self.spec, ctl, action.replicas)
         if action.exclude_node:
             why = f"ranks {list(action.remove_ranks)} slow on it; removed by a rescale"

@@ -22,12 +22,14 @@ from sgdjob_operator.api.models import API_VERSION, KIND, SGDJobSpec
 from sgdjob_operator.k8s import gang
 from sgdjob_trainer.config import SyncMode
 from sgdjob_trainer.wire.launch_contract import (
+    AGENT_MODULE,
     ENV_CONTROL_TOKEN_FILE,
     ENV_METRICS_HOST,
     ENV_NODE_NAME,
     ENV_RUN_CONFIG,
     ENV_TERMINATION_LOG,
     ENV_UNSHARED_RDZV_STORE,
+    STORE_HEALTH_PATH,
     STORE_MODULE,
     TorchrunOptions,
     restart_budget,
@@ -45,6 +47,8 @@ ROLE_WORKER = "worker"
 ROLE_RDZV = "rendezvous"
 CONTAINER = "trainer"
 RDZV_PORT = 29400
+RDZV_HEALTH_PORT = RDZV_PORT + 1  # the store's GET /healthz (rendezvous_store.py --health-port)
+STORE_HEALTH_PORT_NAME = "store-health"
 TOKEN_GROUP = 10001  # the trainer image's group (Dockerfile: useradd --uid 10001)
 CONFIG_DIR = "/etc/sgdjob/config"
 CONFIG_FILE = "run-config.json"
@@ -199,7 +203,18 @@ def _field_env(name: str, path: str) -> dict[str, Any]:
 # node the survivors pay both before they train again (e2e/test_chaos.py: 115 s back to training after a
 # power cut with torch's values). A late pod still joins, at the price of one more restart of the world;
 # 10 s of heartbeats leaves room for an agent starved of CPU for a few seconds.
-K8S_RDZV_CONF = {"last_call_timeout": 10, "keep_alive_interval": 2, "keep_alive_max_attempt": 5}
+# join_timeout: torch's 600 s would end an agent whose peers are away longer (two nodes lost under
+# minReplicas, a gang not scheduled yet) with RendezvousTimeoutError, and torchrun then closes the
+# rendezvous for good (launch_agent's shutdown), so every later pod of the job fails on a closed
+# rendezvous. A day instead: the agent waits for its peers as a pod waits to be scheduled, the job
+# shows the missing workers, and the operator brings them back.
+K8S_JOIN_TIMEOUT_S = 24 * 3600
+K8S_RDZV_CONF = {
+    "join_timeout": K8S_JOIN_TIMEOUT_S,
+    "last_call_timeout": 10,
+    "keep_alive_interval": 2,
+    "keep_alive_max_attempt": 5,
+}
 
 
 def torchrun_options(job: JobRef, spec: SGDJobSpec) -> TorchrunOptions:
@@ -243,16 +258,19 @@ def _merge_named(user: list[dict[str, Any]], ours: list[dict[str, Any]]) -> list
 
 
 def _exclusion_affinity(affinity: dict[str, Any], excluded: Sequence[str]) -> dict[str, Any]:
-    """Add `metadata.name NotIn excluded` to every required node-selector term (ANDed with the
-    user's own terms, which are ORed among themselves), creating the term if there is none."""
+    """Add `metadata.name NotIn [node]` for each excluded node to every required node-selector term
+    (ANDed with the user's own terms, which are ORed among themselves), creating the term if there
+    is none. One requirement per node: the API server refuses a node field selector with more than
+    one value ("must be only one value when `operator` is 'In' or 'NotIn'"), which two lost nodes
+    would otherwise make of every pod the job creates."""
     if not excluded:
         return affinity
     out = copy.deepcopy(affinity)
     required = out.setdefault("nodeAffinity", {}).setdefault("requiredDuringSchedulingIgnoredDuringExecution", {})
     terms = required.get("nodeSelectorTerms") or [{}]
-    requirement = {"key": "metadata.name", "operator": "NotIn", "values": sorted(set(excluded))}
+    requirements = [{"key": "metadata.name", "operator": "NotIn", "values": [node]} for node in sorted(set(excluded))]
     for term in terms:
-        term["matchFields"] = [*term.get("matchFields", []), requirement]
+        term["matchFields"] = [*term.get("matchFields", []), *requirements]
     required["nodeSelectorTerms"] = terms
     return out
 
@@ -275,10 +293,15 @@ _COMMAND_CHECK = (
 
 
 def worker_command(command: Sequence[str] | None) -> tuple[list[str], list[str]]:
-    """The trainer container's command and args: torchrun running our trainer, or the user's
-    training.command (its env and workingDir are the template container's own)."""
+    """The trainer container's command and args: our torchrun agent running our trainer, or plain
+    torchrun running the user's training.command (its env and workingDir are the template
+    container's own; the user's image need not hold our agent)."""
     if command is None:
-        return ["torchrun"], list(trainer_args(f"{CONFIG_DIR}/{CONFIG_FILE}"))
+        # Our agent, torchrun with workers forked from it: every world a replacement, rescale or lost
+        # peer restarts starts without a fresh interpreter importing torch and the trainer per worker
+        # (about 6 s of CPU, several times that under a node's CPU quota), and a rendezvous closed or
+        # timed out ends it with a status of its own (failures.py, rules 4 and 4a).
+        return ["python", "-m", AGENT_MODULE], list(trainer_args(f"{CONFIG_DIR}/{CONFIG_FILE}"))
     return ["sh", "-c", _COMMAND_CHECK, "sgdjob-command"], list(command)
 
 
@@ -392,14 +415,29 @@ def build_rdzv_pod(
         )
         if k in pod_spec
     }
+    health = {"httpGet": {"path": STORE_HEALTH_PATH, "port": STORE_HEALTH_PORT_NAME}}
     container = {
         "name": "rendezvous",
         "image": image,
-        "command": ["python", "-m", STORE_MODULE, "--host", "$(POD_IP)", "--port", str(RDZV_PORT)],
+        "command": [
+            *("python", "-m", STORE_MODULE, "--host", "$(POD_IP)"),
+            *("--port", str(RDZV_PORT), "--health-port", str(RDZV_HEALTH_PORT)),
+        ],
         "env": [_field_env("POD_IP", "status.podIP"), {"name": "PYTHONUNBUFFERED", "value": "1"}],
-        "ports": [{"name": "rendezvous", "containerPort": RDZV_PORT, "protocol": "TCP"}],
+        "ports": [
+            {"name": "rendezvous", "containerPort": RDZV_PORT, "protocol": "TCP"},
+            {"name": STORE_HEALTH_PORT_NAME, "containerPort": RDZV_HEALTH_PORT, "protocol": "TCP"},
+        ],
         "resources": {"requests": {"cpu": "50m", "memory": "64Mi"}, "limits": {"memory": "256Mi"}},
-        "readinessProbe": {"tcpSocket": {"port": RDZV_PORT}, "periodSeconds": 5},
+        # The store's own health check, not a TCP connect: a hung store still accepts connections.
+        # Liveness too, so a hung store is restarted in place even where no operator judges it (none
+        # running, or one outside the pod network, storeloss.py): a hung store holds every agent up,
+        # and its state is only the current rendezvous round, which the agents rebuild. The thresholds
+        # are generous (a loopback round trip takes under a millisecond; 3 misses in a row, 5 s each,
+        # is a store that does not serve), and the startup probe holds liveness off while torch loads.
+        "startupProbe": {**health, "periodSeconds": 2, "timeoutSeconds": 5, "failureThreshold": 150},
+        "readinessProbe": {**health, "periodSeconds": 5, "timeoutSeconds": 2},
+        "livenessProbe": {**health, "periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 3},
     }
     rdzv_spec = dict(keep)
     rdzv_spec.update(

@@ -28,7 +28,7 @@ async def ensure_children(
     the mode a restarted world should start in (the target mode). `reassert`: the periodic check of
     objects made before, read from the watch cache and written only where missing or different (a
     create answered 409 for each of them costs the API server a write attempt, every job, every resync)."""
-    rt.last_ensure[ref.uid] = time.monotonic()  # first, so the create handler and the daemon do not both do it
+    rt.last_ensure[ref.uid] = time.monotonic()  # when the periodic re-assertion is due next
     mode = status.target_mode or spec.initial_mode.value
     config_map = build_config_map(ref, spec, SyncMode(mode))
     config_path = f"{core_path(ref.namespace, 'configmaps')}/{ref.config_map}"

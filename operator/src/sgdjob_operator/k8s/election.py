@@ -1,7 +1,7 @@
 """Leader election over a coordination.k8s.io Lease: the shell around k8s/lease.py.
 
 A standby runs no kopf at all (no watches, no handlers, no kopf annotations written), only its
-liveness endpoint and, where configured, the admission webhook (k8s/standby.py), and polls the Lease
+liveness endpoint (k8s/standby.py; the admission webhook is served in every role), and polls the Lease
 every retry period. Once it holds the Lease it starts kopf and renews every retry period. A leader
 that has not renewed for renewDeadline exits the process at once (a watchdog thread, so a stalled
 event loop cannot delay it): the kubelet restarts it as a standby. It never "steps down" while
@@ -141,33 +141,29 @@ def lease_namespace(cfg: OperatorSettings) -> str:
     return cfg.lease_namespace or os.environ.get("POD_NAMESPACE") or "default"
 
 
-def run_elected(cfg: OperatorSettings, operator: Callable[[], Coroutine[Any, Any, None]]) -> None:
+async def run_elected(cfg: OperatorSettings, operator: Callable[[], Coroutine[Any, Any, None]]) -> None:
     """Wait as a standby until this process leads, then run `operator` (kopf) while renewing."""
     from sgdjob_operator.k8s.standby import Standby
 
-    async def main() -> None:
-        timings = core.Timings(cfg.lease_duration_s, cfg.renew_deadline_s, cfg.retry_period_s)
-        kube = Kube(Credentials.load(cfg.kubeconfig, cfg.context), timeout_s=timings.retry_period_s * 2)
-        elector = Elector(kube, name=cfg.lease_name, namespace=lease_namespace(cfg), me=identity(), timings=timings)
-        if cfg.metrics_port:  # so a standby is a healthy scrape target too
-            metrics.serve(cfg.metrics_port, cfg.metrics_host)
-        metrics.LEADER.set(0)
-        standby = Standby(cfg, lambda: elector.leader)
-        await standby.start()
-        try:
-            await elector.acquire()
-        finally:
-            await standby.stop()  # frees the ports kopf's servers bind next
-        elector.watchdog()
-        renewer = asyncio.create_task(elector.renew_forever(), name="lease renewer")
-        try:
-            await operator()
-        finally:
-            renewer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await renewer
-            await elector.release()
-            await kube.close()
-
-    with contextlib.suppress(asyncio.CancelledError):
-        asyncio.run(main())
+    timings = core.Timings(cfg.lease_duration_s, cfg.renew_deadline_s, cfg.retry_period_s)
+    kube = Kube(Credentials.load(cfg.kubeconfig, cfg.context), timeout_s=timings.retry_period_s * 2)
+    elector = Elector(kube, name=cfg.lease_name, namespace=lease_namespace(cfg), me=identity(), timings=timings)
+    if cfg.metrics_port:  # so a standby is a healthy scrape target too
+        metrics.serve(cfg.metrics_port, cfg.metrics_host)
+    metrics.LEADER.set(0)
+    standby = Standby(cfg, lambda: elector.leader)
+    await standby.start()
+    try:
+        await elector.acquire()
+    finally:
+        await standby.stop()  # frees the liveness port kopf's server binds next
+    elector.watchdog()
+    renewer = asyncio.create_task(elector.renew_forever(), name="lease renewer")
+    try:
+        await operator()
+    finally:
+        renewer.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await renewer
+        await elector.release()
+        await kube.close()

@@ -7,6 +7,15 @@ Event (and, past the limit, its message) names; a traceback's tail stays in the 
 2. The pod was deleted while it ran (`kubectl delete`, a drain): torchrun exits non-zero on SIGTERM.
 3. Its node is not Ready: the kubelet that reported the failure lost its node, or is losing it.
 4. The agent exited `EXIT_RENDEZVOUS_CLOSED`: the job's world ended before it got one.
+4a. The agent exited `EXIT_RENDEZVOUS_TIMEOUT`: fewer than minReplicas workers joined its rendezvous
+   within the join timeout, so no world formed. Its peers vanished (a lost node's pods force-deleted,
+   the node gone or back, which rule 6 no longer sees) or were not scheduled yet. This hides no crash
+   loop: a peer whose code crashes fails its own pod with its own exit status, which counts, and our
+   agent exits 1, not this status, for a user's program that exits with it. (Rules 4 and 4a need
+   `sgdjob_trainer.agent` in the pod, as the trainer's worker pods run it: a plain `torchrun`, as
+   command mode's pods run it, exits 1 for both, and that counts. Worker pods wait a day for their
+   peers (builders.K8S_JOIN_TIMEOUT_S), so their rendezvous does not time out, and close, while
+   the operator brings the peers back.)
 4b. The store did not answer the operator when the worker failed, or was re-homed after the worker's
    pod was created (storeloss.py): the agent lost the store it had joined.
 5. The rendezvous store moved (its pod is gone or being replaced) or sits on a node not Ready:
@@ -22,7 +31,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from sgdjob_operator.k8s.status import INFRA_REASONS, PodView, rdzv_pods, rfc3339, workers
-from sgdjob_trainer.wire.launch_contract import EXIT_RENDEZVOUS_CLOSED
+from sgdjob_trainer.wire.launch_contract import EXIT_RENDEZVOUS_CLOSED, EXIT_RENDEZVOUS_TIMEOUT
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +60,12 @@ def classify(
         return Verdict(False, f"worker pod {pod.name} lost with node {pod.node} ({_node_state(lost, pod.node)})")
     if pod.exit_code == EXIT_RENDEZVOUS_CLOSED:
         return Verdict(False, f"worker pod {pod.name} found the job's rendezvous closed (exit code {pod.exit_code})")
+    if pod.exit_code == EXIT_RENDEZVOUS_TIMEOUT:
+        return Verdict(
+            False,
+            f"worker pod {pod.name} could not form a world: fewer than minReplicas workers joined its "
+            f"rendezvous in time (exit code {pod.exit_code})",
+        )
     if store_cause:
         return Verdict(False, f"worker pod {pod.name} failed ({exit_code}): {store_cause}")
     stores = [s for s in rdzv_pods(pods) if not s.deleting]

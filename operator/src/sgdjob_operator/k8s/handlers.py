@@ -24,12 +24,12 @@ from sgdjob_operator.api.models import GROUP, PLURAL, VERSION
 from sgdjob_operator.api.validation import SpecError, validate_spec
 from sgdjob_operator.k8s import metrics
 from sgdjob_operator.k8s.builders import LABEL_JOB, JobRef
-from sgdjob_operator.k8s.children import ensure_children
 from sgdjob_operator.k8s.client import ApiError, Credentials, Kube, core_path, pods_path
-from sgdjob_operator.k8s.reconcile import mark_invalid, post_events, reconcile
+from sgdjob_operator.k8s.publish import post_events
+from sgdjob_operator.k8s.reconcile import reconcile
 from sgdjob_operator.k8s.runtime import Runtime
 from sgdjob_operator.k8s.settings import current
-from sgdjob_operator.k8s.status import dump_status, load_status
+from sgdjob_operator.k8s.status import dump_status, load_status, mark_invalid
 
 log = logging.getLogger("sgdjob_operator")
 PREFIX = "sgdjob.dev"
@@ -156,30 +156,20 @@ def probe(**_: Any) -> int:
 @kopf.on.create(GROUP, VERSION, PLURAL)
 @kopf.on.resume(GROUP, VERSION, PLURAL)
 @kopf.on.update(GROUP, VERSION, PLURAL, field="spec")
-async def admit(body: kopf.Body, patch: kopf.Patch, retry: int, **_: Any) -> None:
-    """Validate and create the job's fixed objects; the daemon does the rest."""
+async def admit(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
+    """Validate: an invalid spec is Failed at once, with kopf's PermanentError in the operator's log.
+    The job's pass (`reconcile`), woken by the same watch event, creates or updates the job's fixed
+    objects before any pod, for every new generation: doing it here too raced it and did it twice."""
     rt = runtime()
     ref = JobRef.from_body(dict(body))
     status = load_status(dict(body.get("status") or {}))
     try:
-        spec = validate_spec(dict(body["spec"]))
+        validate_spec(dict(body["spec"]))
     except SpecError as err:
         events = mark_invalid(status, err.problems, time.time())
         patch.status.update(dump_status(status))
         await post_events(rt, ref, events)
         raise kopf.PermanentError("; ".join(err.problems)) from err
-    if time.monotonic() - rt.last_ensure.get(ref.uid, -1e9) < 2.0:
-        return  # the daemon's first pass, racing this handler, has just done it
-    try:
-        await ensure_children(rt, ref, spec, status)
-    except ApiError as err:
-        if err.retriable or err.status == 403:
-            raise kopf.TemporaryError(
-                f"cannot create the job's objects yet: {err}", delay=min(60, 2 ** min(retry, 5))
-            ) from err
-        raise kopf.PermanentError(str(err)) from err
-    # No wake-up here: the job's loop runs on the same watch event (job_event), and a new generation
-    # wakes it there; one more would cost every new job a second pass.
 
 
 async def job_loop(rt: Runtime, ref: JobRef) -> None:

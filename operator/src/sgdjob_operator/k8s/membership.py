@@ -14,7 +14,7 @@ current excludeNodeSeconds; one without a start is dated at the first pass that 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 
 from sgdjob_operator.api.models import ControllerState, ExcludedNode, SGDJobSpec
 from sgdjob_operator.k8s.status import parse_time, rfc3339
@@ -64,10 +64,17 @@ def record_scale(spec: SGDJobSpec, ctl: ControllerState, replicas: int) -> None:
     ctl.scaled_replicas = replicas
 
 
-def exclude(ctl: ControllerState, node: str, now: float, seconds: float, reason: str) -> ExcludedNode:
-    """Keep the job off `node` from `now` (renewed when already excluded), oldest dropped past the bound."""
+def exclude(
+    ctl: ControllerState, node: str, now: float, seconds: float, reason: str, *, lost: bool = False
+) -> ExcludedNode:
+    """Keep the job off `node` from `now` (renewed when already excluded), oldest dropped past the bound.
+    `lost`: the node was lost, and the exclusion ends when it is Ready again (`readmit`)."""
     entry = ExcludedNode(
-        node=node, since=rfc3339(now), until=rfc3339(now + seconds) if seconds > 0 else None, reason=reason[:512]
+        node=node,
+        since=rfc3339(now),
+        until=rfc3339(now + seconds) if seconds > 0 else None,
+        reason=reason[:512],
+        lost=lost,
     )
     others = [e for e in ctl.excluded_nodes if e.node != node]
     ctl.excluded_nodes = [*others[-(MAX_EXCLUDED - 1) :], entry]
@@ -87,6 +94,19 @@ def expire(ctl: ControllerState, now: float, seconds: float) -> list[ExcludedNod
         (gone if until is not None and now >= until else kept).append(e)
     ctl.excluded_nodes = kept
     return gone
+
+
+def readmit(ctl: ControllerState, ready: Collection[str]) -> list[ExcludedNode]:
+    """Drop the exclusions of lost nodes that are Ready again (`ready`); returns those dropped. A node
+    excluded for being slow stays excluded for its time: being Ready says nothing of its speed."""
+    back = [e for e in ctl.excluded_nodes if e.lost and e.node in ready]
+    ctl.excluded_nodes = [e for e in ctl.excluded_nodes if e not in back]
+    return back
+
+
+def lost_exclusions(ctl: ControllerState) -> list[str]:
+    """The nodes excluded because they were lost: whose readiness the operator watches."""
+    return [e.node for e in ctl.excluded_nodes if e.lost]
 
 
 def excluded_names(ctl: ControllerState) -> list[str]:

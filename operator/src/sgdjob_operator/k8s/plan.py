@@ -13,7 +13,14 @@ from dataclasses import dataclass, field
 
 from sgdjob_operator.api.models import CleanPodPolicy, JobMode, Phase, SGDJobSpec, SGDJobStatus
 from sgdjob_operator.k8s.failures import classify
-from sgdjob_operator.k8s.membership import exclude, excluded_names, expire, store_indices, wanted_indices
+from sgdjob_operator.k8s.membership import (
+    exclude,
+    excluded_names,
+    expire,
+    readmit,
+    store_indices,
+    wanted_indices,
+)
 from sgdjob_operator.k8s.nodeloss import lost_pods
 from sgdjob_operator.k8s.status import (
     FINISHED,
@@ -167,7 +174,7 @@ def _replace_lost(
         if (store := next((p for p in rdzv_pods(pods) if p.name == gone.pod), None)) is not None:
             moved(ctl, store, now, f"rendezvous store {store.name} lost with {why}", plan.status.step)
         if gone.node not in excluded_names(ctl):
-            exclude(ctl, gone.node, now, spec.policy.exclude_node_seconds, why)
+            exclude(ctl, gone.node, now, spec.policy.exclude_node_seconds, why, lost=True)
         plan.events.append(
             Event(
                 "Warning", "NodeLost", f"pod {gone.pod} lost with {why}, {grace}s grace over; replaced on another node"
@@ -186,13 +193,15 @@ def plan_reconcile(
     lost_nodes: Mapping[str, tuple[float, str]] | None = None,
     store_answered: bool | None = None,
     answering: frozenset[str] = frozenset(),
+    ready_nodes: frozenset[str] = frozenset(),
 ) -> Plan:
     """One reconciliation step; `status` is not modified (the plan carries a copy). `queued` says why
     the job may not run yet though not suspended (waiting for Kueue admission); '' when it may.
     `lost_nodes`: the pods' nodes that are not Ready, with since when and how (`nodeloss.not_ready_since`);
-    `store_answered`: whether the store's pod (`storeloss.store_to_probe`) took a connection this pass
-    (None: not tried); `answering`: the pods on lost nodes that took a connection this pass (a worker
-    at its metrics port, the store at its own), which are kept."""
+    `store_answered`: whether the store's pod (`storeloss.store_to_probe`) answered its health check
+    this pass (None: not tried); `answering`: the pods on lost nodes that answered this pass (a worker
+    taking a connection at its metrics port, the store its health check), which are kept;
+    `ready_nodes`: the nodes excluded as lost (`membership.lost_exclusions`) that are Ready again."""
     st = status.model_copy(deep=True)
     plan = Plan(status=st)
     st.observed_generation = max(st.observed_generation, generation)
@@ -203,6 +212,7 @@ def plan_reconcile(
 
     if st.phase not in FINISHED:
         _follow_spec_mode(st, spec, now, plan.events)
+        _readmit_returned(plan, ready_nodes)
         _expire_exclusions(plan, spec, now)
         deadline = spec.run_policy.active_deadline_seconds
         started = parse_time(st.start_time)
@@ -367,9 +377,18 @@ def _plan_membership(plan: Plan, spec: SGDJobSpec, ws: Sequence[PodView]) -> Non
             plan.delete_pods.append((pod.name, f"node {pod.node} excluded for this job; replaced"))
         elif pod.node is None and pod.phase == "Pending" and (freed := sorted(set(pod.excluded) - excluded)):
             # Unscheduled, perhaps for want of the nodes it stays off: those may take it again.
-            plan.delete_pods.append((pod.name, f"exclusion of {', '.join(freed)} expired; recreated"))
+            plan.delete_pods.append((pod.name, f"exclusion of {', '.join(freed)} ended; recreated"))
     held = {p.index for p in ws}
     plan.create_workers = [i for i in wanted if i not in held]
+
+
+def _readmit_returned(plan: Plan, ready: frozenset[str]) -> None:
+    """Lost nodes Ready again are no longer excluded, each with an Event: the job grows back onto them
+    (a replacement left Pending for want of them is recreated by `_plan_membership`)."""
+    for back in readmit(controller(plan.status), ready):
+        since = f" since {back.since}" if back.since else ""
+        message = f"node {back.node} Ready again; no longer excluded (lost{since}: {back.reason})"
+        plan.events.append(Event("Normal", "NodeReadmitted", message))
 
 
 def _expire_exclusions(plan: Plan, spec: SGDJobSpec, now: float) -> None:

@@ -4,50 +4,34 @@ A pass reads the job from the API (never from a cache that could be stale after 
 and its pods from the API server's watch cache, unless pods it created are not yet seen there (then
 from etcd: a cache that lags our own creates would make the plan create them again). It scrapes the
 workers when the policy interval is due, plans with the pure functions and carries the plan out
-through the one API wrapper. What it keeps between passes is in `runtime.Runtime`.
+through the one API wrapper. What it keeps between passes is in `runtime.Runtime`; the policy's part
+of a pass is in `monitor`, its probes of nodes, store and pods in `probes`, its status and Event
+writes in `publish`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
-from collections.abc import Mapping
-from typing import Any
 
 from sgdjob_operator.api.models import Phase, SGDJobSpec, SGDJobStatus
 from sgdjob_operator.api.validation import WARNING_REASONS, SpecError, spec_warnings, validate_spec
 from sgdjob_operator.k8s import metrics
-from sgdjob_operator.k8s.actuator import (
-    Outcome,
-    apply_step,
-    evaluate_job,
-    first_pass_wait,
-    stored_policy_state,
-    take_policy_state,
-)
+from sgdjob_operator.k8s.actuator import Outcome, stored_policy_state, take_policy_state
 from sgdjob_operator.k8s.builders import (
     POLICY_STATE_KEY,
-    RDZV_PORT,
     JobRef,
     build_policy_state,
     build_rdzv_pod,
     build_worker_pod,
 )
-from sgdjob_operator.k8s.children import ensure_children, job_token
-from sgdjob_operator.k8s.client import ApiError, core_path
-from sgdjob_operator.k8s.membership import excluded_names
-from sgdjob_operator.k8s.nodeloss import not_ready_since
-from sgdjob_operator.k8s.observe import (
-    Observation,
-    command_to_push,
-    endpoints,
-    observe,
-    quiet_reason,
-    record_observation,
-    unanswered,
-)
+from sgdjob_operator.k8s.children import ensure_children
+from sgdjob_operator.k8s.client import core_path
+from sgdjob_operator.k8s.membership import excluded_names, lost_exclusions
+from sgdjob_operator.k8s.monitor import monitor
 from sgdjob_operator.k8s.plan import count_pods, plan_reconcile
+from sgdjob_operator.k8s.probes import answering_on_lost_nodes, lost_nodes, probe_store, ready_again
+from sgdjob_operator.k8s.publish import event_once, post_events, write_status
 from sgdjob_operator.k8s.queueing import QUEUED_POLL_S, Gate, ensure_pod_group, kueue_gate
 from sgdjob_operator.k8s.runtime import Runtime
 from sgdjob_operator.k8s.status import (
@@ -55,113 +39,12 @@ from sgdjob_operator.k8s.status import (
     Event,
     PodView,
     controller,
-    dump_status,
-    finish,
-    in_flight,
     load_status,
+    mark_invalid,
     parse_time,
 )
 from sgdjob_operator.k8s.status import workers as worker_pods
-from sgdjob_operator.k8s.storeloss import store_excluded, store_to_probe
-from sgdjob_operator.workers.scrape import post_control
-
-log = logging.getLogger("sgdjob_operator")
-# A pod on a live node accepts within milliseconds; a powered-off or cut-off one never answers.
-POD_PROBE_TIMEOUT_S = 2.0
-
-
-async def post_events(rt: Runtime, ref: JobRef, events: list[Event]) -> None:
-    for ev in events:
-        try:
-            await rt.kube.post_event(ref, ev.type, ev.reason, ev.message)
-        except ApiError as err:  # an Event is worth a log line, never a failed pass
-            log.warning("cannot post event %s for %s/%s: %s", ev.reason, ref.namespace, ref.name, err)
-        (log.warning if ev.type == "Warning" else log.info)(
-            "%s/%s %s: %s", ref.namespace, ref.name, ev.reason, ev.message
-        )
-
-
-async def _once(rt: Runtime, ref: JobRef, kind: str, message: str, ev_type: str = "Warning") -> list[Event]:
-    """An Event for a condition that repeats every pass (a worker that cannot be scraped): posted when
-    the condition's text changes, not every time."""
-    key = (ref.uid, kind)
-    if rt.noisy.get(key) == message:
-        return []
-    rt.noisy[key] = message
-    return [Event(ev_type, kind, message)] if message else []
-
-
-async def _monitor(
-    rt: Runtime, ref: JobRef, spec: SGDJobSpec, st: SGDJobStatus, pods: list[PodView], now: float
-) -> tuple[Outcome | None, list[Event], SGDJobSpec]:
-    """Scrape, evaluate, apply the decision to `st`, push the desired command. Returns the outcome,
-    Events, and the spec as it now stands (a rescale changes replicas)."""
-    eps = endpoints(spec, pods, host=rt.settings.scrape_host, scheme=rt.settings.scrape_scheme)
-    if not eps:
-        rt.failing_since.pop(ref.uid, None)
-        return None, [], spec
-    obs: Observation = await observe(eps, now=now, timeout=rt.settings.scrape_timeout_s, session=rt.http)
-    events: list[Event] = []
-    if obs.errors:
-        metrics.SCRAPE_ERRORS.inc(len(obs.errors))
-    rt.failing_since[ref.uid], late = unanswered(
-        obs.errors,
-        eps,
-        pods,
-        rt.failing_since.get(ref.uid, {}),
-        now=now,
-        grace_s=rt.settings.scrape_grace_s,
-        quiet=quiet_reason(st, spec, pods),
-    )
-    if obs.errors and not late:
-        log.info("%s/%s: %d of %d workers not answering yet", ref.namespace, ref.name, len(obs.errors), len(eps))
-    events += await _once(rt, ref, "ScrapeFailed", late)
-    if not obs.samples:
-        return None, events, spec
-    wait = first_pass_wait(spec, st, obs)
-    if wait > 0:
-        # The workers began training less than half an interval ago: evaluated now, they would get a
-        # baseline and their first rate an interval later; a pass at the right time gives it at once.
-        rt.next_monitor[ref.uid] = time.monotonic() + wait
-        return None, events, spec
-    busy = in_flight(st, spec, pods)
-    step, problem = evaluate_job(spec, st, obs, now, busy)
-    events += await _once(rt, ref, "PolicyError", problem)
-    events += record_observation(st, obs, step.health, spec)
-    outcome = apply_step(st, step, now, spec, pods)
-    if outcome.applied:
-        metrics.DECISIONS.labels(action=outcome.applied, reason=metrics.reason_label(step.decision.reason)).inc()
-    else:
-        log.debug("%s/%s: keep: %s", ref.namespace, ref.name, step.decision.reason)
-    if outcome.held:
-        metrics.DEFERRED.labels(action=outcome.held).inc()
-        why = busy or "control command not applied yet"
-        log.info("%s/%s: %s held back (%s)", ref.namespace, ref.name, outcome.held, why)
-    if outcome.scale_to is not None:
-        # Status first: it names the pods that go (workerIndices); a restart between the two writes
-        # then finds either no change at all or both, never replicas lowered without the names.
-        await rt.kube.patch_job_status(ref, dump_status(st))
-        if await rt.kube.scale_job(ref, outcome.scale_to) is not None:
-            spec = spec.model_copy(update={"replicas": outcome.scale_to})
-    command = command_to_push(st, obs)
-    if command is not None and obs.control is not None:
-        token = await job_token(rt, ref)
-        result = await post_control(
-            obs.control, command, token or "", timeout=rt.settings.scrape_timeout_s, session=rt.http
-        )
-        metrics.CONTROL_PUSHES.labels(result=str(result.status) if result.status else "error").inc()
-        bad = (
-            ""
-            if result.accepted
-            else (
-                f"POST {obs.control.url}/control epoch {command.epoch}: "
-                f"{result.error or f'HTTP {result.status} {result.body[:200]}'}"
-            )
-        )
-        events += await _once(rt, ref, "ControlPushFailed", bad)
-    if outcome.config_changed:
-        await ensure_children(rt, ref, spec, st)
-    return outcome, events + outcome.events, spec
+from sgdjob_operator.k8s.storeloss import store_excluded
 
 
 async def reconcile(rt: Runtime, ref: JobRef) -> float | None:
@@ -187,14 +70,18 @@ async def reconcile(rt: Runtime, ref: JobRef) -> float | None:
     except SpecError as err:
         events = mark_invalid(st, err.problems, now)
         st.observed_generation = generation
-        await _write(rt, ref, raw_status, st, events)
+        await write_status(rt, ref, raw_status, st, events)
         return rt.settings.resync_s
     if st.phase is Phase.FAILED and any(c.type == "Failed" and c.reason == "InvalidSpec" for c in st.conditions):
         st = SGDJobStatus(
             restarts=st.restarts, decisions=st.decisions, controller=st.controller
         )  # fixed spec: start over
-    if time.monotonic() - rt.last_ensure.get(ref.uid, -1e9) > rt.settings.resync_s and st.phase not in FINISHED:
+    # A new generation (say, training.steps edited while suspended) reaches the ConfigMap before this
+    # pass creates any pod: the update handler does it too, but may run after this pass.
+    stale = time.monotonic() - rt.last_ensure.get(ref.uid, -1e9) > rt.settings.resync_s
+    if (stale or rt.ensured_generation.get(ref.uid) != generation) and st.phase not in FINISHED:
         await ensure_children(rt, ref, spec, st, reassert=ref.uid in rt.last_ensure)
+        rt.ensured_generation[ref.uid] = generation
     pods = [PodView.from_obj(p) for p in await rt.kube.job_pods(ref, cached=not rt.awaits_pods(ref))]
     gate = Gate()
     await kueue_gate(
@@ -215,16 +102,18 @@ async def reconcile(rt: Runtime, ref: JobRef) -> float | None:
         rt.next_monitor[ref.uid] = time.monotonic() + spec.policy.interval_seconds
         policy_before = stored_policy_state(await rt.kube.get(policy_path))
         controller(st).policy_state = policy_before
-        outcome, events, spec = await _monitor(rt, ref, spec, st, pods, now)
+        born = parse_time(body["metadata"].get("creationTimestamp"))
+        outcome, events, spec = await monitor(rt, ref, spec, st, pods, now, born)
         policy_after = take_policy_state(st)
     elif held or st.phase not in (Phase.RUNNING, Phase.ADAPTING):
         rt.failing_since.pop(ref.uid, None)  # not scraped now: a silent worker's grace starts over
     if st.phase not in FINISHED and not held:
-        await ensure_pod_group(rt.kube, ref, spec, gate)  # after _monitor: minMember follows its rescale
-    events += gate.events + await _once(rt, ref, "SchedulingFailed", gate.problem)
+        await ensure_pod_group(rt.kube, ref, spec, gate)  # after monitor: minMember follows its rescale
+    events += gate.events + await event_once(rt, ref, "SchedulingFailed", gate.problem)
     lost = await lost_nodes(rt, pods) if st.phase not in FINISHED else {}
     answered = await probe_store(rt, pods) if st.phase in (Phase.RUNNING, Phase.ADAPTING) and not held else None
     answering = await answering_on_lost_nodes(rt, spec, pods, lost, answered)
+    ready = await ready_again(rt, lost_exclusions(controller(st))) if st.phase not in FINISHED else frozenset()
     plan = plan_reconcile(
         spec,
         st,
@@ -235,15 +124,16 @@ async def reconcile(rt: Runtime, ref: JobRef) -> float | None:
         lost_nodes=lost,
         store_answered=answered,
         answering=answering,
+        ready_nodes=ready,
     )
     if kept := sorted(answering):
         kept_on = sorted({p.node or "" for p in pods if p.name in answering})
-        events += await _once(
+        events += await event_once(
             rt, ref, "NodeLostPodsAnswer",
             f"node {', '.join(kept_on)} not Ready, but {', '.join(kept)} still answer: kept until they stop answering",
         )  # fmt: skip
     else:
-        events += await _once(rt, ref, "NodeLostPodsAnswer", "")
+        events += await event_once(rt, ref, "NodeLostPodsAnswer", "")
     if not gate.ready:
         plan.create_workers = []  # a gang's pods wait for their PodGroup, or a scheduler could split them
     excluded = excluded_names(controller(plan.status))
@@ -272,7 +162,7 @@ async def reconcile(rt: Runtime, ref: JobRef) -> float | None:
     if created:
         count_pods(plan.status, spec, [*pods, *created])
     # Admission refusals repeat every pass until someone fixes the cause: one Event per distinct cause.
-    events += await _once(
+    events += await event_once(
         rt, ref, "CreateFailed", f"cannot create {len(failed)} pods; first: {failed[0]}" if failed else ""
     )
     deletes = list(plan.delete_pods)
@@ -287,8 +177,8 @@ async def reconcile(rt: Runtime, ref: JobRef) -> float | None:
         # changes (or this operator restarts: the memory of what was posted is the process's).
         warned = {w.reason: w.message for w in spec_warnings(spec)}
         for reason in WARNING_REASONS:
-            events += await _once(rt, ref, reason, warned.get(reason, ""))
-    await _write(rt, ref, raw_status, plan.status, events + plan.events)
+            events += await event_once(rt, ref, reason, warned.get(reason, ""))
+    await write_status(rt, ref, raw_status, plan.status, events + plan.events)
     # After status: a restart in between loses one interval of the policy's memory, never a decision.
     if policy_after is not None and policy_after != policy_before:
         if policy_before is not None:
@@ -334,53 +224,6 @@ async def reconcile(rt: Runtime, ref: JobRef) -> float | None:
     return min(delay, 5.0) if failed else delay
 
 
-async def _accepts(ip: str, port: int) -> bool:
-    try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(ip, port), POD_PROBE_TIMEOUT_S)
-    except (OSError, TimeoutError):
-        return False
-    writer.close()
-    return True
-
-
-async def probe_store(rt: Runtime, pods: list[PodView]) -> bool | None:
-    """Whether the store's pod accepts a TCP connection (None: no running store, or an operator that
-    reaches pods through SGDJOB_SCRAPE_HOST, which cannot address the store)."""
-    store = store_to_probe(pods)
-    if store is None or store.ip is None or rt.settings.scrape_host:
-        return None
-    return await _accepts(store.ip, RDZV_PORT)
-
-
-async def answering_on_lost_nodes(
-    rt: Runtime, spec: SGDJobSpec, pods: list[PodView], lost: Mapping[str, object], store_answered: bool | None
-) -> frozenset[str]:
-    """The pods on lost nodes that still take a connection: a worker at its (first) metrics port, the
-    store as `probe_store` found it. An operator that reaches pods through SGDJOB_SCRAPE_HOST cannot
-    address one pod: none then."""
-    if not lost or rt.settings.scrape_host:
-        return frozenset()
-    store = store_to_probe(pods)
-    found = {store.name} if store is not None and store.node in lost and store_answered else set()
-    on_lost = [p for p in worker_pods(pods) if p.node in lost and p.ip and p.phase == "Running"]
-    accepted = await asyncio.gather(*(_accepts(p.ip or "", spec.training.metrics_port) for p in on_lost))
-    found |= {p.name for p, ok in zip(on_lost, accepted, strict=True) if ok}
-    return frozenset(found)
-
-
-async def lost_nodes(rt: Runtime, pods: list[PodView]) -> dict[str, tuple[float, str]]:
-    """The not-Ready nodes among those the job's pods are bound to (a cached GET per node: the
-    watch cache's Node objects are as fresh as the node controller's writes)."""
-    names = sorted({p.node for p in pods if p.node and p.phase not in ("Succeeded", "Failed")})
-    found = await asyncio.gather(*(rt.kube.get_node(n) for n in names))
-    out: dict[str, tuple[float, str]] = {}
-    for name, node in zip(names, found, strict=True):
-        state = not_ready_since(node)
-        if state is not None:
-            out[name] = state
-    return out
-
-
 def next_delay(rt: Runtime, ref: JobRef, spec: SGDJobSpec, st: SGDJobStatus, pods: list[PodView]) -> float:
     delay = rt.settings.resync_s
     if st.phase in (Phase.RUNNING, Phase.ADAPTING):
@@ -394,30 +237,3 @@ def next_delay(rt: Runtime, ref: JobRef, spec: SGDJobSpec, st: SGDJobStatus, pod
     if any(p.deleting for p in worker_pods(pods)):
         delay = min(delay, 1.0)  # a terminating name is recreated as soon as it is free
     return max(delay, rt.settings.min_tick_s)
-
-
-def mark_invalid(st: SGDJobStatus, problems: list[str], now: float) -> list[Event]:
-    """A spec the schema accepted but the cross-field rules refuse: Failed, naming the fields."""
-    message = "invalid spec: " + "; ".join(problems)
-    already = st.phase is Phase.FAILED and st.message == message
-    event = finish(st, Phase.FAILED, "InvalidSpec", message, now)
-    st.message = message
-    return [] if already else [event]
-
-
-def _pruned(value: Any) -> Any:
-    """JSON as the API server stores it after a merge patch: no null members."""
-    if isinstance(value, dict):
-        return {k: _pruned(v) for k, v in value.items() if v is not None}
-    if isinstance(value, list):
-        return [_pruned(v) for v in value]
-    return value
-
-
-async def _write(rt: Runtime, ref: JobRef, before: dict[str, Any], st: SGDJobStatus, events: list[Event]) -> None:
-    """Write status only when it changed (each write wakes every watcher), then post the Events:
-    a decision is in status before anyone hears of it."""
-    after = dump_status(st)
-    if _pruned(after) != _pruned(before):
-        await rt.kube.patch_job_status(ref, after)
-    await post_events(rt, ref, events)

@@ -33,6 +33,7 @@ class Runtime:
     tokens: dict[str, str] = field(default_factory=dict)
     next_monitor: dict[str, float] = field(default_factory=dict)
     last_ensure: dict[str, float] = field(default_factory=dict)
+    ensured_generation: dict[str, int] = field(default_factory=dict)
     noisy: dict[tuple[str, str], str] = field(default_factory=dict)
     # Per job UID: endpoint URL -> when its failed scrapes in a row began (lost on restart: the
     # grace then starts over, which only delays a Warning).
@@ -72,6 +73,12 @@ class Runtime:
         metrics.forget_job(*key)
         for table in (self.wakeups, self.generations, self.phases):
             table.pop(key, None)
-        for uid_table in (self.tokens, self.next_monitor, self.last_ensure, self.failing_since):
+        for uid_table in (
+            self.tokens,
+            self.next_monitor,
+            self.last_ensure,
+            self.ensured_generation,
+            self.failing_since,
+        ):
             uid_table.pop(uid, None)
         metrics.set_phases(self.phases.values())

@@ -363,3 +363,12 @@ def finish(status: SGDJobStatus, phase: Phase, reason: str, message: str, now: f
             now,
         )
     return Event("Normal" if phase is Phase.SUCCEEDED else "Warning", reason, message)
+
+
+def mark_invalid(st: SGDJobStatus, problems: list[str], now: float) -> list[Event]:
+    """A spec the schema accepted but the cross-field rules refuse: Failed, naming the fields."""
+    message = "invalid spec: " + "; ".join(problems)
+    already = st.phase is Phase.FAILED and st.message == message
+    event = finish(st, Phase.FAILED, "InvalidSpec", message, now)
+    st.message = message
+    return [] if already else [event]

@@ -4,11 +4,14 @@ Every torchrun agent of the job holds a connection to the store, and an agent th
 workers. When the store's node loses power, the Node object still reads Ready for the node controller's
 grace (40 s by default) and then `runPolicy.nodeLostGraceSeconds` more would pass before the lost-node
 path (nodeloss.py) replaced the pod: over a minute and a half in which no worker can train. The
-operator therefore opens a TCP connection to the store's pod every pass. A store that
+operator therefore asks the store's pod every pass whether it serves: GET /healthz at its health port,
+which answers 200 only after a round trip through the store itself (rendezvous_store.py). A bare TCP
+connect would not do: a hung store (stopped, its server thread deadlocked) still accepts connections,
+the kernel completing them into its listen backlog. A store that
 
   * answered the operator before (one that never did may sit behind a network the operator cannot
     reach, e.g. an operator outside the cluster; judging it would only ever do harm),
-  * has refused or timed out every connection for `runPolicy.storeLostGraceSeconds`, and
+  * has not answered since for `runPolicy.storeLostGraceSeconds` (refused, timed out, or not 200), and
   * saw the job make no progress meanwhile (a store the workers still reach while the operator does
     not, say a partition on the operator's side, leaves training going: nothing is done),
 
@@ -48,15 +51,15 @@ class Rehome:
 
 
 def store_to_probe(pods: Sequence[PodView]) -> PodView | None:
-    """The store's pod worth a connection: running with an address, not being replaced."""
+    """The store's pod worth a health check: running with an address, not being replaced."""
     return next((p for p in rdzv_pods(pods) if p.phase == "Running" and p.ip and not p.deleting), None)
 
 
 def follow_store(
     ctl: ControllerState, store: PodView | None, answered: bool | None, *, step: int, now: float, grace_s: float
 ) -> Rehome | None:
-    """Update the store's record in `ctl` from this pass's connection attempt (`answered` None: not
-    probed) and say whether to re-home it now."""
+    """Update the store's record in `ctl` from this pass's health check (`answered` None: not probed)
+    and say whether to re-home it now."""
     if store is None or answered is None:
         if store is None:
             ctl.store_silence = None
@@ -76,7 +79,7 @@ def follow_store(
         return None
     where = f" on node {store.node}" if store.node else ""
     why = (
-        f"rendezvous store {store.name}{where} has not accepted a connection since {silence.since} "
+        f"rendezvous store {store.name}{where} has not answered its health check since {silence.since} "
         f"({now - since:.0f}s, storeLostGraceSeconds {grace_s:.0f}) and the job made no progress past step {step}"
     )
     ctl.store_silence = None

@@ -2,27 +2,32 @@
 and the like) checked by the API server before an SGDJob is stored, so `kubectl apply` refuses a bad
 job with the field named instead of the job turning Failed afterwards.
 
-kopf serves it (`settings.admission.server`); the ValidatingWebhookConfiguration is not managed by
-kopf but shipped by the Helm chart (or written by whoever runs the operator), pointing at path
-`/validate` (kopf routes `POST /<handler id>`). Registered only when a port is configured: kopf
-refuses to start with admission handlers but no server.
+Served by our own small TLS server (aiohttp), not kopf's, from the moment the process starts until it
+stops, whatever its role: a standby answers as the leader does, and taking the Lease (which starts
+kopf) never closes the port. With kopf's server the port was shut between the standby's and kopf's,
+and every admission the Service sent there in that second failed (`connection refused`: a `kubectl
+patch` of any SGDJob refused, failurePolicy Fail). The ValidatingWebhookConfiguration is shipped by
+the Helm chart (or written by whoever runs the operator), pointing at path `/validate`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
+import ssl
+from collections.abc import AsyncIterator
 from typing import Any
 
 import kopf
+from aiohttp import web
 
-from sgdjob_operator.api.models import GROUP, PLURAL, VERSION
 from sgdjob_operator.api.names import name_problem
 from sgdjob_operator.api.validation import SpecError, spec_warnings, validate_spec
 from sgdjob_operator.k8s.settings import OperatorSettings
 
 log = logging.getLogger("sgdjob_operator")
-HANDLER_ID = "validate"
-PATH = f"/{HANDLER_ID}"
+PATH = "/validate"  # what the chart's ValidatingWebhookConfiguration names
 
 
 def review(spec: dict[str, Any] | None, old_spec: dict[str, Any] | None, name: str | None = None) -> list[str]:
@@ -45,27 +50,6 @@ def review(spec: dict[str, Any] | None, old_spec: dict[str, Any] | None, name: s
     return [w.message for w in spec_warnings(valid)]
 
 
-def _validate(spec: kopf.Spec, warnings: list[str], **kwargs: Any) -> None:
-    old = kwargs.get("old")  # the stored object on UPDATE (kopf passes it; not in WebhookFn's signature)
-    warnings += review(dict(spec), dict(old.get("spec") or {}) if old else None, name=kwargs.get("name"))
-
-
-async def _serve(settings: kopf.OperatorSettings, **_: Any) -> None:
-    """Startup: give kopf the webhook server (read when its admission task starts, after startup)."""
-    cfg = _Config.value
-    if cfg is None:
-        return
-    settings.admission.server = kopf.WebhookServer(
-        addr=cfg.webhook_addr, port=cfg.webhook_port, certfile=cfg.webhook_cert, pkeyfile=cfg.webhook_key
-    )
-    settings.admission.managed = None  # the chart owns the ValidatingWebhookConfiguration
-    log.info("admission webhook on https://%s:%d%s", cfg.webhook_addr, cfg.webhook_port, PATH)
-
-
-class _Config:
-    value: OperatorSettings | None = None
-
-
 def check(cfg: OperatorSettings) -> str | None:
     """What is wrong with the webhook settings, or None."""
     if not cfg.webhook_port:
@@ -75,12 +59,49 @@ def check(cfg: OperatorSettings) -> str | None:
     return None
 
 
-def register(cfg: OperatorSettings, registry: kopf.OperatorRegistry | None = None) -> bool:
-    """Register the validating handler and the server's startup hook when the webhook is on."""
-    if not cfg.webhook_port:
-        return False
-    _Config.value = cfg
-    reg = registry or kopf.get_default_registry()
-    kopf.on.validate(GROUP, VERSION, PLURAL, id=HANDLER_ID, operations=["CREATE", "UPDATE"], registry=reg)(_validate)
-    kopf.on.startup(id="webhook-server", registry=reg)(_serve)
-    return True
+def admission_response(request: dict[str, Any]) -> dict[str, Any]:
+    """The AdmissionReview answer to `request`: allowed with `review`'s warnings (kubectl prints them),
+    or refused with its message and code."""
+    req = dict(request.get("request") or {})
+    obj, old = req.get("object") or {}, req.get("oldObject")
+    name = req.get("name") or (obj.get("metadata") or {}).get("name")
+    answer: dict[str, Any] = {"uid": req.get("uid", ""), "allowed": True}
+    try:
+        warnings = review(obj.get("spec"), (old.get("spec") or {}) if old else None, name=name)
+        if warnings:
+            answer["warnings"] = warnings
+    except kopf.AdmissionError as err:
+        answer = {**answer, "allowed": False, "status": {"message": str(err), "code": err.code or 500}}
+    return {
+        "apiVersion": request.get("apiVersion", "admission.k8s.io/v1"),
+        "kind": request.get("kind", "AdmissionReview"),
+        "response": answer,
+    }
+
+
+async def _validate(request: web.Request) -> web.Response:
+    try:
+        body = await request.json()
+    except json.JSONDecodeError:
+        return web.json_response({"error": "not an AdmissionReview"}, status=400)
+    return web.json_response(admission_response(body))
+
+
+@contextlib.asynccontextmanager
+async def serving(cfg: OperatorSettings) -> AsyncIterator[None]:
+    """Serve the webhook over TLS while the block runs (nothing when no port is configured)."""
+    if not cfg.webhook_port or not cfg.webhook_cert or not cfg.webhook_key:
+        yield
+        return
+    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    tls.load_cert_chain(cfg.webhook_cert, cfg.webhook_key)
+    app = web.Application()
+    app.router.add_post(PATH, _validate)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, cfg.webhook_addr, cfg.webhook_port, ssl_context=tls).start()
+        log.info("admission webhook on https://%s:%d%s", cfg.webhook_addr, cfg.webhook_port, PATH)
+        yield
+    finally:
+        await runner.cleanup()

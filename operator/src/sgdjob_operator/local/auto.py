@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from sgdjob_operator.api.models import SGDJob
@@ -36,6 +36,7 @@ from sgdjob_operator.policy.driver import (
     restarted,
     unanimous_mode,
 )
+from sgdjob_operator.policy.restart import restart_took
 from sgdjob_operator.policy.samples import WorkerSample
 from sgdjob_operator.workers.scrape import ControlResult, ScrapeResult
 from sgdjob_trainer.config import SyncMode
@@ -93,9 +94,10 @@ def training_start(samples: Sequence[WorkerSample], snap: ProgressFrame) -> floa
     return None if began is None else began - (snap.time - snap.elapsed_s)
 
 
-# What a membership change costs on one machine, for the policy's payback test: stopping the
-# leaving agent at an agreed step, a new rendezvous round and every worker resuming from the
-# checkpoint, about 10-15 s on 2 cores (the operator's default of 60 s is for pods on new nodes).
+# What a membership change costs on one machine, for the policy's payback test, until this run has
+# measured its own (its launch, then each change: `policy.restart`): stopping the leaving agent at an
+# agreed step, a new rendezvous round and every worker resuming from the checkpoint, about 10-15 s on
+# 2 cores (the operator's default of 60 s is for pods on new nodes).
 LOCAL_COSTS = PlatformCosts(restart_seconds=15.0)
 # A membership change that has not settled by then is left to the supervisor's failure handling.
 SETTLE_TIMEOUT_S = 180.0
@@ -120,6 +122,8 @@ class AutoController:
     settling_since: float | None = None  # a membership change waits for the new world to report
     problem: str = ""
     training_start_s: float | None = None  # seconds into the run when the first world began training
+    restart_seconds: float | None = None  # the latest (re)start's measured length: the launch, then changes
+    restart_from: float | None = None  # when the membership change being measured began
 
     async def __call__(self, run: RunHandle, results: list[ScrapeResult], snap: ProgressFrame) -> None:
         run.report_extra["mode"] = "auto"
@@ -130,6 +134,7 @@ class AutoController:
             self.training_start_s = training_start(samples, snap)
             if self.training_start_s is not None:
                 run.report_extra["training_start_s"] = round(self.training_start_s, 3)
+        self._measure_restart(run, samples, snap)
         if self.settling_since is not None:
             if not settled(results, run.fleet.world_size()) and self.clock() - self.settling_since < SETTLE_TIMEOUT_S:
                 return
@@ -155,13 +160,29 @@ class AutoController:
             in_flight=finishing,
             step=snap.step or None,
         )
-        step = drive(self.state, observed, self.job.spec, now, LOCAL_COSTS)
+        costs = (
+            LOCAL_COSTS if self.restart_seconds is None else replace(LOCAL_COSTS, restart_seconds=self.restart_seconds)
+        )
+        step = drive(self.state, observed, self.job.spec, now, costs)
         self.state = step.state
         if step.problem and step.problem != self.problem:
             self.display.note(f"[{snap.elapsed_s:6.1f}s] {step.problem}")
         self.problem = step.problem
         if step.action is not None:
             await act(step.action, LocalActuator(self, run, snap))
+
+    def _measure_restart(self, run: RunHandle, samples: Sequence[WorkerSample], snap: ProgressFrame) -> None:
+        """What the launch, then each membership change, took until every rank of the world trained."""
+        if self.restart_from is not None:
+            took, since = restart_took(samples, self.restart_from), "change"
+            self.restart_from = None if took is not None else self.restart_from
+        elif self.restart_seconds is None:
+            took, since = restart_took(samples, snap.time - snap.elapsed_s), "launch"
+        else:
+            return
+        if took is not None:
+            self.restart_seconds = took
+            run.report_extra.setdefault("restarts_measured", []).append({"from": since, "seconds": took})
 
     def record(self, decision: Decision, snap: ProgressFrame, applied: bool, note: str = "") -> None:
         entry = {"time_s": round(snap.elapsed_s, 3), "step": snap.step, **decision.to_dict(), "applied": applied}
@@ -173,7 +194,7 @@ class AutoController:
         self.display.note(f"[{snap.elapsed_s:6.1f}s] decision at step {snap.step}: {what}: {decision.reason}{suffix}")
 
     def changed(self, run: RunHandle) -> None:
-        self.settling_since = self.clock()
+        self.settling_since = self.restart_from = self.clock()
         self.display.resize(len(run.fleet.nodes()), run.fleet.world_size())
         nodes = ", ".join(run.fleet.nodes())
         self.display.note(f"nodes now: {nodes}; waiting for the new world to resume from the checkpoint")

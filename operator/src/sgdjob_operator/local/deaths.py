@@ -12,7 +12,9 @@ rendezvous re-forms their world (at least minReplicas nodes) from the last check
 The rendezvous store is no node of the job but infrastructure: when its process dies it is started
 again on the same port (`decide_store`), and agents that die of its loss (within
 `STORE_LOSS_WINDOW_S` of it) are restarted without charge to backoffLimit or to their crash-loop
-count, as a cluster does not count a pod evicted by a lost node against the job.
+count, as a cluster does not count a pod evicted by a lost node against the job. So is an agent
+that exits `EXIT_RENDEZVOUS_TIMEOUT`: fewer than minReplicas agents joined its rendezvous in time,
+its peers missing, not broken (one that crashes dies with its own exit code, which counts).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import signal
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
+
+from sgdjob_trainer.wire.launch_contract import EXIT_RENDEZVOUS_TIMEOUT
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +44,7 @@ class Death:
     node: str
     time_s: float
     exit_code: int
-    infrastructure: bool = False  # died of a lost rendezvous store: not the job's fault
+    infrastructure: bool = False  # died of a lost rendezvous store or missing peers: not the job's fault
 
 
 # An agent that dies this soon after the store did died of its loss (its rendezvous calls fail
@@ -108,10 +112,14 @@ def decide(policy: RestartPolicy, deaths: Sequence[Death], live: int) -> Verdict
     going_on = "the others go on" if live >= policy.min_nodes else f"the others wait for minReplicas {policy.min_nodes}"
     if last.infrastructure:
         delay = policy.backoff_s
+        of = (
+            "of a rendezvous fewer than minReplicas agents joined in time"
+            if last.exit_code == EXIT_RENDEZVOUS_TIMEOUT
+            else "of the lost rendezvous store"
+        )
         return Verdict(
             "restart",
-            f"{what} of the lost rendezvous store; restarting it in {delay:g}s, not counted against "
-            "runPolicy.backoffLimit",
+            f"{what} {of}; restarting it in {delay:g}s, not counted against runPolicy.backoffLimit",
             delay,
         )
     counted = [d for d in deaths if not d.infrastructure]

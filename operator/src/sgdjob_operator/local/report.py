@@ -13,7 +13,8 @@ Definitions (the design's performance yardstick):
   them (reached before the failure minus the checkpoint step resumed from). The figures cover the
   last life only: counters restart with each process.
 - validation_curve = the control rank's validations on the held-out split, each at a step, seconds
-  since training started and samples: the job's applied samples by then, estimated as rank 0's own
+  since the job began training (its first life: a restarted rank 0 continues the curve from the
+  checkpoint directory) and samples: the job's applied samples by then, estimated as rank 0's own
   samples scaled by its share of the total at the end (exact when every rank has the same batch);
   time_to_target_s and target_step when the run ended because the validation reached
   `training.target` (reason TargetReached).

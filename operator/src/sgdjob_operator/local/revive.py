@@ -7,7 +7,8 @@ and how long the job took to regain the step it had reached (`recovery_s`).
 
 The rendezvous store's process is watched too: when it exits it is started again on the same port
 (the agents' --rdzv-endpoint stays true), its death goes to report.json (`store_deaths`, same
-figures), and the agents that die of its loss are restarted without charge to backoffLimit.
+figures), and the agents that die of its loss are restarted without charge to backoffLimit, as are
+agents whose rendezvous timed out for want of peers (`EXIT_RENDEZVOUS_TIMEOUT`).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from sgdjob_operator.local.launch import AgentPlan
 from sgdjob_operator.local.procs import Agent, ProcId
 from sgdjob_operator.local.progress import Display
 from sgdjob_trainer.config import SyncMode
-from sgdjob_trainer.wire.launch_contract import EXIT_RENDEZVOUS_CLOSED
+from sgdjob_trainer.wire.launch_contract import EXIT_RENDEZVOUS_CLOSED, EXIT_RENDEZVOUS_TIMEOUT
 from sgdjob_trainer.wire.worker_status import WorkerStatus
 
 # A dead agent is judged this long after its exit is seen: when the job ends, an agent that came
@@ -194,7 +195,8 @@ class Reviver:
         node, code = agent.plan.node, agent.returncode or 0
         # Judged by when its exit was seen: the store's death is seen at the same poll or before.
         seen = self.seen_dead[agent.id] - run.started
-        infra = caused_by_store(seen, [r["time_s"] for r in self.store_records])
+        # Or of missing peers: its rendezvous timed out (deaths.py: not counted either).
+        infra = caused_by_store(seen, [r["time_s"] for r in self.store_records]) or code == EXIT_RENDEZVOUS_TIMEOUT
         self.deaths.append(Death(node, elapsed, code, infrastructure=infra))
         live = len([a for a in run.fleet.active() if a.returncode is None])
         verdict = decide(self.policy, self.deaths, live)

@@ -131,7 +131,7 @@ def predict_config(
     if mode == "hierarchical":
         return predict_hierarchical(speeds, batches, groups or current_groups(ctx), ctx.ci, label)
     # The step-time models hold for the measured speeds only (not for a replacement's assumed ones).
-    steps = ctx.sync_steps() if speeds is ctx.speeds else None
+    steps = {r: st for r, st in ctx.sync_steps().items() if r in speeds and speeds[r] == ctx.speeds.get(r)}
     return predict_sync(speeds, batches, ctx.ci, label, lr_ratio, steps)
 
 
@@ -316,7 +316,8 @@ def _membership(ctx: DecisionContext) -> list[Candidate]:
         # or removing it predicts a fleet with no rest to take its place, and keeping the job off it
         # would leave the job nowhere to run.
         return []
-    batches = {r: view.batch(r) for r in ctx.speeds}
+    # A membership change restarts the world at the job's batch on every rank (driver.restarted).
+    batches = {r: view.base_batch for r in ctx.speeds}
     out: list[Candidate] = []
     if view.allows(Action.REPLACE_WORKER) and view.min_replicas <= view.replicas - 1:
         healthy = [v for r, v in ctx.speeds.items() if r not in on_node]

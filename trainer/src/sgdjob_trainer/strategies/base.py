@@ -52,12 +52,6 @@ def exchange_bytes(params: Sequence[torch.Tensor], compression: Compression) -> 
     return sum(p.numel() * p.element_size() for p in trainable)
 
 
-# Rank 0 asks for a late offer while its last wait in the exchange exceeded this fraction of its
-# compute: some rank is at least 1.5x slower than it (an equal fleet waits for jitter and the
-# allreduce itself, a few percent).
-LATE_OFFER_WAIT = 0.5
-
-
 @dataclass(slots=True)
 class StepResult:
     loss: float
@@ -129,11 +123,6 @@ class Strategy(ABC):
         self.ctx = ctx
         self.params = [p for p in ctx.state.model.parameters() if p.requires_grad]
         self.numel = sum(p.numel() for p in self.params)
-        # The late offer (`weighted_allreduce`): this rank's last wait in an exchange, and whether
-        # every rank agreed in the last exchange to read the next offer late. Every rank makes its
-        # strategy at the same step, so they start in step with each other.
-        self.waited = 0.0
-        self.late_offer = False
 
     def enter(self) -> None:  # noqa: B027 - optional hook, most modes need nothing
         """Collective; called with a consistent model on every rank."""
@@ -214,42 +203,35 @@ class Strategy(ABC):
         group: dist.ProcessGroup | None,
         samples: int,
         offer: Callable[[], int] | None = None,
-        compute_s: float = 0.0,
     ) -> tuple[float, int, bool, bool]:
         """Sample-weighted gradient average over `group`: each rank sends grad x its samples, and a
         tail of its samples, its offered control epoch (rank 0's is the only non-zero one, so the
-        sum is that epoch), whether it is stopping and whether rank 0 asks for a late offer. Unscales
-        the average (fp16) and sets it as the gradient. Returns (wait seconds, seen epoch, a rank is
-        stopping, gradient finite).
+        sum is that epoch) and whether it is stopping. Unscales the average (fp16) and sets it as the
+        gradient. Returns (wait seconds, seen epoch, a rank is stopping, gradient finite).
 
-        Gradient and tail are ONE allreduce, the offer read when this rank enters it, unless the
-        previous exchange agreed on a late offer: then the tail is a second, tiny allreduce and
-        `offer()` and the stop flag are read between the two, after this rank has waited out the
-        slowest one, so a command the controller sent during that wait rides this step rather than
-        the next (one more step at the old split, with a straggler). Rank 0 asks for it (`compute_s`:
-        its compute this step) while its last wait exceeded LATE_OFFER_WAIT of its compute: a slower
-        rank, the case a new split is for. An equal fleet keeps one allreduce a step (measured on
-        gloo over loopback: the second costs 2-3 % of a digits-cnn step). A hierarchical group
-        (`offer` None) carries no epoch: its epoch travels in the cross-group round. Under bf16
-        compression the gradient travels as bf16 (half the bytes) and the exact tail is always the
-        second allreduce, so its offer is always late."""
+        Gradient and tail are ONE allreduce, the offer read when this rank enters it: a command that
+        reaches rank 0 while it waits in the exchange rides the next step. (Until 2026-12-04 rank 0
+        read it after the wait, in a second, tiny allreduce, while it waited for a slower rank: one
+        step sooner, but under a real CPU quota the second collective a step cost sync 25-35 % of its
+        throughput against DDP's one (bench.goodput --real-cpu 0.6, one-straggler); on emulated compute
+        it had cost 2-3 %.) A hierarchical group (`offer` None) carries no epoch: its epoch travels in
+        the cross-group round. Under bf16 compression the gradient travels as bf16 (half the bytes)
+        and the exact tail is a second allreduce."""
         flat = self.flat_grads()
         start = time.perf_counter()
-        compressed = self.ctx.training.compression == Compression.BF16
-        ask = offer is not None and self.ctx.info.rank == 0 and self.waited > LATE_OFFER_WAIT * compute_s
-        if not compressed and not (offer is not None and self.late_offer):
-            tail = self._tail(samples, offer() if offer is not None else 0, ask, flat.device)
+        epoch = offer() if offer is not None else 0
+        if self.ctx.training.compression != Compression.BF16:
+            tail = self._tail(samples, epoch, flat.device)
             buf = torch.cat([flat * samples, tail.to(flat.dtype)])
             dist.all_reduce(buf, group=group)
             summed, tail = buf[: self.numel], buf[self.numel :].double()
         else:
-            packed = (flat * samples).to(torch.bfloat16) if compressed else flat * samples
+            packed = (flat * samples).to(torch.bfloat16)
             dist.all_reduce(packed, group=group)
-            tail = self._tail(samples, offer() if offer is not None else 0, ask, flat.device)
+            tail = self._tail(samples, epoch, flat.device)
             dist.all_reduce(tail, group=group)
             summed = packed.to(flat.dtype)
         wait = time.perf_counter() - start
-        self.waited, self.late_offer = wait, float(tail[3]) > 0
         average = summed / float(tail[0])
         scale = self.ctx.state.scaler.scale
         finite = self.ctx.state.scaler.unscale(average)
@@ -259,10 +241,9 @@ class Strategy(ABC):
         self.set_grads(average)
         return wait, round(float(tail[1])), float(tail[2]) > 0, finite
 
-    def _tail(self, samples: int, epoch: int, late: bool, device: torch.device) -> torch.Tensor:
+    def _tail(self, samples: int, epoch: int, device: torch.device) -> torch.Tensor:
         stop = 1.0 if self.ctx.stopping.is_set() else 0.0
-        values = [float(samples), float(epoch), stop, 1.0 if late else 0.0]
-        return torch.tensor(values, device=device, dtype=torch.float64)
+        return torch.tensor([float(samples), float(epoch), stop], device=device, dtype=torch.float64)
 
     def optimizer_step(self, finite: bool = True) -> float:
         """One update at the scheduled learning rate; skipped for a non-finite (fp16) gradient."""

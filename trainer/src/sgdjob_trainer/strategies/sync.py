@@ -47,7 +47,7 @@ class SyncStrategy(Strategy):
 
     def step(self, offer: Callable[[], int]) -> StepResult:
         loss, compute, samples = self.compute_gradients()
-        wait, seen, stopping, finite = self.weighted_allreduce(None, samples, offer, compute)
+        wait, seen, stopping, finite = self.weighted_allreduce(None, samples, offer)
         compute += self.optimizer_step(finite)
         return StepResult(
             loss=loss,

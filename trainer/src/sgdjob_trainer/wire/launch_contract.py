@@ -24,6 +24,12 @@ RDZV_BACKEND = "c10d"
 # agents finished or gave up) before this node got a world. Not a failure of this node; its peers'
 # exit statuses say how the job ended.
 EXIT_RENDEZVOUS_CLOSED = 3
+# The agent's exit status when its rendezvous timed out: fewer than the job's minimum of nodes
+# (--nnodes MIN) joined within the join timeout, so no world formed. Its peers are missing (a lost
+# node's pods deleted, replacements not yet scheduled), which is no failure of this node; torchrun
+# would exit 1 as for a crash. Peers that crash exit with their own statuses, and those count.
+# Not 1 or 2 (torchrun's failure and usage statuses), nor 3 or 127 (the agent's others).
+EXIT_RENDEZVOUS_TIMEOUT = 4
 # The agent's exit status when training.command's program is not on PATH (a shell's "not found").
 EXIT_COMMAND_NOT_FOUND = 127
 # Command mode: the script does not report to SGDJob, so nothing that needs its cooperation runs.
@@ -148,3 +154,9 @@ class TorchrunOptions:
 def option_env(name: str) -> str:
     """The environment variable torchrun reads an option from: `nproc-per-node` -> PET_NPROC_PER_NODE."""
     return "PET_" + name.upper().replace("-", "_")
+
+
+# The rendezvous store's health endpoint (STORE_MODULE with --health-port): 200 when a round trip
+# through the store succeeded just now, else 503 or no answer at all. The operator's per-pass probe
+# and the store pod's kubelet probes ask there; a TCP connect cannot tell a hung store from a live one.
+STORE_HEALTH_PATH = "/healthz"
