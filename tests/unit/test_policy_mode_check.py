@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from sgdjob_operator.policy import PolicyState, Rebalance, SwitchMode
-from sgdjob_operator.policy.check import Outcome, Verdict, discount_note, judge, remember, revert
+from sgdjob_operator.policy.check import Outcome, Verdict, discount_note, fleet_drift, judge, remember, revert
 from sgdjob_operator.policy.comm import CommModel
 from sgdjob_operator.policy.job import job_view
 from sgdjob_operator.policy.progress import Progress, Tally
@@ -134,6 +134,41 @@ def test_a_new_split_that_measures_worse_goes_back_to_the_split_it_had() -> None
     elsewhere = job_view(Harness([100.0] * 4).spec, mode="async", replicas=4)  # e.g. the user fixed spec.mode
     assert judge(trial, after, "shape", 140.0, 300.0, elsewhere, 80).outcome is Outcome.VOID
     assert judge(trial, noisy, "shape", 500.0, 300.0, VIEW, 80).outcome is Outcome.VOID  # past the horizon
+
+
+def test_a_split_is_not_blamed_for_a_fleet_that_slowed_under_it() -> None:
+    # Made at 32 samples on every rank at 100 samples/s each; VIEW now runs 40, 40, 40 and 8.
+    trial = replace(_trial(_tally(100.0, 0.01, 4)), speeds=(100.0,) * 4)
+    # What the new batches alone explain: a grown batch's rank no slower, a cut one's no faster.
+    assert fleet_drift(trial, {0: 105.0, 1: 100.0, 2: 120.0, 3: 60.0}, {}, VIEW) == 0.0
+    # Ranks whose batch grew but who read 80 samples/s: the fleet slowed, its step by a fifth.
+    slowed = {0: 80.0, 1: 80.0, 2: 80.0, 3: 80.0}
+    drift = fleet_drift(trial, slowed, {}, VIEW)
+    assert drift == pytest.approx(-0.2)
+    # Within the speeds' measured error (5 %: 2 sqrt 2 of it is 14 %) less of it is the fleet's.
+    assert -0.2 < fleet_drift(trial, slowed, dict.fromkeys(range(4), 0.05), VIEW) < -0.05
+    assert fleet_drift(None, slowed, {}, VIEW) == 0.0 and fleet_drift(_trial(Tally()), slowed, {}, VIEW) == 0.0
+    # Measured 15 % below the left configuration: blamed on the split without the drift, not with it.
+    after = Progress(110.0, _tally(85.0, 0.01, 3))
+    assert judge(trial, after, "shape", 140.0, 300.0, VIEW, 80).outcome is Outcome.REVERT
+    assert judge(trial, after, "shape", 140.0, 300.0, VIEW, 80, drift).outcome is Outcome.WAIT
+    # A move larger than the split was to gain (+3 %) leaves its trial without a verdict.
+    small = replace(trial, gain=0.03)
+    assert judge(small, after, "shape", 140.0, 300.0, VIEW, 80, drift).outcome is Outcome.VOID
+
+
+def test_a_split_is_corrected_at_the_resplit_margin_only_once_its_check_has_a_verdict() -> None:
+    # 17 ranks spread 2.4x, 3 % noise: the search's example (B) of three corrections at +3-5 %.
+    h = Harness([100.0] * 17, noise=0.03125, seed=17)
+    h.step()
+    for _ in range(14):
+        h.step([100.0 / 2.4375 ** (i / 16) for i in range(17)])
+    splits = [e.decision for e in h.history if isinstance(e.decision, Rebalance)]
+    assert 1 <= len(splits) <= 2, [d.reason for d in splits]
+    waiting = [e.decision.reason for e in h.history if "while the check of the last change" in e.decision.reason]
+    assert waiting and all(
+        "(a change needs +10% while the check of the last change (rebalanced sync)" in w for w in waiting
+    )
 
 
 def test_a_trial_and_its_discounts_survive_the_stored_state() -> None:

@@ -18,6 +18,12 @@ persistence or the cooldown; above it by as much, the change is confirmed and th
 trial on a fleet whose shape changed meanwhile, or still undecided after the horizon a change must
 repay its pause in, closes without a verdict: the comparison would mean nothing.
 
+A fleet can also move without changing its shape's name (a 1.6x spread becomes 2x): a split whose
+trial runs across that move would be blamed (or praised) for it. `fleet_drift` reads the move from
+each rank's speed now against its speed when the left configuration's tally began, beyond what the
+change of its batch alone can explain; the verdict must hold with and without the move, and a move
+larger than the change's predicted gain leaves no verdict at all.
+
 A change taken back is not made again on the same prediction: on the same fleet shape its
 predictions count at what it delivered over what it promised (`Discount`), for one horizon, twice
 as long each time it is taken back again while remembered.
@@ -26,7 +32,7 @@ as long each time it is taken back again while remembered.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
 
@@ -138,7 +144,40 @@ def open_trial(
         back_mode=view.mode,
         back_batches=tuple(view.batch(r) for r in range(view.world_size)),
         back_groups=view.groups if view.mode == SyncMode.HIERARCHICAL.value else None,
+        speeds=progress.speeds,
     )
+
+
+# A speed read twice agrees within this many of its standard errors (2 sigmas of a difference of
+# two readings, sqrt 2 times one's); the same significance a re-split's gain needs (RESPLIT_SIGMAS).
+_AGREE = RESPLIT_SIGMAS * math.sqrt(2.0)
+
+
+def fleet_drift(
+    trial: Trial | None, speeds: Mapping[int, float], errors: Mapping[int, float | None], view: JobView
+) -> float:
+    """How much faster (+) or slower (-) the fleet runs the job's step now than when the left
+    configuration's tally began, beyond what the change of each rank's batch explains (0.0 where it
+    cannot be read). Per sample, a rank whose batch grew can only have got faster (its fixed part
+    of a step spread over more samples), by at most the batch's growth; one whose batch shrank
+    slower by at most as much; one with the same batch neither. A speed outside those bounds (by more
+    than its measured error allows) moved with the fleet; the ranks' moves are read by sync's step
+    model (the slowest rank's step sets the job's)."""
+    world = view.world_size
+    if trial is None or len(trial.speeds) != world or len(trial.back_batches) != world:
+        return 0.0
+    expected: dict[int, float] = {}
+    for r, before in enumerate(trial.speeds):
+        now, b0, b1 = speeds.get(r, 0.0), trial.back_batches[r], view.batch(r)
+        if before <= 0 or now <= 0 or b0 <= 0 or b1 <= 0:
+            return 0.0
+        tolerance = _AGREE * (errors.get(r) or 0.0)
+        low = before * min(1.0, b1 / b0) * (1.0 - tolerance)
+        high = before * max(1.0, b1 / b0) * (1.0 + tolerance)
+        expected[r] = min(high, max(low, now))
+    step_now = max(view.batch(r) / speeds[r] for r in expected)
+    step_expected = max(view.batch(r) / expected[r] for r in expected)
+    return step_expected / step_now - 1.0
 
 
 def judge(
@@ -149,10 +188,12 @@ def judge(
     horizon: float,
     view: JobView,
     step: int,
+    drift: float = 0.0,
 ) -> Verdict:
     """The trial's verdict after this window (module doc): the significance a re-split's gain needs
     (RESPLIT_SIGMAS standard errors), on at least the windows a re-split's speeds need (RESPLIT_WINDOWS:
-    a window's noise is shared by its steps, and a second window halves its variance)."""
+    a window's noise is shared by its steps, and a second window halves its variance). `drift`: how
+    far the fleet moved meanwhile (`fleet_drift`); the verdict must hold with it taken out too."""
     if trial is None or trial.shape != shape or trial.mode != view.mode or len(trial.back_batches) != view.world_size:
         return Verdict(Outcome.VOID)
     if trial.before.mean <= 0:
@@ -172,11 +213,15 @@ def judge(
     # percentage, and one over a denormal rate overflows there though finite here.)
     if not (math.isfinite(measured * 100) and math.isfinite(relative * 100)):
         return Verdict(Outcome.VOID)
+    if abs(drift) > max(trial.gain, 0.0):
+        return Verdict(Outcome.VOID)  # the fleet moved more than the change was to gain
     ratio = min(1.0, max(0.0, after.mean / trial.predicted))
     verdict = Verdict(Outcome.WAIT, measured, relative, ratio, max(0, step - trial.step), after.mean)
-    if diff < 0 and -diff > RESPLIT_SIGMAS * error:
+    # What the change measured with the fleet's move taken out, on the same significance.
+    still = after.mean / (1.0 + drift) - before.mean
+    if max(diff, still) < -RESPLIT_SIGMAS * error:
         return replace(verdict, outcome=Outcome.REVERT)
-    if diff > 0 and diff > RESPLIT_SIGMAS * error:
+    if min(diff, still) > RESPLIT_SIGMAS * error:
         return replace(verdict, outcome=Outcome.KEPT)
     return replace(verdict, outcome=Outcome.VOID if expired else Outcome.WAIT)
 

@@ -25,6 +25,7 @@ from sgdjob_operator.policy.check import (
     Outcome,
     discount_note,
     discounted,
+    fleet_drift,
     gain_text,
     judge,
     may_revert,
@@ -48,6 +49,7 @@ from sgdjob_operator.policy.samples import WorkerSample
 from sgdjob_operator.policy.splits import FAST_GAIN, RESPLIT_STEPS, fast, margin, percent, split_margin
 from sgdjob_operator.policy.state import PolicyState, RankState
 from sgdjob_operator.policy.stats import median
+from sgdjob_operator.policy.trial import Trial
 from sgdjob_trainer.config import SyncMode
 
 # A candidate within this fraction of the best is as good as the best: the one already persisting
@@ -149,11 +151,19 @@ def evaluate(state: PolicyState, samples: Sequence[WorkerSample], job: JobView, 
     new_shape = a.shape_key != state.shape
     scraped = min((s.time for s in window.latest.values()), default=now)
     progress = track(
-        state.progress, scraped, window_starts(window), job.world_size, useful, bool(job.in_flight), new_shape
+        state.progress,
+        scraped,
+        window_starts(window),
+        job.world_size,
+        useful,
+        bool(job.in_flight),
+        new_shape,
+        [speeds[r] for r in range(job.world_size)],
     )
     horizon = _horizon(job, None)
     trial = state.trial
-    verdict = judge(trial, progress, a.shape_key, now, horizon, job, health.step)
+    drift = fleet_drift(trial, speeds, {r: h.error for r, h in health.ranks.items()}, job)
+    verdict = judge(trial, progress, a.shape_key, now, horizon, job, health.step, drift)
     base = replace(base, progress=progress, trial=trial if verdict.outcome is Outcome.WAIT else None)
     candidates = discounted(build(ctx), base.discounts, a.shape_key, now)
     note = discount_note(base.discounts, a.shape_key, now)
@@ -179,18 +189,26 @@ def evaluate(state: PolicyState, samples: Sequence[WorkerSample], job: JobView, 
                 f"; stale modes wait for {MEASURE_WAIT_STEPS} steps of measured gradient statistics ({evidence} so far)"
             )
         candidates = fresh
-    split = split_margin(health, job.world_size)
+    # While the last change's check has no verdict, a new split is no correction of it: the check
+    # could not tell the two apart, and under noise one correction follows another at the re-split
+    # margin (three at +3-5 % under 3 % noise). It then needs switchMargin, as any change.
+    pending = base.trial
+    settled = split_margin(health, job.world_size)
+    split = settled if pending is None else None
     chosen = _choose(candidates, current, job, state.candidate, left, split)
     if chosen is None:
-        why = _keep_reason(health, current, candidates, job, left, bool(waiting_for), split) + waiting_for + note
+        why = _keep_reason(health, current, candidates, job, left, bool(waiting_for), split, pending)
+        why += waiting_for + note
         return Evaluation(Keep(why), health, base, predictions)
 
     streak = state.candidate_streak + 1 if chosen.key == state.candidate else 1
     waiting = replace(base, candidate=chosen.key, candidate_streak=streak)
     gain = _gain(chosen.prediction, current)
     basis = ""
-    if chosen.batch_only and split is not None:
-        basis = f"; speeds over {RESPLIT_STEPS}+ steps at each rank's batch (margin {percent(split)})"
+    if chosen.batch_only and settled is not None:
+        basis = (
+            f"; speeds over {RESPLIT_STEPS}+ steps at each rank's batch (margin {percent(margin(chosen, job, split))})"
+        )
     if fixed and chosen.prediction.staleness == 0:
         fits = ", ".join(f"rank {r} {v * 1000:.1f} ms" for r, v in sorted(fixed.items()))
         basis += f"; fixed step time fitted from two batch sizes: {fits}"
@@ -303,6 +321,7 @@ def _keep_reason(
     left: float | None,
     stale_waiting: bool = False,
     split: float | None = None,
+    pending: Trial | None = None,
 ) -> str:
     ending = ""
     if left is not None and left < _horizon(job, None):
@@ -319,9 +338,10 @@ def _keep_reason(
         )
     best = max(candidates, key=lambda c: c.prediction.useful)
     gain = gain_text(_gain(best.prediction, current))
+    checking = f" while the check of the last change ({pending.label}) has no verdict" if pending else ""
     return (
         f"{health.summary}; best alternative {best.prediction.label} predicts {gain} "
-        f"(a change needs {percent(margin(best, job, split))} and must repay its pause{ending})"
+        f"(a change needs {percent(margin(best, job, split))}{checking} and must repay its pause{ending})"
     )
 
 

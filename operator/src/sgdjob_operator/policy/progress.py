@@ -13,7 +13,7 @@ of the configuration it left (`policy.check`).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,20 +73,27 @@ def pooled_error(a: Tally, b: Tally) -> float | None:
 @dataclass(frozen=True, slots=True)
 class Progress:
     """`since`: windows that began at or after this time count (None: a change has not landed yet;
-    the first evaluation it has landed by sets it); `tally`: what they measured."""
+    the first evaluation it has landed by sets it); `tally`: what they measured; `speeds`: every
+    rank's speed at the tally's first window, the fleet the tally measured (`check.fleet_drift`
+    reads how far it moved since; empty before a window counts)."""
 
     since: float | None = 0.0
     tally: Tally = field(default_factory=Tally)
+    speeds: tuple[float, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
-        return {"since": self.since, "tally": self.tally.to_list()}
+        return {"since": self.since, "tally": self.tally.to_list(), "speeds": list(self.speeds)}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None) -> Progress:
         if not data:
             return cls()
         since = data.get("since")
-        return cls(None if since is None else finite(since), Tally.from_list(data.get("tally") or [0, 0, 0]))
+        return cls(
+            None if since is None else finite(since),
+            Tally.from_list(data.get("tally") or [0, 0, 0]),
+            tuple(finite(s) for s in data.get("speeds") or ()),
+        )
 
 
 def restarted() -> Progress:
@@ -102,21 +109,23 @@ def track(
     useful: float | None,
     in_flight: bool,
     new_shape: bool,
+    speeds: Sequence[float] = (),
 ) -> Progress:
     """The progress after this window. `scraped`: when this window's first sample was taken (where
     the next windows begin); `starts`: when each measured rank's window began (a rank measured from
     its training start left out); `useful`: the window's useful samples/s (None when it is no measure
     of the configuration: another mode still running somewhere, or a stale mode whose statistical
-    efficiency is not measured in it yet). A change lands at the first evaluation that is not in
+    efficiency is not measured in it yet); `speeds`: every rank's speed now, kept at the tally's
+    first window. A change lands at the first evaluation that is not in
     flight; the window that ends there still ran into the change (a switch's pause), so only windows
     after it count."""
     if previous.since is None:
         return previous if in_flight else Progress(scraped, Tally())
-    tally = Tally() if new_shape else previous.tally
+    tally, first = (Tally(), ()) if new_shape else (previous.tally, previous.speeds)
     whole = len(starts) == world and all(t >= previous.since - _EPS for t in starts.values())
     if in_flight or not whole or useful is None or not math.isfinite(useful) or useful < 0:
-        return Progress(previous.since, tally)
-    return Progress(previous.since, tally.add(useful))
+        return Progress(previous.since, tally, first)
+    return Progress(previous.since, tally.add(useful), first if tally.windows > 0 else tuple(speeds))
 
 
 def finite(value: Any) -> float:

@@ -21,7 +21,9 @@ class Trial:
     predicted useful samples/s and `gain` that over the configuration it left, as the cost model saw
     both; `time`, `step`: when it was made; `shape`: the fleet's shape key then (on another fleet
     the comparison means nothing); `before`: the left configuration's measured progress; `back_*`:
-    that configuration, to return to (every rank's batch, and groups where it ran hierarchical)."""
+    that configuration, to return to (every rank's batch, and groups where it ran hierarchical);
+    `speeds`: every rank's speed at the left configuration's first measured window (the fleet
+    `before` measured)."""
 
     key: str
     label: str
@@ -35,6 +37,7 @@ class Trial:
     back_mode: str
     back_batches: tuple[int, ...]
     back_groups: tuple[tuple[int, ...], ...] | None = None
+    speeds: tuple[float, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -50,6 +53,7 @@ class Trial:
             "backMode": self.back_mode,
             "backBatches": list(self.back_batches),
             "backGroups": None if self.back_groups is None else [list(g) for g in self.back_groups],
+            "speeds": list(self.speeds),
         }
 
     @classmethod
@@ -70,6 +74,7 @@ class Trial:
             back_mode=str(data["backMode"]),
             back_batches=tuple(int(b) for b in data["backBatches"]),
             back_groups=None if groups is None else tuple(tuple(int(r) for r in g) for g in groups),
+            speeds=tuple(finite(s) for s in data.get("speeds") or ()),
         )
 
 
