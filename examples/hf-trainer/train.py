@@ -7,12 +7,19 @@ place of `Trainer(...)`. Run it as an SGDJob (`sgdjob run examples/hf-trainer/jo
 training.adaptation: api) and the policy may rebalance its per-rank batch, and an agreed stop
 checkpoints and resumes it; run it with plain `torchrun --nproc-per-node=2 train.py` and it trains as
 any Trainer script, serving telemetry only and resuming from --output-dir/sgdjob-checkpoints.
+
+Two opt-in extras serve bench/goodput_frameworks.py (off by default): an EMULATED straggler
+(`--sample-seconds S --slow-rank R --slow-factor K`: every rank sleeps S seconds per sample of the
+batch it just trained on, rank R K times that, so a smaller batch really makes it faster) and a
+validation (`--validate-every N`: rank 0 writes the loss on held-out windows no rank trains on to
+--output-dir/validation.jsonl every N steps, with the seconds since training began).
 """
 
 from __future__ import annotations
 
 import argparse
 import inspect
+import json
 import os
 import time
 from typing import Any
@@ -42,11 +49,11 @@ def corpus() -> str:
 class Characters(Dataset[dict[str, torch.Tensor]]):
     """Non-overlapping windows of `block` characters; the labels are the inputs (GPT-2 shifts them)."""
 
-    def __init__(self, text: str, block: int, samples: int) -> None:
+    def __init__(self, text: str, block: int, samples: int, skip: int = 0) -> None:
         self.vocab = sorted(set(text))
         ids = torch.tensor([self.vocab.index(c) for c in text], dtype=torch.long)
         windows = ids[: len(ids) // block * block].view(-1, block)
-        self.windows = windows[:samples]
+        self.windows = windows[skip : skip + samples]
 
     def __len__(self) -> int:
         return len(self.windows)
@@ -78,6 +85,43 @@ class Progress(TrainerCallback):  # type: ignore[misc]
             )
 
 
+def emulate_compute(model: torch.nn.Module, per_sample: float) -> None:
+    """Sleep `per_sample` seconds a sample of each training forward (an EMULATED slower accelerator).
+    In the forward, where a slow device spends its time: Trainer gathers the batch's token count
+    across ranks before it, so a sleep outside forward/backward would make the other ranks wait in
+    that gather, which the session does not time, instead of in DDP's exchange, which it does."""
+
+    def sleep(module: torch.nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+        inputs = kwargs.get("input_ids", args[0] if args else None)
+        if module.training and inputs is not None:
+            time.sleep(per_sample * len(inputs))
+
+    model.register_forward_pre_hook(sleep, with_kwargs=True)
+
+
+class Validation(TrainerCallback):  # type: ignore[misc]
+    """Rank 0, every `every` steps: the mean loss on `data` (windows no rank trains on), appended to
+    `path` as a JSON line with the step and the seconds since training began on this rank."""
+
+    def __init__(self, data: Characters, every: int, path: str) -> None:
+        self.inputs, self.every, self.path = data.windows, every, path
+        self.start = time.monotonic()
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.start = time.monotonic()
+
+    def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        if state.global_step % self.every or model is None:
+            return
+        model.eval()
+        with torch.no_grad():  # the bare model, not DDP's wrapper: no collective on rank 0 alone
+            loss = float(model(input_ids=self.inputs.to(model.device), labels=self.inputs.to(model.device)).loss)
+        model.train()
+        row = {"time_s": round(time.monotonic() - self.start, 4), "step": state.global_step, "loss": loss}
+        with open(self.path, "a") as out:
+            out.write(json.dumps(row) + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--max-steps", type=int, default=200)
@@ -88,10 +132,17 @@ def main() -> None:
     parser.add_argument("--output-dir", default="hf-trainer-out")
     parser.add_argument("--log-every", type=int, default=10)
     parser.add_argument("--step-seconds", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=0)  # the model's initialisation and the data's order
+    parser.add_argument("--sample-seconds", type=float, default=0.0)  # emulated compute a sample, every rank
+    parser.add_argument("--slow-rank", type=int, default=-1)  # this rank's per-sample sleep is --slow-factor x
+    parser.add_argument("--slow-factor", type=float, default=3.0)
+    parser.add_argument("--validate-every", type=int, default=0)  # 0: no validation
+    parser.add_argument("--val-samples", type=int, default=128)  # held-out windows, after the trained ones
     args = parser.parse_args()
 
-    data = Characters(corpus(), args.block, args.samples)
-    torch.manual_seed(0)
+    text = corpus()
+    data = Characters(text, args.block, args.samples)
+    torch.manual_seed(args.seed)
     config = GPT2Config(
         vocab_size=len(data.vocab), n_positions=args.block, n_embd=64, n_layer=2, n_head=4,
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
@@ -109,15 +160,26 @@ def main() -> None:
         ddp_find_unused_parameters=False,
         disable_tqdm=True,
         use_cpu=not torch.cuda.is_available(),
-        seed=0,
+        seed=args.seed,
     )
+    if args.sample_seconds > 0:
+        slow = int(os.environ.get("RANK", "0")) == args.slow_rank
+        emulate_compute(model, args.sample_seconds * (args.slow_factor if slow else 1.0))
     progress = Progress(args.log_every, args.step_seconds)
+    callbacks: list[TrainerCallback] = [progress]
+    if args.validate_every > 0 and progress.rank == 0:
+        heldout = Characters(text, args.block, args.val_samples, skip=len(data))
+        if len(heldout) == 0:
+            parser.error(f"no held-out windows are left after --samples {args.samples}")
+        path = os.path.join(args.output_dir, "validation.jsonl")
+        os.makedirs(args.output_dir, exist_ok=True)
+        callbacks.append(Validation(heldout, args.validate_every, path))
     trainer = SGDJobTrainer(
         model=model,
         args=training,
         train_dataset=data,
         data_collator=progress.collate,
-        callbacks=[progress],
+        callbacks=callbacks,
     )
     rank, world = training.process_index, training.world_size
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
