@@ -1,0 +1,303 @@
+"""Framework goodput benchmark (issue #39 point 4): the Hugging Face Trainer and Lightning examples on
+an EMULATED persistent straggler, run as the user runs them today (plain `torchrun
+--nproc-per-node=3`, equal batches) and as an SGDJob (`sgdjob run`, mode auto, adaptation api), and
+how soon each reaches a validation-loss target.
+
+    python -m bench.goodput_frameworks --out DIR [--framework hf,lightning] [--seeds N] [--steps S]
+
+Both systems run the same script (examples/hf-trainer/train.py, examples/lightning/train.py) with the
+same seed, global batch (3 x 16), steps and emulation: every rank sleeps --sample-seconds a sample of
+the batch it trains on, rank 2 three times that (the scripts' opt-in `--slow-rank`), so a smaller
+batch really makes it faster; real gradients over gloo on loopback. Rank 0 validates on held-out
+samples every 5 steps and writes the curve; time is counted from its training start. Writes
+DIR/goodput-frameworks.json and .md (also printed); each run's files are under
+DIR/runs/<framework>/<system>/seed-<k>/. See bench/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from bench.goodput_frameworks_scoring import (
+    AUTO,
+    DEFINITIONS,
+    PLAIN,
+    SYSTEMS,
+    aggregate,
+    markdown_table,
+    parse_validation,
+    ratio,
+    run_figures,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+WORKERS = 3
+BATCH = 16  # per rank: the scripts' --batch-size and the job's batchSize
+SLOW_RANK = 2
+SLOW_FACTOR = 3.0
+# Emulated compute a sample: rank 2 sleeps 0.24 s a step on 16 samples, the others 0.08 s. Long against
+# the models' real compute on these 2 cores (about 0.09 s a step for the GPT-2, 0.01 s for Lightning's),
+# short enough that 80 steps take 20-30 s.
+SAMPLE_SECONDS = 0.005
+STEPS = 80
+VALIDATE_EVERY = 5
+# Short, as for the digits tasks of bench.goodput (0.5 s there): these runs last 20-30 s, and at the
+# shipping 10 s the policy would first look a third of the way in.
+INTERVAL_S = 1.0
+FULL_SEEDS = 3
+
+
+@dataclass(frozen=True, slots=True)
+class Framework:
+    """An example script, the options it runs with here, and the validation-loss target and budget
+    (chosen from plain torchrun runs so both systems reach the target around half-way)."""
+
+    example: str  # folder under examples/
+    options: tuple[str, ...]
+    target_loss: float
+    budget_s: float
+    what: str
+
+
+FRAMEWORKS: dict[str, Framework] = {
+    "hf": Framework(
+        "hf-trainer",
+        ("--val-samples", "128"),
+        3.05,
+        10.0,
+        "transformers.Trainer: a tiny GPT-2 (2 layers, 64 wide), characters of stdlib docstrings, 1024 windows",
+    ),
+    "lightning": Framework(
+        "lightning",
+        ("--samples", "8192", "--val-samples", "512"),
+        2.5,
+        8.0,
+        "lightning.Trainer: a next-character MLP on stdlib source, 8192 positions",
+    ),
+}
+
+EMULATION = (
+    f"EMULATED straggler (sleep-based): every rank sleeps {SAMPLE_SECONDS:g} s per sample of the batch it "
+    f"trains on, rank {SLOW_RANK} of {WORKERS} {SLOW_FACTOR:g}x that ({SLOW_FACTOR * SAMPLE_SECONDS * BATCH:g} s "
+    f"at the equal batch of {BATCH}), inside the step (HF: a forward pre-hook; Lightning: training_step), the "
+    "scripts' --sample-seconds/--slow-rank/--slow-factor; the model's real compute is not slowed, so the "
+    "straggler is less than 3x slower per step; real gradients over gloo on loopback"
+)
+
+
+def script_args(framework: Framework, steps: int, seed: int, output_dir: Path) -> list[str]:
+    """The script's arguments, the same under both systems."""
+    return [
+        "--max-steps", str(steps), "--batch-size", str(BATCH), "--seed", str(seed),
+        "--sample-seconds", str(SAMPLE_SECONDS), "--slow-rank", str(SLOW_RANK), "--slow-factor", str(SLOW_FACTOR),
+        "--validate-every", str(VALIDATE_EVERY), "--log-every", "20", "--output-dir", str(output_dir),
+        *framework.options,
+    ]  # fmt: skip
+
+
+def job_doc(framework: Framework, args: Sequence[str], run_dir: Path, interval_s: float) -> dict[str, Any]:
+    """The example's job.yaml on one node of WORKERS processes (torchrun --nproc-per-node's layout),
+    mode auto at `interval_s`, running the script with `args`. Its checkpoints every 100 steps, as the
+    session's default under plain torchrun, so neither system writes more of them."""
+    doc = yaml.safe_load((REPO / "examples" / framework.example / "job.yaml").read_text())
+    doc["metadata"]["name"] = f"bench-{framework.example}"
+    spec = doc["spec"]
+    spec.update(replicas=1, minReplicas=1, maxReplicas=1, nprocPerNode=WORKERS, mode="auto")
+    spec["policy"] = {**spec.get("policy", {}), "intervalSeconds": interval_s}
+    training = spec["training"]
+    training["command"] = ["python", str(REPO / "examples" / framework.example / "train.py"), *args]
+    training["batchSize"] = BATCH
+    training["checkpoint"] = {"dir": str(run_dir / "checkpoints"), "intervalSteps": 100}
+    return dict(doc)
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")  # what torchrun and SGDJob's agent set for several processes
+    env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    return env
+
+
+def run_once(
+    framework: Framework, system: str, seed: int, steps: int, run_dir: Path, timeout_s: float
+) -> dict[str, Any]:
+    """One run of `system` (PLAIN or AUTO) and its figures; a failure is recorded, not raised."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    output_dir = run_dir / "output"
+    args = script_args(framework, steps, seed, output_dir)
+    script = REPO / "examples" / framework.example / "train.py"
+    if system == PLAIN:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORKERS}",
+                   str(script), *args]  # fmt: skip
+    else:
+        job = run_dir / "job.yaml"
+        job.write_text(yaml.safe_dump(job_doc(framework, args, run_dir, INTERVAL_S)))
+        sgdjob = str(Path(sys.executable).parent / "sgdjob")
+        command = [sgdjob, "run", str(job), "--out", str(run_dir / "sgdjob"), "--timeout", str(timeout_s)]
+    t0 = time.monotonic()
+    error = None
+    with open(run_dir / "log.txt", "w") as log:
+        try:
+            code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=_env(), cwd=run_dir,
+                                  timeout=timeout_s + 30).returncode  # fmt: skip
+        except subprocess.TimeoutExpired:
+            code, error = None, f"timed out after {timeout_s + 30:.0f} s"
+    harness_s = time.monotonic() - t0
+    if code not in (0, None):
+        error = f"exit code {code}; log {run_dir / 'log.txt'}"
+    curve = output_dir / "validation.jsonl"
+    points = parse_validation(curve.read_text()) if curve.exists() else []
+    decisions: list[dict[str, Any]] = []
+    batches: list[Any] = []
+    report_path = run_dir / "sgdjob" / "report.json"
+    if system == AUTO and report_path.exists():
+        report = json.loads(report_path.read_text())
+        keep = ("step", "action", "predictedGain", "reason")
+        decisions = [{k: d.get(k) for k in keep} for d in report.get("decisions") or []]
+        batches = [r.get("batch_size") for r in report.get("per_rank") or []]
+    return {
+        "seed": seed,
+        **run_figures(points, framework.target_loss, framework.budget_s),
+        "harness_s": harness_s,
+        "decisions": decisions,
+        "final_batches": batches,
+        "ok": error is None and bool(points),
+        "error": error if error is not None or points else "no validation written",
+        "curve": points,
+    }
+
+
+def run_benchmark(
+    frameworks: dict[str, Framework],
+    seeds: Sequence[int],
+    steps: int,
+    out: Path,
+    timeout_s: float,
+    log: Any = sys.stderr,
+) -> dict[str, Any]:
+    """Every framework x seed x system, one run at a time; the systems alternate first by seed, so a
+    machine that drifts does not favour one."""
+    from bench.heterogeneity import machine
+
+    started, wall0 = time.strftime("%Y-%m-%dT%H:%M:%S%z"), time.monotonic()
+    meta_machine = machine()
+    results = []
+    for name, framework in frameworks.items():
+        runs: dict[str, list[dict[str, Any]]] = {s: [] for s in SYSTEMS}
+        for i, seed in enumerate(seeds):
+            for system in SYSTEMS if i % 2 == 0 else tuple(reversed(SYSTEMS)):
+                print(f"[{time.monotonic() - wall0:5.0f}s] {name}: {system} seed {seed} ...", file=log, flush=True)
+                run = run_once(framework, system, seed, steps, out / "runs" / name / system / f"seed-{seed}", timeout_s)
+                print(
+                    f"        time to target {run['time_to_target_s']} s (step {run['step_at_target']}), "
+                    f"loss at budget {run['loss_at_budget']}, whole run {run['harness_s']:.0f} s"
+                    + (f", ERROR {run['error']}" if run["error"] else ""),
+                    file=log,
+                    flush=True,
+                )
+                runs[system].append(run)
+        systems = {s: aggregate(r) for s, r in runs.items()}
+        results.append(
+            {
+                "framework": name,
+                "example": f"examples/{framework.example}/train.py",
+                "what": framework.what,
+                "target_loss": framework.target_loss,
+                "budget_s": framework.budget_s,
+                "systems": systems,
+                "ratio": ratio(systems),
+            }
+        )
+    meta_machine["load_average_at_end"] = list(os.getloadavg())
+    return {
+        "results": results,
+        "metadata": {
+            "date": started,
+            "commit": _commit(),
+            "workers": WORKERS,
+            "batch_per_rank": BATCH,
+            "global_batch": WORKERS * BATCH,
+            "steps": steps,
+            "seeds": list(seeds),
+            "validate_every_steps": VALIDATE_EVERY,
+            "systems": {
+                PLAIN: f"python -m torch.distributed.run --standalone --nproc-per-node={WORKERS} train.py ...",
+                AUTO: f"sgdjob run job.yaml: the example's job, 1 node x {WORKERS}, mode auto, adaptation api, "
+                f"policy.intervalSeconds {INTERVAL_S:g}",
+            },
+            "emulation": EMULATION,
+            "definitions": DEFINITIONS,
+            "machine": meta_machine,
+            "bench_wall_s": time.monotonic() - wall0,
+        },
+    }
+
+
+def _commit() -> str | None:
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                               capture_output=True, text=True)  # fmt: skip
+    except OSError:
+        return None
+    return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "") if head.returncode == 0 else None
+
+
+def header(doc: dict[str, Any]) -> str:
+    meta = doc["metadata"]
+    return (
+        f"# Framework goodput ({meta['date']}, {meta['commit']}): {meta['workers']} workers, global batch "
+        f"{meta['global_batch']}, {meta['steps']} steps, seeds {', '.join(map(str, meta['seeds']))}\n\n"
+        f"{meta['emulation']}. Validation every {meta['validate_every_steps']} steps on rank 0; time since its "
+        f"training start. {AUTO}: {meta['systems'][AUTO]}. Machine: {meta['machine']['cpus']} CPUs, no GPU, "
+        f"load average {meta['machine']['load_average_at_start']} at start. Cells: median [min-max] over seeds. "
+        f"Bench wall {meta['bench_wall_s']:.0f} s.\n\n"
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--framework", default=",".join(FRAMEWORKS), help="comma-separated: hf, lightning")
+    parser.add_argument("--seeds", type=int, default=FULL_SEEDS, help="seeds 0..N-1")
+    parser.add_argument("--steps", type=int, default=STEPS)
+    parser.add_argument(
+        "--target", type=float, help="validation-loss target for every framework (default: each its own)"
+    )
+    parser.add_argument("--budget", type=float, help="seconds of the loss-at-budget figure (default: each its own)")
+    parser.add_argument("--timeout", type=float, default=180.0, help="seconds before one run is stopped")
+    args = parser.parse_args(argv)
+    names = [n for n in args.framework.split(",") if n]
+    unknown = [n for n in names if n not in FRAMEWORKS]
+    if unknown or not names:
+        parser.error(f"unknown framework {', '.join(unknown) or '(none)'}; known: {', '.join(FRAMEWORKS)}")
+    if args.seeds < 1 or args.steps < 1:
+        parser.error("--seeds and --steps must be at least 1")
+    chosen = {n: FRAMEWORKS[n] for n in names}
+    if args.target is not None:
+        chosen = {n: replace(f, target_loss=args.target) for n, f in chosen.items()}
+    if args.budget is not None:
+        chosen = {n: replace(f, budget_s=args.budget) for n, f in chosen.items()}
+    doc = run_benchmark(chosen, range(args.seeds), args.steps, args.out, args.timeout)
+    text = header(doc) + markdown_table(doc["results"])
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "goodput-frameworks.json").write_text(json.dumps(doc, indent=2) + "\n")
+    (args.out / "goodput-frameworks.md").write_text(text)
+    print(text)
+    print(f"wrote {args.out / 'goodput-frameworks.json'} and {args.out / 'goodput-frameworks.md'}")
+    return 0 if all(s["ok"] for r in doc["results"] for s in r["systems"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
