@@ -74,14 +74,14 @@ FRAMEWORKS: dict[str, Framework] = {
     "hf": Framework(
         "hf-trainer",
         ("--val-samples", "128"),
-        3.05,
+        3.1,
         10.0,
         "transformers.Trainer: a tiny GPT-2 (2 layers, 64 wide), characters of stdlib docstrings, 1024 windows",
     ),
     "lightning": Framework(
         "lightning",
         ("--samples", "8192", "--val-samples", "512"),
-        2.5,
+        2.55,
         8.0,
         "lightning.Trainer: a next-character MLP on stdlib source, 8192 positions",
     ),
