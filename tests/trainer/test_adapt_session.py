@@ -1,6 +1,7 @@
 """The adaptation API's session in one process (a world of 1, no process group): a command applied at
 a step boundary, a refused part in /status, checkpoints written and resumed through the script's own
-save/load, the agreed stop; and its DDP hook on a one-process gloo group."""
+save/load, the agreed stop; and its DDP hook, and what keeps a DDP model out of hierarchical, on a
+one-process gloo group."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import TensorDataset
 
 from sgdjob_trainer.adapt.comm import Comm
+from sgdjob_trainer.adapt.hierarchy import obstacle
 from sgdjob_trainer.adapt.session import Session
 from sgdjob_trainer.adapt.settings import Settings, settings
 from sgdjob_trainer.config import Adaptation, Checkpoint, TrainingConfig
@@ -118,9 +120,17 @@ def test_a_mode_switch_is_refused_in_status_counted_as_applied_and_not_taken_aga
     _train(session, loader, 2)
     status = _status(session)
     assert status["controlEpoch"] == 2 and status["mode"] == "sync" and status["batchSize"] == 12
-    assert "mode hierarchical refused" in status["controlError"] and "sync only" in status["controlError"]
+    assert (
+        "mode hierarchical refused" in status["controlError"] and "no DistributedDataParallel" in status["controlError"]
+    )
     assert not session.inbox.offer(command), "a controller's re-send of the epoch changes nothing"
     assert status["asyncCapable"] is False, "the policy never proposes async to a script"
+    assert status["hierarchicalCapable"] is False, "nor hierarchical to one without a model to regroup"
+    assert session.inbox.offer(ControlCommand(epoch=3, mode="async", reason="try async"))
+    _train(session, loader, 2)
+    status = _status(session)
+    assert status["controlEpoch"] == 3 and status["mode"] == "sync"
+    assert "mode async refused" in status["controlError"] and "parameter server" in status["controlError"]
 
 
 def test_checkpoints_go_through_the_scripts_save_and_a_new_life_resumes_mid_epoch(
@@ -207,5 +217,26 @@ def test_the_ddp_hook_weighs_and_times_the_exchange(tmp_path: Path) -> None:
         waited = session.exchange.take_wait()
         assert 0 < waited < 5 and session.exchange.take_wait() == 0
         assert math.isnan(session.telemetry.initial_loss)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_hierarchical_is_refused_naming_what_would_tie_the_groups_together(tmp_path: Path) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        plain = DistributedDataParallel(nn.Linear(4, 1))
+        sgd = torch.optim.SGD(plain.parameters(), lr=0.1)
+        assert obstacle(plain, sgd) is None
+        assert "adapt.start(optimizer=...) was not given" in (obstacle(plain, None) or "")
+        normed = DistributedDataParallel(nn.Sequential(nn.Linear(4, 2), nn.BatchNorm1d(2)))
+        assert "broadcast_buffers=False" in (obstacle(normed, sgd) or "")
+        quiet = DistributedDataParallel(nn.Sequential(nn.Linear(4, 2), nn.BatchNorm1d(2)), broadcast_buffers=False)
+        assert obstacle(quiet, sgd) is None
+        unused = DistributedDataParallel(nn.Linear(4, 1), find_unused_parameters=True)
+        assert "find_unused_parameters" in (obstacle(unused, sgd) or "")
+        session = Session(INFO, _settings(), Comm(None), optimizer=sgd, port=None)
+        assert session.telemetry.hierarchical_capable is False
+        session.attach(plain)
+        assert session.telemetry.hierarchical_capable is True
     finally:
         dist.destroy_process_group()

@@ -97,23 +97,46 @@ def _command(**fields: object) -> ControlCommand:
 
 
 def test_batch_sizes_are_applied() -> None:
-    applied = apply_command(Split.of(2, 32), _command(batchSizes={"0": 40, "1": 24}), samples=2048)
+    applied = apply_command(Split.of(2, 32), _command(batchSizes={"0": 40, "1": 24}), samples=2048, hierarchical=None)
     assert applied.split == Split((40, 24)) and applied.refused is None
 
 
 def test_a_mode_the_api_cannot_run_is_refused_and_the_rest_still_applies() -> None:
-    for mode in (SyncMode.HIERARCHICAL, SyncMode.ASYNC):
-        applied = apply_command(Split.of(2, 32), _command(mode=mode.value, batchSizes={"1": 20}), samples=2048)
-        assert applied.split == Split((32, 20))
+    cannot = "adapt.start(optimizer=...) was not given"
+    for mode, why in ((SyncMode.HIERARCHICAL, cannot), (SyncMode.ASYNC, "parameter server"), (SyncMode.ASYNC, "")):
+        command = _command(mode=mode.value, batchSizes={"1": 20})
+        applied = apply_command(Split.of(2, 32), command, samples=2048, hierarchical=why or None)
+        assert applied.split == Split((32, 20)) and applied.mode is None
         assert applied.refused is not None and f"mode {mode.value} refused" in applied.refused
-    assert apply_command(Split.of(2, 32), _command(mode="sync"), samples=2048).refused is None
+        assert (why or "optimizer.step() is its own") in applied.refused
+    back = apply_command(Split.of(2, 32), _command(mode="sync"), samples=2048, hierarchical=cannot)
+    assert back.refused is None and back.mode == SyncMode.SYNC
+
+
+def test_hierarchical_is_applied_where_the_script_can_run_it() -> None:
+    applied = apply_command(Split.of(4, 32), _command(mode="hierarchical", groups=[[0, 1], [2, 3]]), 2048, None)
+    assert applied.mode == SyncMode.HIERARCHICAL and applied.refused is None and applied.split == Split.of(4, 32)
+    assert apply_command(Split.of(4, 32), _command(batchSizes={"0": 8}), 2048, None).mode is None
+
+
+@given(st.lists(st.integers(1, 64), min_size=2, max_size=8), st.data())
+def test_weighted_ranks_average_to_their_groups_mean_over_its_samples(sizes: list[int], data: st.DataObject) -> None:
+    """In hierarchical the hook's allreduce divides by the group's size: with each rank's mean gradient
+    scaled by its weight among the group, that is the mean over the group's samples only."""
+    split = Split(tuple(sizes))
+    group = sorted(data.draw(st.sets(st.integers(0, len(sizes) - 1), min_size=1)))
+    grads = data.draw(st.lists(st.floats(-10, 10), min_size=len(sizes), max_size=len(sizes)))
+    average = sum(split.weight(r, group) * grads[r] for r in group) / len(group)
+    per_sample = sum(sizes[r] * grads[r] for r in group) / sum(sizes[r] for r in group)
+    assert average == pytest.approx(per_sample, abs=1e-9)
+    assert split.weight(group[0], [group[0]]) == 1.0, "alone in its group: its own mean gradient"
 
 
 def test_batch_sizes_that_cannot_be_cut_are_refused_naming_why() -> None:
     plain = Split.of(2, 32)
-    unknown = apply_command(plain, _command(batchSizes={"1": 20, "5": 8, "0": 0}), samples=2048)
+    unknown = apply_command(plain, _command(batchSizes={"1": 20, "5": 8, "0": 0}), samples=2048, hierarchical=None)
     assert unknown.split == Split((32, 20)) and "unknown ranks or below 1" in (unknown.refused or "")
-    too_big = apply_command(plain, _command(batchSizes={"0": 3000}), samples=2048)
+    too_big = apply_command(plain, _command(batchSizes={"0": 3000}), samples=2048, hierarchical=None)
     assert too_big.split == plain and "exceeds the 2048 samples of an epoch" in (too_big.refused or "")
-    no_loader = apply_command(plain, _command(batchSizes={"0": 40}), samples=None)
+    no_loader = apply_command(plain, _command(batchSizes={"0": 40}), samples=None, hierarchical=None)
     assert no_loader.split == plain and "without session.loader()" in (no_loader.refused or "")

@@ -147,6 +147,11 @@ class Telemetry:
             wm.ASYNC_CAPABLE, "0 when the optimizer's state cannot be sharded for async mode, else 1.", registry=r
         )
         self.m_async_capable.set_function(lambda: 1.0 if self.async_capable else 0.0)
+        self.hierarchical_capable = True  # see wire.metric_names.HIERARCHICAL_CAPABLE
+        self.m_hierarchical_capable = Gauge(
+            wm.HIERARCHICAL_CAPABLE, "0 when this process cannot run hierarchical mode, else 1.", registry=r
+        )
+        self.m_hierarchical_capable.set_function(lambda: 1.0 if self.hierarchical_capable else 0.0)
         self.adaptive = False  # see wire.metric_names.ADAPTIVE
         self.m_adaptive = Gauge(
             wm.ADAPTIVE, "1 when the optimizer normalises its steps by the gradients' running RMS, else 0.", registry=r
@@ -371,6 +376,7 @@ class Telemetry:
                 gradient_stat_steps=self.gradient.steps,
                 computing=self.computing,
                 async_capable=self.async_capable,
+                hierarchical_capable=self.hierarchical_capable,
                 adaptive_optimizer=self.adaptive,
                 switches=list(self.switches),
                 done=self.done,

@@ -5,7 +5,7 @@
 
     dist.init_process_group("gloo")
     model = DDP(net)
-    session = adapt.start(model, save=save_fn, load=load_fn)   # resumes: load_fn(newest checkpoint)
+    session = adapt.start(model, optimizer=opt, save=save_fn, load=load_fn)  # resumes: load_fn(newest)
     loader = session.loader(dataset, batch_size=32)            # this rank's share of the global batch
     for epoch in range(loader.epoch, epochs):
         for x, y in loader:
@@ -24,6 +24,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
@@ -42,6 +43,7 @@ log = logging.getLogger("sgdjob_trainer.adapt")
 def start(
     model: Any = None,
     *,
+    optimizer: torch.optim.Optimizer | None = None,
     save: Callable[[str], None] | None = None,
     load: Callable[[str], None] | None = None,
     checkpoint_dir: str | None = None,
@@ -52,7 +54,8 @@ def start(
     weighs and times. `save(path)` writes the script's state to `path` (rank 0), `load(path)` reads it
     back (every rank, at once here when a checkpoint exists). The job's training.checkpoint gives
     the directory and interval; `checkpoint_dir`/`checkpoint_every` serve plain torchrun and a job
-    without one."""
+    without one. `optimizer`: the script's, whose state leaving hierarchical mode averages over the
+    ranks; without it a command for hierarchical is refused (the script runs sync)."""
     info = WorldInfo.from_env()
     if dist.is_initialized():  # the group the script made is the world, whatever the environment says
         info = dataclasses.replace(info, rank=dist.get_rank(), world_size=dist.get_world_size())
@@ -62,7 +65,8 @@ def start(
     config = read_run_config(os.environ)
     chosen = settings(config, checkpoint_dir, checkpoint_every)
     port = metrics_port(chosen.training, info.local_rank)
-    session = Session(info, chosen, Comm.for_world(info.world_size), save=save, load=load, port=port)
+    comm = Comm.for_world(info.world_size)
+    session = Session(info, chosen, comm, save=save, load=load, optimizer=optimizer, port=port)
     if isinstance(model, DistributedDataParallel):
         session.attach(model)
     elif model is not None and info.world_size > 1:

@@ -30,6 +30,14 @@ class Comm:
         dist.broadcast_object_list(holder, src=0, group=self.group)
         return holder[0]
 
+    def all_gather(self, obj: Any) -> list[Any]:
+        """Every rank's `obj` (picklable), rank 0's first."""
+        if self.group is None:
+            return [obj]
+        out: list[Any] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
     def all_max(self, values: list[int]) -> list[int]:
         return self.start_round(values)()
 

@@ -9,6 +9,8 @@ DDP's own averaging allreduce.
   backward compute is done then; gloo runs a group's allreduces in order, so that one finishes
   last) and when it completes: the difference is the rank's wait in the exchange, the rest of the
   step is its compute. On GPUs (nccl) the completion is noted when the allreduce's future completes.
+- Groups: in hierarchical (hierarchy.py) the allreduce runs over the rank's group only, and a rank
+  alone in its group keeps its own gradient.
 """
 
 # No `from __future__ import annotations`: DDP compares the hook's annotations with its own classes.
@@ -27,7 +29,8 @@ class Exchange:
     """The hook's state: the weight of this rank's gradient and the seconds waited since `take_wait`."""
 
     def __init__(self, model: DistributedDataParallel, on_computed: Callable[[], None]) -> None:
-        self.group: dist.ProcessGroup = model.process_group
+        self.world: dist.ProcessGroup = model.process_group
+        self.group: dist.ProcessGroup | None = self.world  # None: alone in its hierarchical group
         self.on_computed = on_computed
         self.weight = 1.0
         self._waited = 0.0
@@ -50,6 +53,10 @@ def _hook(state: Exchange, bucket: GradBucket) -> torch.futures.Future[torch.Ten
     last = bucket.is_last()
     if last:
         state.on_computed()
+    if state.group is None:
+        alone: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        alone.set_result(bucket.buffer())
+        return alone
     launched = time.perf_counter()
     future = default_hooks.allreduce_hook(state.group, bucket)
     if not last:

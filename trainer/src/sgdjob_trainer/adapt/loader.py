@@ -55,8 +55,11 @@ class AdaptiveLoader:
         self.position = position  # after the last batch handed out
         self._schedule = Schedule.starting(split, position.batch)
         self._on_fetch, self._on_batch = on_fetch, on_batch
-        # Per batch cut and not yet handed out: the position after it, its size and gradient weight.
-        self._cut_ahead: deque[tuple[Position, int, float]] = deque()
+        # Per batch cut and not yet handed out: the position after it and its split.
+        self._cut_ahead: deque[tuple[Position, Split]] = deque()
+        # The ranks whose gradients this rank's is averaged with (None: the world; hierarchical: its
+        # group). Read at hand-out, not at the cut: a batch cut ahead may be trained after a switch.
+        self.among: tuple[int, ...] | None = None
         self._loader: DataLoader[Any] = DataLoader(dataset, batch_sampler=_Slices(self), **loader_args)
 
     @property
@@ -105,7 +108,7 @@ class AdaptiveLoader:
             if got is None:
                 return
             indices, pos = got
-            self._cut_ahead.append((pos, split.size(self.rank), split.weight(self.rank)))
+            self._cut_ahead.append((pos, split))
             yield [order[i] for i in indices]
 
     def __iter__(self) -> Iterator[Any]:
@@ -118,6 +121,6 @@ class AdaptiveLoader:
             except StopIteration:
                 self.position = next_epoch(self.position)
                 return
-            self.position, size, weight = self._cut_ahead.popleft()
-            self._on_batch(size, weight)
+            self.position, split = self._cut_ahead.popleft()
+            self._on_batch(split.size(self.rank), split.weight(self.rank, self.among))
             yield batch

@@ -15,7 +15,7 @@ Torch-free, so the rules are tested without a process group.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from sgdjob_trainer.config import SyncMode
@@ -50,10 +50,12 @@ class Split:
         """Where rank's slice begins within the global batch."""
         return sum(self.sizes[:rank])
 
-    def weight(self, rank: int) -> float:
-        """The factor on rank's mean gradient before an averaging allreduce (which divides by the world
-        size), so that the average weighs every sample of the global batch alike: b_r x world / total."""
-        return self.sizes[rank] * self.world / self.total
+    def weight(self, rank: int, among: Sequence[int] | None = None) -> float:
+        """The factor on rank's mean gradient before an averaging allreduce over the ranks `among` (None:
+        the world), which divides by their number, so that the average weighs every sample of their
+        batches alike: b_r x |among| / their total (a hierarchical group's gradient is its own batches')."""
+        ranks = range(self.world) if among is None else among
+        return self.sizes[rank] * len(ranks) / sum(self.sizes[r] for r in ranks)
 
     def as_dict(self) -> dict[int, int]:
         return dict(enumerate(self.sizes))
@@ -122,21 +124,29 @@ class Applied:
 
     split: Split
     refused: str | None = None
+    mode: SyncMode | None = None  # the mode to switch to (None: keep the current one)
 
 
-def apply_command(split: Split, command: ControlCommand, samples: int | None) -> Applied:
+def apply_command(split: Split, command: ControlCommand, samples: int | None, hierarchical: str | None) -> Applied:
     """What a script on the adaptation API makes of `command`, with `samples` in its epoch (None:
-    it reads its data without the session's loader, so no split can reach its data).
+    it reads its data without the session's loader, so no split can reach its data); `hierarchical`:
+    why the script cannot run hierarchical (None: it can; hierarchy.obstacle).
 
-    Sync's per-rank batch sizes are applied; what cannot be, is refused with the reason, and the
-    rest of the command still applies: a controller stores every command it sent merged into one,
-    so a part refused once comes back with every later command."""
+    The mode (sync, or hierarchical where the script can) and the per-rank batch sizes are applied;
+    what cannot be, is refused with the reason, and the rest of the command still applies: a
+    controller stores every command it sent merged into one, so a part refused once comes back with
+    every later command."""
     refused: list[str] = []
-    if command.mode is not None and command.mode != SyncMode.SYNC:
+    mode = command.mode
+    if mode == SyncMode.ASYNC:
         refused.append(
-            f"mode {command.mode.value} refused: a script on the adaptation API runs sync only "
-            "(hierarchical and async are not implemented for scripts yet)"
+            "mode async refused: a script on the adaptation API runs sync or hierarchical; async needs a "
+            "parameter server that owns the optimizer step, and the script's optimizer.step() is its own"
         )
+        mode = None
+    elif mode == SyncMode.HIERARCHICAL and hierarchical is not None:
+        refused.append(f"mode hierarchical refused: {hierarchical}")
+        mode = None
     sizes = command.batch_sizes or {}
     if sizes and samples is None:
         refused.append("batch sizes refused: the script reads its data without session.loader(), which cuts the split")
@@ -151,7 +161,7 @@ def apply_command(split: Split, command: ControlCommand, samples: int | None) ->
             )
         else:
             split = wanted
-    return Applied(split, "; ".join(refused) or None)
+    return Applied(split, "; ".join(refused) or None, mode)
 
 
 def prefetch_lag(num_workers: int, prefetch_factor: int | None) -> int:

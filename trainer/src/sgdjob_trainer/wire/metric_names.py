@@ -41,6 +41,10 @@ COMPUTING = "sgdjob_computing"
 # 0 when the job's optimizer keeps state async mode cannot shard (optim.async_obstacle): the policy
 # then never proposes async. 1 otherwise (as far as is known yet).
 ASYNC_CAPABLE = "sgdjob_async_capable"
+# 0 when the process cannot run hierarchical mode (a script on the adaptation API that gave adapt.start
+# no optimizer, or whose DDP model would tie the groups together: adapt.hierarchy.obstacle): the
+# policy then never proposes hierarchical. 1 otherwise (SGDJob's own trainer always).
+HIERARCHICAL_CAPABLE = "sgdjob_hierarchical_capable"
 # 1 when the job's optimizer normalises its steps by the gradients' running root-mean-square (Adam,
 # RMSprop, Adagrad; optim.adaptive). Its step then shrinks as an update's gradient gets noisier, so
 # the policy weighs an update over fewer samples (one async worker's, one group's) by the measured

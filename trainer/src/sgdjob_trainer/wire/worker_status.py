@@ -101,6 +101,7 @@ class WorkerStatus(WireDocument):
     stalled_seconds: float | None = None
     computing: bool = False
     async_capable: bool = True  # see metric_names.ASYNC_CAPABLE
+    hierarchical_capable: bool = True  # see metric_names.HIERARCHICAL_CAPABLE
     adaptive_optimizer: bool = False  # see metric_names.ADAPTIVE
     # Moving averages over the steps of the current mode (sgdjob_trainer.gradient_stats); absent until known.
     gradient_stat_steps: int = 0

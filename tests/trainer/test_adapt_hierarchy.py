@@ -1,0 +1,169 @@
+"""A script on the adaptation API follows `mode: hierarchical` and back to sync, on 4 real torchrun
+ranks (gloo, loopback) that claim two nodes of two ranks each, rank 3 an EMULATED straggler (it
+sleeps 16x longer a step). The commands go to rank 0's /control, as a controller sends them.
+
+Checked from the JSON line each rank writes a step (hierarchy_script.py): inside a node's group the
+ranks hold the same parameters at every step while the groups drift apart between the averaging
+rounds; a checkpoint taken in hierarchical, the switch back and every sync step after it leave every
+rank with the same parameters and momentum; the fast group ran ahead of the straggler by more than a
+step (no world agreement a step) and by no more than the staleness bound; /status says the mode."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from statistics import median
+from typing import Any
+
+import pytest
+import torch
+
+from sgdjob_trainer.config import Adaptation, Checkpoint, HierarchicalConfig, TrainingConfig
+from sgdjob_trainer.wire.launch_contract import RunConfig
+from tests.trainer.two_ranks import REPO
+
+pytestmark = pytest.mark.multiproc
+
+SCRIPT = Path(__file__).with_name("hierarchy_script.py")
+EVERY, STALENESS, CHECKPOINT_EVERY = 3, 1, 10
+SLOW, FAST = 0.08, 0.005
+TOKEN = "hierarchy-test-token"
+
+
+def _free_ports(count: int) -> int:
+    """A base port with `count` free ports from it (each rank serves base + its local rank)."""
+    for _ in range(50):
+        base = random.randint(20000, 40000)
+        try:
+            for port in range(base, base + count):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError("no free ports")
+
+
+def _get(port: int) -> dict[str, Any] | None:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/status", timeout=2) as resp:
+            doc: dict[str, Any] = json.loads(resp.read())
+            return doc
+    except OSError:
+        return None
+
+
+def _post(port: int, command: dict[str, Any]) -> None:
+    body = json.dumps(command).encode()
+    headers = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/control", body, headers, method="POST")
+    with urllib.request.urlopen(request, timeout=5) as resp:
+        assert resp.status == 202
+
+
+def _until(proc: subprocess.Popen[str], deadline: float, ready: Any) -> Any:
+    while time.monotonic() < deadline:
+        got = ready()
+        if got:
+            return got
+        assert proc.poll() is None, "the world ended before the test sent its commands"
+        time.sleep(0.05)
+    raise AssertionError("timed out")
+
+
+def _all_in(base: int, mode: str) -> list[dict[str, Any]] | None:
+    """Every rank's /status, once every rank serves `mode`."""
+    statuses = [_get(base + r) for r in range(4)]
+    ready = [s for s in statuses if s is not None and s["mode"] == mode]
+    return ready if len(ready) == len(statuses) else None
+
+
+def _lines(out: Path, rank: int) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (out / f"rank{rank}.jsonl").read_text().splitlines()]
+
+
+def _lead(fast: list[dict[str, Any]], slow: list[dict[str, Any]], steps: range) -> list[int]:
+    """For each of the fast rank's `steps`: how many steps it was ahead of the slow rank's finished ones."""
+    times = [r["t"] for r in slow]
+    return [r["step"] - sum(t <= r["t"] for t in times) for r in fast if r["step"] in steps]
+
+
+def test_a_script_runs_hierarchical_in_node_groups_and_comes_back_to_one_model(tmp_path: Path) -> None:
+    training = TrainingConfig(
+        command=["python", SCRIPT.name],
+        adaptation=Adaptation.API,
+        batch_size=8,
+        hierarchical=HierarchicalConfig(average_every=EVERY, staleness=STALENESS),
+        checkpoint=Checkpoint(dir=str(tmp_path / "ckpt"), interval_steps=CHECKPOINT_EVERY, keep=100),
+    )
+    config = tmp_path / "run-config.json"
+    config.write_text(RunConfig(job_name="hier-test", training=training).model_dump_json(by_alias=True))
+    base = _free_ports(4)
+    path = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
+    env = {**os.environ, "SGDJOB_RUN_CONFIG": str(config), "SGDJOB_METRICS_PORT": str(base)}
+    env |= {"SGDJOB_CONTROL_TOKEN": TOKEN, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+    args = ["--out", str(tmp_path), "--slow-rank", "3", "--slow-seconds", str(SLOW), "--step-seconds", str(FAST)]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", str(SCRIPT)]
+    proc = subprocess.Popen(
+        [*command, *args], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        deadline = time.monotonic() + 50
+        _until(proc, deadline, lambda: (s := _get(base)) is not None and s["step"] >= 6)
+        _post(base, {"epoch": 1, "mode": "hierarchical", "reason": "test: by node"})
+        statuses = _until(proc, deadline, lambda: _all_in(base, "hierarchical"))
+        entered = max(s["step"] for s in statuses)
+        _until(proc, deadline, lambda: (s := _get(base + 3)) is not None and s["step"] >= entered + 24)
+        _post(base, {"epoch": 2, "mode": "sync", "reason": "test: back"})
+        output, _ = proc.communicate(timeout=max(deadline - time.monotonic(), 1))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, output[-4000:]
+    assert all(s["hierarchicalCapable"] and s["controlEpoch"] == 1 for s in statuses), statuses
+    assert "hierarchical at step" in output and "groups [[0, 1], [2, 3]]" in output, output[-4000:]
+
+    ranks = [_lines(tmp_path, r) for r in range(4)]
+    modes = [[line["mode"] for line in lines] for lines in ranks]
+    assert all(m == modes[0] for m in modes), "every rank switches at the same step, both ways"
+    hier = [line["step"] for line in ranks[0] if line["mode"] == "hierarchical"]
+    first, back = hier[0], hier[-1] + 1  # the step of each switch's boundary (its line: the new mode)
+    assert hier == list(range(first, back)) and modes[0][back - 1] == "sync"
+    by_step = [{line["step"]: line for line in lines} for lines in ranks]
+
+    def same(step: int, a: int, b: int, key: str = "params") -> bool:
+        return bool(by_step[a][step][key] == by_step[b][step][key])
+
+    # (a) Each node's group steps one model; the groups differ between rounds.
+    inside = range(first + 1, back)
+    assert all(same(k, 0, 1) and same(k, 2, 3) for k in inside)
+    assert sum(not same(k, 0, 2) for k in inside) > len(inside) // 2
+
+    # (b) A checkpoint in hierarchical holds the merged model every rank continues from; back in sync
+    # every rank holds the same parameters and momentum at every step, and at the end.
+    merged = [k for k in inside if k % CHECKPOINT_EVERY == 0]
+    assert merged and all(same(k, 0, r) and same(k, 0, r, "momentum") for k in merged for r in (1, 2, 3))
+    saved = torch.load(tmp_path / "ckpt" / f"step-{merged[0]:010d}" / "checkpoint.pt")["model"]
+    flat = torch.cat([saved["weight"].flatten(), saved["bias"].flatten()]).tolist()
+    assert flat == by_step[0][merged[0]]["params"]
+    after = [k for k in by_step[0] if k >= back]
+    assert len(after) >= 6 and all(same(k, 0, r) and same(k, 0, r, "momentum") for k in after for r in (1, 2, 3))
+    finals = [json.loads((tmp_path / f"final{r}.json").read_text()) for r in range(4)]
+    assert all(f == finals[0] for f in finals)
+
+    # (c) The fast group did not wait for the straggler a step: it ran rounds ahead, within the bound,
+    # and most of its steps took a fast step's time, where in sync every step took the straggler's.
+    leads = _lead(ranks[0], ranks[3], inside)
+    assert EVERY <= max(leads) <= (STALENESS + 1) * EVERY + 1, leads
+    assert max(_lead(ranks[0], ranks[3], range(1, first))) <= 1
+    gaps = {k: by_step[0][k]["t"] - by_step[0][k - 1]["t"] for k in range(2, len(by_step[0]))}
+    assert median(gaps[k] for k in inside if k > first + 1) < SLOW / 2, gaps
+    assert median(gaps[k] for k in range(2, first)) > SLOW * 0.9, gaps
