@@ -50,6 +50,8 @@ class Harness:
     mode_gradients: dict[str, GradientSignal] = field(default_factory=dict)
     # What every rank says of its optimizer: False when it cannot be sharded for async mode.
     async_capable: bool | None = None
+    # What every rank says of hierarchical: False when it cannot run it (a script on the adaptation API).
+    hierarchical_capable: bool | None = None
     adaptive_optimizer: bool | None = None
     # Seconds of every step that do not grow with the batch, by rank (speeds are then the rates of
     # the part that does); empty: steps proportional to the batch.
@@ -127,6 +129,7 @@ class Harness:
                 staleness=1.0 if self.active == "async" else 0.0,
                 gradient=gradient,
                 async_capable=self.async_capable,
+                hierarchical_capable=self.hierarchical_capable,
                 adaptive_optimizer=self.adaptive_optimizer,
             )
             for r, k in enumerate(self.counters)

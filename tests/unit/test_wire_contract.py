@@ -85,6 +85,7 @@ def test_the_trainers_metrics_give_the_policy_every_field_it_reads() -> None:
         stalled_seconds=sample.stalled_seconds,
         computing=False,
         async_capable=True,
+        hierarchical_capable=True,
         adaptive_optimizer=True,
     )
     assert sample.stalled_seconds is not None and 0 <= sample.stalled_seconds <= after
@@ -94,6 +95,8 @@ def test_the_trainers_metrics_give_the_policy_every_field_it_reads() -> None:
     assert unset == [], "every field the policy reads comes from the trainer's metrics"
     telemetry.async_capable = False  # an optimizer async mode cannot shard
     assert parse_metrics(telemetry.render_metrics().decode(), time=51.0).async_capable is False
+    telemetry.hierarchical_capable = False  # a script on the adaptation API that cannot run hierarchical
+    assert parse_metrics(telemetry.render_metrics().decode(), time=51.0).hierarchical_capable is False
     window = measure({}, [sample], world_size=3)
     assert window.gradient_bytes == nbytes and window.world_size == 3
 

@@ -265,7 +265,8 @@ class TrainingConfig(CamelModel):
             description=(
                 "With command: `api` when the script uses SGDJob's adaptation API (sgdjob_trainer.adapt): it "
                 "reports its steps and follows the per-rank batch split, agreed stops and checkpoints, so the "
-                "policy may rebalance it (sync only: no mode switches); batchSize is its per-rank batch. "
+                "policy may rebalance it, and switch it between sync and hierarchical where the script gives "
+                "adapt.start its optimizer (never async); batchSize is its per-rank batch. "
                 "`none` (the default) runs it as written."
             )
         ),

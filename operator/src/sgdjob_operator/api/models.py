@@ -338,8 +338,8 @@ class SGDJobSpec(CamelModel):
         if self.training.on_adaptation_api and self.mode not in (JobMode.AUTO, JobMode.SYNC):
             raise cross_field_error(
                 "mode",
-                f"a script on the adaptation API (training.adaptation: api) runs sync, not {self.mode.value}: "
-                "set mode to sync, or auto to let the policy rebalance it",
+                f"a script on the adaptation API (training.adaptation: api) starts in sync, not {self.mode.value}: "
+                "set mode to sync, or auto to let the policy rebalance it or switch it to hierarchical",
             )
         emulation = self.training.emulation
         if emulation is not None and emulation.cpu_limits is not None and len(emulation.cpu_limits) != self.replicas:

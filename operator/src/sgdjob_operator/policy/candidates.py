@@ -66,6 +66,9 @@ class DecisionContext:
     async_ok: bool = True
     # Seconds of a step that do not grow with the batch, for the ranks whose fit tells (speeds.py).
     fixed: Mapping[int, float] = field(default_factory=dict)
+    # False when some rank cannot run hierarchical (a script on the adaptation API that cannot): no
+    # hierarchical candidate.
+    hierarchical_ok: bool = True
 
     def sync_steps(self) -> dict[int, StepTime]:
         """The ranks' step-time models at their measured speeds and current batches, for the sync
@@ -207,7 +210,7 @@ def build(ctx: DecisionContext) -> list[Candidate]:
                 )
             )
         groups = speed_groups(ctx.speeds, view.policy.recover_threshold, group_size_target(len(ctx.speeds)))
-        if len(groups) > 1:
+        if len(groups) > 1 and ctx.hierarchical_ok:
             hb = paced_group_batches(ctx.speeds, groups, total, caps) if view.allows(Action.REBALANCE) else plain
             frozen = tuple(tuple(g) for g in groups)
             hb_out = hb if hb != plain or unequal else None

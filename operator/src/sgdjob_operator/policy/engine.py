@@ -152,9 +152,10 @@ def evaluate(state: PolicyState, samples: Sequence[WorkerSample], job: JobView, 
         job.ps_shards,
     )
     async_ok = all(s.async_capable is not False for s in window.latest.values())
+    hierarchical_ok = all(s.hierarchical_capable is not False for s in window.latest.values())
     fixed = {r: v for r, v in health.fixed_seconds().items() if r in speeds}
     measured_stale = sum(stale) / len(stale) if stale else None
-    ctx = DecisionContext(health, job, speeds, nodes, pods, ci, measured_stale, async_ok, fixed)
+    ctx = DecisionContext(health, job, speeds, nodes, pods, ci, measured_stale, async_ok, fixed, hierarchical_ok)
     current = predict_current(ctx)
     useful = window_useful(window, health.throughput, current, efficiency, job.mode, MEASURE_WAIT_STEPS)
     new_shape = a.shape_key != state.shape

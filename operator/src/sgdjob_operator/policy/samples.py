@@ -51,5 +51,8 @@ class WorkerSample:
     computing: bool | None = None
     # False when the process's optimizer cannot run in async mode (None: not said).
     async_capable: bool | None = None
+    # False when the process cannot run hierarchical (a script on the adaptation API without what it
+    # needs: adapt.hierarchy.obstacle); None: not said.
+    hierarchical_capable: bool | None = None
     # True when the process's optimizer normalises its steps by the gradients' RMS (None: not said).
     adaptive_optimizer: bool | None = None

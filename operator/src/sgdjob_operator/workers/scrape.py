@@ -149,6 +149,7 @@ def parse_metrics(text: str, *, time: float, endpoint: Endpoint | None = None) -
         stalled_seconds=_finite(_first(series, wm.STALLED_SECONDS)),
         computing=None if (c := _finite(_first(series, wm.COMPUTING))) is None else c >= 0.5,
         async_capable=None if (a := _finite(_first(series, wm.ASYNC_CAPABLE))) is None else a >= 0.5,
+        hierarchical_capable=None if (h := _finite(_first(series, wm.HIERARCHICAL_CAPABLE))) is None else h >= 0.5,
         adaptive_optimizer=None if (d := _finite(_first(series, wm.ADAPTIVE))) is None else d >= 0.5,
         gradient=gradient_signal(
             _finite(_first(series, wm.GRADIENT_STAT_STEPS)),
@@ -207,6 +208,7 @@ def sample_from_status(status: WorkerStatus, *, time: float, endpoint: Endpoint 
         stalled_seconds=_finite(status.stalled_seconds),
         computing=status.computing,
         async_capable=status.async_capable,
+        hierarchical_capable=status.hierarchical_capable,
         adaptive_optimizer=status.adaptive_optimizer,
         gradient=gradient_signal(
             status.gradient_stat_steps,

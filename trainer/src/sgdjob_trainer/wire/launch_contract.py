@@ -36,8 +36,8 @@ EXIT_COMMAND_NOT_FOUND = 127
 COMMAND_MODE_NOTE = "command mode: the script does not report to SGDJob; mode switches and rebalancing are off"
 # Command mode with training.adaptation: api: the script reports through sgdjob_trainer.adapt.
 ADAPTATION_API_NOTE = (
-    "adaptation API: the script reports to SGDJob; per-rank rebalancing and agreed stops are on, "
-    "mode switches off (the API runs sync only)"
+    "adaptation API: the script reports to SGDJob; per-rank rebalancing, agreed stops and sync <-> "
+    "hierarchical switches are on (hierarchical where the script gives adapt.start its optimizer), async off"
 )
 
 # The environment a trainer process reads, besides torchrun's own (RANK, WORLD_SIZE, ...).
