@@ -28,6 +28,7 @@ default group never interleave with a round in flight.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -38,10 +39,13 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.nn.utils import parameters_to_vector
 
+from sgdjob_trainer.adapt.comm import Comm
 from sgdjob_trainer.adapt.ddp import Exchange
 from sgdjob_trainer.config import GroupBy, HierarchicalConfig
 from sgdjob_trainer.optim import average_state, flat_state
 from sgdjob_trainer.strategies.hierarchical import group_by_node, group_by_speed, valid_groups
+
+log = logging.getLogger("sgdjob_trainer.adapt")
 
 
 def obstacle(model: DistributedDataParallel | None, optimizer: torch.optim.Optimizer | None) -> str | None:
@@ -119,6 +123,14 @@ class Subgroups:
         return self._get(())
 
 
+def gather_groups(
+    comm: Comm, node: str, speed: float, given: Sequence[Sequence[int]] | None, config: HierarchicalConfig
+) -> list[list[int]]:
+    """Collective: `choose_groups` with every rank's node and measured speed."""
+    seen = comm.all_gather((node, speed))
+    return choose_groups(given, config, [n for n, _ in seen], [s for _, s in seen])
+
+
 @dataclass(frozen=True, slots=True)
 class RoundOutcome:
     """What the rounds consumed at a step carried: seconds waited, the newest control epoch, a stop."""
@@ -148,6 +160,12 @@ class Hierarchy:
         self.every, self.staleness = config.average_every, config.staleness
         exchange.group = subgroups.exchange_group(groups, rank, exchange.world)
         self.rounds = subgroups.rounds()
+        log.info(
+            "hierarchical: groups %s, model average every %d steps, at most %d rounds behind",
+            groups,
+            self.every,
+            self.staleness,
+        )
         self.world = dist.get_world_size(self.rounds)
         self.numel = sum(p.numel() for p in self.params)
         self.local_steps = 0

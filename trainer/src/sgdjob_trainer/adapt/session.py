@@ -44,7 +44,7 @@ from torch.utils.data import Dataset
 from sgdjob_trainer.adapt import checkpoints
 from sgdjob_trainer.adapt.comm import Comm
 from sgdjob_trainer.adapt.ddp import Exchange
-from sgdjob_trainer.adapt.hierarchy import Hierarchy, RoundOutcome, Subgroups, choose_groups, obstacle
+from sgdjob_trainer.adapt.hierarchy import Hierarchy, RoundOutcome, Subgroups, gather_groups, obstacle
 from sgdjob_trainer.adapt.loader import OWN_ARGUMENTS, AdaptiveLoader
 from sgdjob_trainer.adapt.settings import Settings
 from sgdjob_trainer.adapt.split import Position, Split, apply_command, prefetch_lag
@@ -267,10 +267,9 @@ class Session:
         self.telemetry.set_control_epoch(command.epoch, applied.refused)
         self.telemetry.set_batch_size(self.split.size(self.info.rank))
         log.info(
-            "control epoch %d at step %d: mode %s, batch sizes %s (%s)",
+            "control epoch %d at step %d: batch sizes %s (%s)",
             command.epoch,
             self.step_count,
-            self.telemetry.mode.value,
             self.split.as_dict(),
             command.reason or "no reason given",
         )
@@ -283,9 +282,9 @@ class Session:
             if self.hierarchy is not None:
                 self._leave_hierarchical(reason)
             return
-        nodes_speeds = self.comm.all_gather((self.info.node, self.telemetry.summary()["speedSamplesPerS"]))
         config = self.settings.training.hierarchical
-        groups = choose_groups(given, config, [n for n, _ in nodes_speeds], [v for _, v in nodes_speeds])
+        speed = float(self.telemetry.summary()["speedSamplesPerS"])
+        groups = gather_groups(self.comm, self.info.node, speed, given, config)
         if self.hierarchy is not None:
             if groups == self.hierarchy.groups:
                 return
@@ -295,8 +294,7 @@ class Session:
         self.hierarchy = Hierarchy(self.model, self.optimizer, self.exchange, groups, config, self.subgroups)
         self._regroup_loader()
         self.telemetry.record_switch(SyncMode.SYNC, mode, self.step_count, time.perf_counter() - start, reason)
-        log.info("hierarchical at step %d: groups %s, model average every %d steps, at most %d rounds behind",
-                 self.step_count, groups, config.average_every, config.staleness)  # fmt: skip
+        log.info("hierarchical at step %d: groups %s (%s)", self.step_count, groups, reason)
 
     def _leave_hierarchical(self, reason: str) -> None:
         assert self.hierarchy is not None
