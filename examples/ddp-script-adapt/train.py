@@ -62,6 +62,7 @@ def main() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
     session = adapt.start(
         model,
+        optimizer=optimizer,  # leaving hierarchical averages its state over the ranks
         save=lambda path: save_checkpoint(path, model.module, optimizer),
         load=lambda path: load_checkpoint(path, model.module, optimizer),
         checkpoint_dir=args.checkpoint,
