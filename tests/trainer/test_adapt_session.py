@@ -5,6 +5,7 @@ one-process gloo group."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import urllib.request
@@ -65,10 +66,15 @@ def sessions() -> Iterator[list[Session]]:
             session.server.stop()
 
 
-def _session(made: list[Session], chosen: Settings, script: Script | None = None) -> Session:
+def _session(made: list[Session], chosen: Settings, script: Script | None = None, optimizer: bool = False) -> Session:
+    """`optimizer`: attached to a one-rank DDP model with its optimizer (needs a process group)."""
     s = script or Script()
-    session = Session(INFO, chosen, Comm(None), save=s.save, load=s.load, port=0)
+    model = DistributedDataParallel(nn.Linear(4, 1)) if optimizer else None
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9) if model is not None else None
+    session = Session(INFO, chosen, Comm(None), save=s.save, load=s.load, optimizer=sgd, port=0)
     made.append(session)
+    if model is not None:
+        session.attach(model)
     return session
 
 
@@ -229,8 +235,10 @@ def test_hierarchical_is_refused_naming_what_would_tie_the_groups_together(tmp_p
         assert obstacle(plain, sgd) is None
         assert "adapt.start(optimizer=...) was not given" in (obstacle(plain, None) or "")
         normed = DistributedDataParallel(nn.Sequential(nn.Linear(4, 2), nn.BatchNorm1d(2)))
-        assert "broadcast_buffers=False" in (obstacle(normed, sgd) or "")
-        quiet = DistributedDataParallel(nn.Sequential(nn.Linear(4, 2), nn.BatchNorm1d(2)), broadcast_buffers=False)
+        assert "forward_sync_buffers=False" in (obstacle(normed, sgd) or "")
+        newer = "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters  # torch >= 2.13
+        no_sync: dict[str, Any] = {"forward_sync_buffers" if newer else "broadcast_buffers": False}
+        quiet = DistributedDataParallel(nn.Sequential(nn.Linear(4, 2), nn.BatchNorm1d(2)), **no_sync)
         assert obstacle(quiet, sgd) is None
         unused = DistributedDataParallel(nn.Linear(4, 1), find_unused_parameters=True)
         assert "find_unused_parameters" in (obstacle(unused, sgd) or "")
@@ -239,4 +247,34 @@ def test_hierarchical_is_refused_naming_what_would_tie_the_groups_together(tmp_p
         session.attach(plain)
         assert session.telemetry.hierarchical_capable is True
     finally:
+        dist.destroy_process_group()
+
+
+def test_a_stop_in_hierarchical_checkpoints_its_groups_and_the_next_life_resumes_in_it(tmp_path: Path) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    made: list[Session] = []
+    try:
+        first = _session(made, _settings(tmp_path / "ckpt"), optimizer=True)
+        loader = first.loader(DATA, batch_size=8, shuffle=False)
+        assert first.inbox is not None and _status(first)["hierarchicalCapable"] is True
+        first.inbox.offer(ControlCommand(epoch=1, mode="hierarchical", groups=[[0]], reason="test: hier"))
+        _train(first, loader, 2)
+        status = _status(first)
+        assert (status["mode"], status["controlEpoch"], status.get("controlError")) == ("hierarchical", 1, None)
+        first.stopping.set()
+        with pytest.raises(SystemExit):
+            _train(first, loader, 16)
+        # The stop rode the round of the 4th step in hierarchical (averageEvery 4), which every rank
+        # consumes staleness (2) rounds later: at its 12th, step 2 + 12. No round ran in between.
+        meta = json.loads(next((tmp_path / "ckpt").glob("step-*/meta.json")).read_text())
+        assert meta["session"]["groups"] == [[0]] and meta["step"] == 14
+
+        resumed = _session(made, _settings(tmp_path / "ckpt"), optimizer=True)
+        assert _status(resumed)["mode"] == "hierarchical" and resumed.applied_epoch == 1
+        resumed.finish()
+        assert resumed.telemetry.mode.value == "sync", "finishing merges every rank to one model: sync"
+    finally:
+        for session in made:
+            if session.server is not None:
+                session.server.stop()
         dist.destroy_process_group()

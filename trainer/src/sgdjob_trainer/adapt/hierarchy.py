@@ -63,8 +63,9 @@ def obstacle(model: DistributedDataParallel | None, optimizer: torch.optim.Optim
         return f"its optimizer's state cannot be averaged over the ranks: {err}"
     if model.will_sync_module_buffers():  # type: ignore[no-untyped-call]  # torch leaves it unannotated
         return (
-            "the DistributedDataParallel model broadcasts its buffers from rank 0 over the world at every forward "
-            "(broadcast_buffers=True), which would tie the groups together again: make it with broadcast_buffers=False"
+            "the DistributedDataParallel model broadcasts its buffers from rank 0 over the world at every forward, "
+            "which would tie the groups together again: make it with forward_sync_buffers=False "
+            "(broadcast_buffers=False before torch 2.13)"
         )
     if model.find_unused_parameters:
         return (

@@ -15,10 +15,11 @@ SGDJob runs the script, agrees with the other ranks on what happens at this step
   rank writes its report and the process exits 143, as the trainer does, so torchrun restarts
   the world from the checkpoint instead of counting the stop as success.
 - Every `intervalSteps` steps rank 0 writes a checkpoint (in sync every rank passes every step).
-- A `mode: hierarchical` command (hierarchy.py): the hook allreduces within the rank's group, the
-  model is averaged across groups every averageEvery steps, and the agreement above rides those
-  rounds instead of running every step; leaving it, a checkpoint, the stop and `finish()` merge
-  every rank to one model and optimizer state first.
+- A `mode: hierarchical` command (modes.py, hierarchy.py): the hook allreduces within the rank's
+  group, the model is averaged across groups every averageEvery steps, and the agreement above
+  rides those rounds instead of running every step; leaving it, a checkpoint, the stop and
+  `finish()` merge every rank to one model and optimizer state first. A checkpoint taken in
+  hierarchical resumes in it, with its groups where the new world still has them.
 
 Under plain torchrun (no run-config from SGDJob) it serves telemetry only and says so once:
 no control, no agreed stop; checkpoints only when the script passes a directory.
@@ -44,8 +45,9 @@ from torch.utils.data import Dataset
 from sgdjob_trainer.adapt import checkpoints
 from sgdjob_trainer.adapt.comm import Comm
 from sgdjob_trainer.adapt.ddp import Exchange
-from sgdjob_trainer.adapt.hierarchy import Hierarchy, RoundOutcome, Subgroups, gather_groups, obstacle
+from sgdjob_trainer.adapt.hierarchy import RoundOutcome
 from sgdjob_trainer.adapt.loader import OWN_ARGUMENTS, AdaptiveLoader
+from sgdjob_trainer.adapt.modes import Modes
 from sgdjob_trainer.adapt.settings import Settings
 from sgdjob_trainer.adapt.split import Position, Split, apply_command, prefetch_lag
 from sgdjob_trainer.checkpoint import check_shared, claim_dir, remove_stale
@@ -82,11 +84,8 @@ class Session:
         training = settings.training
         self.telemetry = Telemetry(info, SyncMode.SYNC, training.batch_size)
         self.telemetry.async_capable = False  # a script cannot run async mode: the policy never proposes it
-        self.telemetry.hierarchical_capable = False  # until attach() has a model the session can regroup
-        self.optimizer = optimizer
-        self.model: DistributedDataParallel | None = None
-        self.hierarchy: Hierarchy | None = None
-        self.subgroups = Subgroups()
+        self.modes = Modes(info, comm, self.telemetry, training.hierarchical, optimizer)
+        self._resumed_groups: list[list[int]] | None = None  # a checkpoint taken in hierarchical
         self.telemetry.restart_count = info.restart_count
         self.inbox = ControlInbox() if info.rank == 0 and settings.managed else None
         self.server: TrainerServer | None = None
@@ -126,9 +125,11 @@ class Session:
         if self.exchange is not None:
             raise RuntimeError("the session is attached to a model already")
         self.exchange = Exchange(model, self._computed)  # weight 1 until the loader hands out a batch
-        self.model = model
-        self.telemetry.hierarchical_capable = obstacle(model, self.optimizer) is None
+        self.modes.attach(model, self.exchange)
         self.telemetry.set_gradient_bytes(exchange_bytes(list(model.parameters()), Compression.NONE))
+        if self._resumed_groups is not None and self.modes.obstacle() is None:
+            # The stored command's epoch counts as applied: no controller re-sends it.
+            self.modes.switch(SyncMode.HIERARCHICAL, self._resumed_groups, "resumed in hierarchical", self.step_count)
 
     def loader(
         self, dataset: Dataset[Any], batch_size: int, *, shuffle: bool = True, seed: int = 0, **loader_args: Any
@@ -168,7 +169,7 @@ class Session:
             **loader_args,
         )
         self.telemetry.set_batch_size(self.split.size(self.info.rank))
-        self._regroup_loader()
+        self.modes.set_loader(self.loader_made)
         return self.loader_made
 
     def step(self, loss: Any = None, samples: int | None = None) -> None:
@@ -176,7 +177,8 @@ class Session:
         rank's, by default what the loader handed out since the last step) and act at this step
         boundary. Exits the process with 143 at an agreed stop, after the checkpoint."""
         self._begin()
-        rounds = self._hierarchical_round()
+        offer = self.inbox.pending_epoch() if self.inbox is not None else 0
+        rounds = self.modes.round(offer, self.stopping.is_set())
         now = time.perf_counter()
         wall = now - (self._step_start if self._step_start is not None else self._last_end)
         wait = (self.exchange.take_wait() if self.exchange is not None else 0.0) + rounds.waited
@@ -185,7 +187,7 @@ class Session:
         if math.isnan(self.telemetry.initial_loss):
             self.telemetry.initial_loss = value  # this life's first: the report's loss from -> to
         self.step_count += 1
-        age = float(self.hierarchy.age()) if self.hierarchy is not None else 0.0
+        age = self.modes.age()
         self.telemetry.record_step(self.step_count, taken, max(wall - wait, 0.0), wait, wall, value, age)
         self.telemetry.computing = False
         self._slowest = max(self._slowest, wall)
@@ -207,8 +209,7 @@ class Session:
         if self._round is not None:
             self._round()  # every rank started it at its last step
             self._round = None
-        if self.hierarchy is not None:  # the script's model after training is one model
-            self._leave_hierarchical("training finished")
+        self.modes.leave("training finished", self.step_count)  # the script's model after training is one
         if self.settings.training.checkpoint.on_stop:
             self._checkpoint()
         self._end()
@@ -221,16 +222,9 @@ class Session:
             self.finish()
 
     # -- step boundaries ----------------------------------------------------------------------------
-    def _hierarchical_round(self) -> RoundOutcome:
-        """In hierarchical, this step's share of the cross-group rounds, which carry the agreement."""
-        if self.hierarchy is None:
-            return RoundOutcome()
-        offer = self.inbox.pending_epoch() if self.inbox is not None else 0
-        return self.hierarchy.after_step(offer, self.stopping.is_set())
-
     def _boundary(self, rounds: RoundOutcome) -> None:
         if self.settings.managed:
-            if self.hierarchy is not None or self._round is None:
+            if self.modes.hierarchical or self._round is None:
                 seen, stop = rounds.epoch, int(rounds.stop)
             else:
                 seen, stop = self._round()
@@ -241,7 +235,7 @@ class Session:
                 self._receive()
         if self.step_count - self._last_checkpoint >= self.settings.checkpoint_every:
             self._checkpoint()
-        if self.settings.managed and self.hierarchy is None:
+        if self.settings.managed and not self.modes.hierarchical:
             offer = self.inbox.pending_epoch() if self.inbox is not None else 0
             self._round = self.comm.start_round([offer, int(self.stopping.is_set())])
 
@@ -254,13 +248,15 @@ class Session:
         command = ControlCommand.model_validate(doc)
         loader = self.loader_made
         samples = loader.samples if loader is not None else None
-        applied = apply_command(self.split, command, samples, obstacle(self.model, self.optimizer))
+        why = self.modes.obstacle() if command.mode == SyncMode.HIERARCHICAL else None
+        applied = apply_command(self.split, command, samples, why)
         if applied.split != self.split:
             self.split = applied.split
             if loader is not None:
                 loader.resplit(applied.split)
         if applied.mode is not None:
-            self._switch(applied.mode, command.groups, command.reason or f"control epoch {command.epoch}")
+            reason = command.reason or f"control epoch {command.epoch}"
+            self.modes.switch(applied.mode, command.groups, reason, self.step_count)
         self.applied_epoch = command.epoch
         if self.inbox is not None:
             self.inbox.mark_applied(command.epoch)
@@ -276,41 +272,6 @@ class Session:
         if applied.refused:
             log.warning("control epoch %d: %s", command.epoch, applied.refused)
 
-    def _switch(self, mode: SyncMode, given: list[list[int]] | None, reason: str) -> None:
-        """Collective, at the agreed step: into hierarchical (or to new groups), or back to sync."""
-        if mode == SyncMode.SYNC:
-            if self.hierarchy is not None:
-                self._leave_hierarchical(reason)
-            return
-        config = self.settings.training.hierarchical
-        speed = float(self.telemetry.summary()["speedSamplesPerS"])
-        groups = gather_groups(self.comm, self.info.node, speed, given, config)
-        if self.hierarchy is not None:
-            if groups == self.hierarchy.groups:
-                return
-            self._leave_hierarchical(f"regrouped: {reason}")
-        start = time.perf_counter()
-        assert self.model is not None and self.exchange is not None and self.optimizer is not None  # obstacle()
-        self.hierarchy = Hierarchy(self.model, self.optimizer, self.exchange, groups, config, self.subgroups)
-        self._regroup_loader()
-        self.telemetry.record_switch(SyncMode.SYNC, mode, self.step_count, time.perf_counter() - start, reason)
-        log.info("hierarchical at step %d: groups %s (%s)", self.step_count, groups, reason)
-
-    def _leave_hierarchical(self, reason: str) -> None:
-        assert self.hierarchy is not None
-        start = time.perf_counter()
-        self.hierarchy.leave()
-        self.hierarchy = None
-        self._regroup_loader()
-        pause = time.perf_counter() - start
-        self.telemetry.record_switch(SyncMode.HIERARCHICAL, SyncMode.SYNC, self.step_count, pause, reason)
-        log.info("sync at step %d: every rank's model and optimizer state averaged (%s)", self.step_count, reason)
-
-    def _regroup_loader(self) -> None:
-        """The loader weighs each batch's gradient among the ranks it is averaged with."""
-        if self.loader_made is not None:
-            self.loader_made.among = tuple(self.hierarchy.my_group) if self.hierarchy is not None else None
-
     def _stop_here(self) -> None:
         """The agreed stop: every rank is at this step; rank 0 checkpoints, every rank exits 143."""
         self.finishing = True
@@ -325,11 +286,11 @@ class Session:
         self._last_checkpoint = self.step_count
         if self.checkpoint_dir is None or self.save_fn is None or not due:
             return
-        if self.hierarchy is not None:  # every rank is here at this step: save the merged model
-            self.hierarchy.merge()
+        self.modes.merge()  # in hierarchical: every rank is here at this step, and saves the merged model
         if self.info.rank != 0:
             return
         state = {"control_epoch": self.applied_epoch, "batch_sizes": self.split.as_dict(), "position": self._at()}
+        state["groups"] = self.modes.groups
         start = time.perf_counter()
         checkpoints.write(
             self.checkpoint_dir,
@@ -369,6 +330,7 @@ class Session:
         given = {int(r): int(b) for r, b in state["batch_sizes"].items()}
         self.split = Split.of(info.world_size, self.settings.training.batch_size, given)
         self.position = Position.from_dict(state["position"])
+        self._resumed_groups = state.get("groups")  # entered again at attach(), where the model is
         worlds = f"world {meta['world_size']} -> {info.world_size}"
         reason = f"resumed from the checkpoint of step {self.step_count} ({worlds})"
         self.telemetry.resumed(self.step_count, SyncMode.SYNC, reason)
