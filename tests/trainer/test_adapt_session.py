@@ -236,7 +236,7 @@ def test_hierarchical_is_refused_naming_what_would_tie_the_groups_together(tmp_p
         assert "adapt.start(optimizer=...) was not given" in (obstacle(plain, None) or "")
         normed = DistributedDataParallel(nn.Sequential(nn.Linear(4, 2), nn.BatchNorm1d(2)))
         assert "forward_sync_buffers=False" in (obstacle(normed, sgd) or "")
-        newer = "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters  # torch >= 2.13
+        newer = "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters  # 2.13 has it
         no_sync: dict[str, Any] = {"forward_sync_buffers" if newer else "broadcast_buffers": False}
         quiet = DistributedDataParallel(nn.Sequential(nn.Linear(4, 2), nn.BatchNorm1d(2)), **no_sync)
         assert obstacle(quiet, sgd) is None

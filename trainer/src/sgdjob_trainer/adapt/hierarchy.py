@@ -65,7 +65,7 @@ def obstacle(model: DistributedDataParallel | None, optimizer: torch.optim.Optim
         return (
             "the DistributedDataParallel model broadcasts its buffers from rank 0 over the world at every forward, "
             "which would tie the groups together again: make it with forward_sync_buffers=False "
-            "(broadcast_buffers=False before torch 2.13)"
+            "(broadcast_buffers=False on a torch without forward_sync_buffers)"
         )
     if model.find_unused_parameters:
         return (
