@@ -10,7 +10,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from bench.goodput_scoring import SUSTAIN, fmt_number, spread
+from bench.goodput_scoring import SUSTAIN, fmt_number, spread, spread_cell
 
 PLAIN = "torchrun"  # the user's baseline: the same script under plain torchrun, equal batches
 AUTO = "sgdjob-auto"  # the same script as an SGDJob, mode auto, on the adaptation API
@@ -117,13 +117,6 @@ def ratio(systems: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
     return {"of_medians": a / p if a is not None and p else None, "per_seed": per_seed}
 
 
-def _cell(s: Mapping[str, Any], spec: str, none: str = "—") -> str:
-    median = fmt_number(s["median"], spec) if s["median"] is not None else none
-    low = fmt_number(s["min"], spec) if s["min"] is not None else none
-    high = fmt_number(s["max"], spec) if s["max"] is not None else none
-    return f"{median} [{low}-{high}]"
-
-
 def what_auto_did(runs: Sequence[Mapping[str, Any]]) -> str:
     """Each seed's rebalances (step) and last per-rank batches, or what went wrong."""
     parts = []
@@ -154,10 +147,10 @@ def markdown_table(results: Sequence[Mapping[str, Any]]) -> str:
             errors = [f"seed {run['seed']}: {run['error']}" for run in s["runs"] if run.get("error")]
             did = what_auto_did(s["runs"]) if system == AUTO else ("ERROR " + errors[0] if errors else "equal batches")
             lines.append(
-                f"| {r['framework']} | {system} | {_cell(s['time_to_target_s'], '.1f', 'not reached')} "
+                f"| {r['framework']} | {system} | {spread_cell(s['time_to_target_s'], '.1f', 'not reached')} "
                 f"| {s['reached']}/{s['seeds']} | {', '.join(map(str, steps)) or '—'} "
-                f"| {_cell(s['loss_at_budget'], '.3f')} | {_cell(s['last_step_s'], '.1f')} "
-                f"| {_cell(s['harness_s'], '.0f')} | {did} |"
+                f"| {spread_cell(s['loss_at_budget'], '.3f')} | {spread_cell(s['last_step_s'], '.1f')} "
+                f"| {spread_cell(s['harness_s'], '.0f')} | {did} |"
             )
     lines += [
         "",

@@ -176,7 +176,8 @@ def fmt_number(value: Any, spec: str) -> str:
     return format(value, spec) if isinstance(value, int | float) and not isinstance(value, bool) else "—"
 
 
-def _cell(s: Mapping[str, Any], spec: str, none: str = "—") -> str:
+def spread_cell(s: Mapping[str, Any], spec: str, none: str = "—") -> str:
+    """A `spread` as a table cell: median [min-max], or `none` when nothing was measured."""
     if s["median"] is None and s["min"] is None:
         return none
     median = fmt_number(s["median"], spec) if s["median"] is not None else none
@@ -199,10 +200,10 @@ def markdown_table(results: Sequence[Mapping[str, Any]]) -> str:
             modes = "; ".join(sorted({", ".join(run["modes"]) or "—" for run in s["runs"]}))
             errors = [run["error"] for run in s["runs"] if run.get("error")]
             lines.append(
-                f"| {r['scenario']} | {system} | {_cell(s['time_to_target_s'], '.1f', 'not reached')} "
-                f"| {s['reached']}/{s['seeds']} | {_cell(s['accuracy_at_budget'], '.3f')} "
-                f"| {_cell(s['first_crossing_s'], '.1f', 'not reached')} "
-                f"| {_cell(s['last_accuracy_at_budget'], '.3f')} "
-                f"| {_cell(s['throughput'], '.0f')} | {'ERROR ' + errors[0] if errors else modes} |"
+                f"| {r['scenario']} | {system} | {spread_cell(s['time_to_target_s'], '.1f', 'not reached')} "
+                f"| {s['reached']}/{s['seeds']} | {spread_cell(s['accuracy_at_budget'], '.3f')} "
+                f"| {spread_cell(s['first_crossing_s'], '.1f', 'not reached')} "
+                f"| {spread_cell(s['last_accuracy_at_budget'], '.3f')} "
+                f"| {spread_cell(s['throughput'], '.0f')} | {'ERROR ' + errors[0] if errors else modes} |"
             )
     return "\n".join(lines) + "\n"
