@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +23,7 @@ from typing import Any
 import pytest
 import torch
 
+from sgdjob_operator.local.procs import free_port_blocks
 from sgdjob_trainer.config import Adaptation, Checkpoint, HierarchicalConfig, TrainingConfig
 from sgdjob_trainer.wire.launch_contract import RunConfig
 from tests.trainer.two_ranks import REPO
@@ -35,20 +34,6 @@ SCRIPT = Path(__file__).with_name("hierarchy_script.py")
 EVERY, STALENESS, CHECKPOINT_EVERY = 3, 1, 10
 SLOW, FAST = 0.08, 0.005
 TOKEN = "hierarchy-test-token"
-
-
-def _free_ports(count: int) -> int:
-    """A base port with `count` free ports from it (each rank serves base + its local rank)."""
-    for _ in range(50):
-        base = random.randint(20000, 40000)
-        try:
-            for port in range(base, base + count):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        return base
-    raise RuntimeError("no free ports")
 
 
 def _get(port: int) -> dict[str, Any] | None:
@@ -105,7 +90,8 @@ def test_a_script_runs_hierarchical_in_node_groups_and_comes_back_to_one_model(t
     )
     config = tmp_path / "run-config.json"
     config.write_text(RunConfig(job_name="hier-test", training=training).model_dump_json(by_alias=True))
-    base = _free_ports(4)
+    # Each rank serves base + its local rank: four free ports below the ephemeral range.
+    [base] = free_port_blocks(1, size=4)
     path = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
     env = {**os.environ, "SGDJOB_RUN_CONFIG": str(config), "SGDJOB_METRICS_PORT": str(base)}
     env |= {"SGDJOB_CONTROL_TOKEN": TOKEN, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
