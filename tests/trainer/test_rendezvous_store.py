@@ -17,7 +17,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from sgdjob_operator.k8s.probes import POD_PROBE_TIMEOUT_S, store_answers
+from sgdjob_operator.workers.store_probe import POD_PROBE_TIMEOUT_S, store_answers
 
 torch_distributed = pytest.importorskip("torch.distributed")
 pytestmark = pytest.mark.multiproc

@@ -1,6 +1,6 @@
 """The rendezvous store's health check, torch-free: `StoreHealth` (one set+get round trip through a
 store client per check, bounded by its timeout, one at a time), the HTTP endpoint that serves it, and
-the operator's probe of that endpoint (`probes.store_answers`: 200 answers, anything else is silence)."""
+the operator's probe of that endpoint (`store_probe.store_answers`: 200 answers, anything else is silence)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from contextlib import contextmanager
 
 import aiohttp
 
-from sgdjob_operator.k8s.probes import store_answers
+from sgdjob_operator.workers.store_probe import store_answers
 from sgdjob_trainer.rendezvous_store import HEALTH_KEY, StoreHealth, health_server
 from sgdjob_trainer.wire.launch_contract import STORE_HEALTH_PATH
 

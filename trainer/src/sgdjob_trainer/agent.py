@@ -30,9 +30,10 @@ import shutil
 import signal
 import sys
 import uuid
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import torch
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousTimeoutError
 from torch.distributed.elastic.rendezvous.utils import _parse_rendezvous_config
@@ -40,11 +41,13 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from torch.distributed.run import config_from_args, parse_args, parse_min_max_nnodes
 
 import sgdjob_trainer.trainer  # noqa: F401  (imported once here, inherited by every worker)
+from sgdjob_trainer import rendezvous_rounds
 from sgdjob_trainer.wire.launch_contract import (
     ENV_TERMINATION_LOG,
     EXIT_COMMAND_NOT_FOUND,
     EXIT_RENDEZVOUS_CLOSED,
     EXIT_RENDEZVOUS_TIMEOUT,
+    RDZV_BACKEND,
 )
 
 # Signals torchrun's agent handles; a forked worker inherits the handlers and must not keep them.
@@ -149,7 +152,7 @@ def run_command(config: LaunchConfig, program: str, argv: list[str]) -> None:
         give_up(problem, EXIT_COMMAND_NOT_FOUND)
     entrypoint, args = worker_argv(program, argv)
     try:
-        elastic_launch(config=config, entrypoint=entrypoint)(*args)
+        run_agent(config, entrypoint, *args)
     except ChildFailedError as failed:
         print(failed.format_msg(), file=sys.stderr, flush=True)  # type: ignore[no-untyped-call]
         first = failed.get_first_failure()[1]
@@ -158,6 +161,19 @@ def run_command(config: LaunchConfig, program: str, argv: list[str]) -> None:
             print(f"sgdjob agent: the program exited {code}, which the agent reserves; exiting 1", file=sys.stderr)
             code = 1
         sys.exit(code)
+
+
+def run_agent(config: LaunchConfig, entrypoint: Any, *args: str) -> None:
+    """torchrun's agent on the c10d rendezvous of `rendezvous_rounds`: rounds complete at the job's
+    intended size, and an agent stopped by a signal (its pod deleted, the node drained) leaves the
+    rendezvous before it ends, so its peers' next round need not wait for its heartbeats to lapse."""
+    if config.rdzv_backend == RDZV_BACKEND:
+        config.rdzv_backend = rendezvous_rounds.register()
+    try:
+        elastic_launch(config=config, entrypoint=entrypoint)(*args)
+    except SignalException:
+        rendezvous_rounds.leave_all()
+        raise
 
 
 @record  # as torchrun's main: a failed worker's error is printed, and the exit status is 1
@@ -186,7 +202,7 @@ def launch(argv: list[str] | None = None) -> None:
     if args.no_python:
         run_command(config, str(cmd), cmd_args)  # a program's name (config_from_args: not a callable)
         return
-    elastic_launch(config=config, entrypoint=run_module)(args.training_script, *args.training_script_args)
+    run_agent(config, run_module, args.training_script, *args.training_script_args)
 
 
 if __name__ == "__main__":

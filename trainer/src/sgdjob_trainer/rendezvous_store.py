@@ -11,6 +11,12 @@ GET `STORE_HEALTH_PATH` there, answering 200 only after a round trip through the
 client in this process sets a key and reads it back), else 503 with the reason. A stopped process
 answers nothing at all, which its prober (the operator each pass, the kubelet's probes) times out on.
 No health port is opened unless asked for: the local runner hands out its ports itself.
+
+Intended size: the operator's probe is `PUT STORE_HEALTH_PATH?nodes=N`, answered as GET is, which
+also records N, the worker pods the job wants now, under `INTENDED_NODES_KEY` in the store (written
+by the health check's own round trip, when it changed). The agents' rounds complete as soon as that
+many joined (sgdjob_trainer.rendezvous_rounds). Anyone who reaches this port can set it, as anyone
+who reaches the store's port can set any key: neither is more exposed than the other.
 """
 
 from __future__ import annotations
@@ -28,9 +34,9 @@ from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import FrameType
 from typing import Protocol
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, urlsplit
 
-from sgdjob_trainer.wire.launch_contract import STORE_HEALTH_PATH
+from sgdjob_trainer.wire.launch_contract import INTENDED_NODES_KEY, STORE_HEALTH_PATH
 
 log = logging.getLogger("sgdjob_trainer.rendezvous_store")
 
@@ -80,6 +86,12 @@ class StoreHealth:
         self._client: StoreClient | None = None  # used only by the one round trip under way
         self._count = 0
         self._healthy: bool | None = None
+        self.nodes: int | None = None  # the intended size last told (`tell`)
+        self._nodes_written: int | None = None
+
+    def tell(self, nodes: int) -> None:
+        """Record `nodes` as the job's intended size: the next round trip writes it into the store."""
+        self.nodes = nodes
 
     def check(self) -> str | None:
         """None when a round trip through the store succeeded just now, else why not."""
@@ -109,6 +121,11 @@ class StoreHealth:
             got = self._client.get(HEALTH_KEY)
             if got != value.encode():
                 error = f"the store gave back {got[:40]!r} for {value!r}"
+            nodes = self.nodes
+            if error is None and nodes is not None and nodes != self._nodes_written:
+                self._client.set(INTENDED_NODES_KEY, str(nodes))
+                self._nodes_written = nodes
+                log.info("intended size: %d nodes", nodes)
         except Exception as err:  # any failure of the store's client is an unhealthy store
             lines = str(err).strip().splitlines()
             error = f"{type(err).__name__}: {lines[0][:200] if lines else ''}".rstrip(": ")
@@ -149,6 +166,25 @@ class _HealthHandler(BaseHTTPRequestHandler):
             return
         why = self.server.health.check()
         self._reply(200, "ok") if why is None else self._reply(503, why)
+
+    def do_PUT(self) -> None:
+        """The operator's probe: GET's answer, and `?nodes=N` recorded as the intended size."""
+        url = urlsplit(self.path)
+        if url.path != STORE_HEALTH_PATH:
+            self._reply(404, "not found")
+            return
+        self._discard_body()
+        given = parse_qs(url.query).get("nodes", [""])[-1]
+        if not given.isdigit() or int(given) < 1:
+            self._reply(400, f"nodes={given!r}: give the intended number of nodes, a whole number >= 1")
+            return
+        self.server.health.tell(int(given))
+        self.do_GET()
+
+    def _discard_body(self) -> None:
+        length = int(self.headers.get("Content-Length") or 0)
+        if 0 < length <= 65536:
+            self.rfile.read(length)
 
     def _reply(self, code: int, text: str) -> None:
         body = (text + "\n").encode()
@@ -218,7 +254,8 @@ def main(argv: list[str] | None = None) -> None:
         type=int,
         default=None,
         help=f"serve GET {STORE_HEALTH_PATH} on this port of --host (200: the store answered a round trip "
-        "just now; 503: it did not, and why); none by default",
+        "just now; 503: it did not, and why), and PUT ...?nodes=N, which also records the job's intended "
+        "size; none by default",
     )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

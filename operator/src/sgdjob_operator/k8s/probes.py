@@ -7,8 +7,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Mapping, Sequence
 
-import aiohttp
-
 from sgdjob_operator.api.models import SGDJobSpec
 from sgdjob_operator.k8s.builders import RDZV_HEALTH_PORT
 from sgdjob_operator.k8s.nodeloss import not_ready_since
@@ -16,10 +14,7 @@ from sgdjob_operator.k8s.runtime import Runtime
 from sgdjob_operator.k8s.status import PodView
 from sgdjob_operator.k8s.status import workers as worker_pods
 from sgdjob_operator.k8s.storeloss import store_to_probe
-from sgdjob_trainer.wire.launch_contract import STORE_HEALTH_PATH
-
-# A pod on a live node accepts within milliseconds; a powered-off or cut-off one never answers.
-POD_PROBE_TIMEOUT_S = 2.0
+from sgdjob_operator.workers.store_probe import POD_PROBE_TIMEOUT_S, store_answers
 
 
 async def _accepts(ip: str, port: int) -> bool:
@@ -31,32 +26,14 @@ async def _accepts(ip: str, port: int) -> bool:
     return True
 
 
-async def store_answers(
-    session: aiohttp.ClientSession, ip: str, port: int = RDZV_HEALTH_PORT, timeout_s: float = POD_PROBE_TIMEOUT_S
-) -> bool:
-    """Whether the store at `ip` answers its health check (GET STORE_HEALTH_PATH: 200 after a round
-    trip through the store itself) within `timeout_s`. Not a TCP connect: a hung store (stopped, its
-    server thread deadlocked) still accepts connections, the kernel completing them into its backlog.
-    Refused, timed out, or any other status (503: the store's own round trip failed) is silence."""
-    host = f"[{ip}]" if ":" in ip else ip
-    try:
-        async with session.get(
-            f"http://{host}:{port}{STORE_HEALTH_PATH}",
-            timeout=aiohttp.ClientTimeout(total=timeout_s),
-            allow_redirects=False,
-        ) as resp:
-            return resp.status == 200
-    except (aiohttp.ClientError, OSError, TimeoutError):
-        return False
-
-
-async def probe_store(rt: Runtime, pods: list[PodView]) -> bool | None:
-    """Whether the store's pod answers its health check (`store_answers`; None: no running store, or
-    an operator that reaches pods through SGDJOB_SCRAPE_HOST, which cannot address the store)."""
+async def probe_store(rt: Runtime, pods: list[PodView], nodes: int | None = None) -> bool | None:
+    """Whether the store's pod answers its health check (`store_answers`, telling it `nodes`, the
+    worker pods the job wants; None: no running store, or an operator that reaches pods through
+    SGDJOB_SCRAPE_HOST, which cannot address the store)."""
     store = store_to_probe(pods)
     if store is None or store.ip is None or rt.settings.scrape_host:
         return None
-    return await store_answers(rt.http, store.ip)
+    return await store_answers(rt.http, store.ip, RDZV_HEALTH_PORT, nodes=nodes)
 
 
 async def answering_on_lost_nodes(

@@ -111,7 +111,10 @@ async def reconcile(rt: Runtime, ref: JobRef) -> float | None:
         await ensure_pod_group(rt.kube, ref, spec, gate)  # after monitor: minMember follows its rescale
     events += gate.events + await event_once(rt, ref, "SchedulingFailed", gate.problem)
     lost = await lost_nodes(rt, pods) if st.phase not in FINISHED else {}
-    answered = await probe_store(rt, pods) if st.phase in (Phase.RUNNING, Phase.ADAPTING) and not held else None
+    # Before this pass deletes a pod the policy's rescale removed: the survivors' next rendezvous
+    # round then completes at the new size, with no last call for the pod that is gone.
+    probing = st.phase in (Phase.RUNNING, Phase.ADAPTING) and not held
+    answered = await probe_store(rt, pods, nodes=spec.replicas) if probing else None
     answering = await answering_on_lost_nodes(rt, spec, pods, lost, answered)
     ready = await ready_again(rt, lost_exclusions(controller(st))) if st.phase not in FINISHED else frozenset()
     plan = plan_reconcile(

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -64,6 +64,15 @@ class Fleet:
     retire_grace_s: float = 10.0
     next_index: int = 0
     history: list[dict[str, Any]] = field(default_factory=list)
+    # Tells the rendezvous store how many nodes the run wants (`store_probe.store_answers(nodes=)`),
+    # so the agents' next round completes at that size; None: nobody is told (torch's last call).
+    tell_store: Callable[..., Awaitable[bool]] | None = None
+
+    async def tell(self, nodes: int | None = None) -> bool:
+        """Tell the store the intended size: `nodes`, else the nodes running now."""
+        if self.tell_store is None:
+            return False
+        return await self.tell_store(nodes=len(self.nodes()) if nodes is None else nodes)
 
     def __post_init__(self) -> None:
         self.next_index = max((a.index for a in self.plan.agents), default=-1) + 1
@@ -105,6 +114,7 @@ class Fleet:
         """Retire the leaving agents (in a worker thread: it waits for them), then start the new ones."""
         loop = asyncio.get_running_loop()
         began = time.monotonic()
+        await self.tell(change.nodes)  # before anyone leaves: the survivors' round completes at that size
         for node in change.retire:
             agent = next((a for a in self.active() if a.plan.node == node), None)
             if agent is not None:  # None: its agent has died already (a crash loop's node)

@@ -201,6 +201,9 @@ class LaunchContext:
     trainer_module: str = TRAINER_MODULE
     membership_changes: bool = False  # whether the run's policy may replace or remove workers
     work_dir: Path | None = None  # where a command-mode script runs (None: the runner's own)
+    # The store's health port: the runner tells the store the job's intended size there, so a
+    # rendezvous round completes once that many agents joined (sgdjob_trainer.rendezvous_rounds).
+    store_health_port: int | None = None
 
     @property
     def report_dir(self) -> Path:
@@ -254,7 +257,9 @@ def write_run_config(agent: AgentPlan) -> None:
 def plan_store(ctx: LaunchContext) -> StorePlan:
     env = dict(ctx.base_env)
     env["PYTHONUNBUFFERED"] = "1"
-    argv = (ctx.python, "-m", STORE_MODULE, "--host", LOOPBACK, "--port", str(ctx.rdzv_port))
+    argv: tuple[str, ...] = (ctx.python, "-m", STORE_MODULE, "--host", LOOPBACK, "--port", str(ctx.rdzv_port))
+    if ctx.store_health_port is not None:
+        argv += ("--health-port", str(ctx.store_health_port))
     return StorePlan(node="rendezvous", argv=argv, env=env, log_path=ctx.out_dir / "logs" / "rendezvous.log")
 
 
@@ -272,6 +277,7 @@ def plan_launch(
     trainer_module: str = TRAINER_MODULE,
     auto: bool = False,
     work_dir: Path | None = None,
+    store_health_port: int | None = None,
 ) -> LaunchPlan:
     """Everything needed to start the rendezvous store and the job's `replicas` agents.
     `metrics_bases[i]` is the first of agent i's `nprocPerNode` consecutive free ports."""
@@ -279,7 +285,16 @@ def plan_launch(
     if len(metrics_bases) != spec.replicas:
         raise ValueError(f"need {spec.replicas} metrics port bases, got {len(metrics_bases)}")
     ctx = LaunchContext(
-        job, out_dir, rdzv_port, token, python, base_env, trainer_module, may_change_membership(job, auto), work_dir
+        job,
+        out_dir,
+        rdzv_port,
+        token,
+        python,
+        base_env,
+        trainer_module,
+        may_change_membership(job, auto),
+        work_dir,
+        store_health_port,
     )
     agents = tuple(plan_agent(ctx, i, mode, base) for i, base in enumerate(metrics_bases))
     extra_notes = list(notes)

@@ -19,6 +19,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -30,13 +31,22 @@ from sgdjob_operator.local.command_mode import run_note
 from sgdjob_operator.local.cpulimit import describe, limits_for
 from sgdjob_operator.local.deaths import RestartPolicy
 from sgdjob_operator.local.fleet import Fleet, MembershipChange, plan_replace, plan_rescale
-from sgdjob_operator.local.launch import AgentPlan, LaunchPlan, job_name, plan_launch, resolve_mode, write_run_config
+from sgdjob_operator.local.launch import (
+    LOOPBACK,
+    AgentPlan,
+    LaunchPlan,
+    job_name,
+    plan_launch,
+    resolve_mode,
+    write_run_config,
+)
 from sgdjob_operator.local.procs import ProcessSet, free_port_blocks
 from sgdjob_operator.local.progress import Display, ProgressFrame, RunInfo, summarize
 from sgdjob_operator.local.report import RANK_FILE_GLOB, build_report, load_rank_docs, with_status_fallback
 from sgdjob_operator.local.revive import Reviver
 from sgdjob_operator.local.timeline import Timeline
 from sgdjob_operator.workers.scrape import ControlResult, Endpoint, ScrapeResult, post_control, scrape
+from sgdjob_operator.workers.store_probe import store_answers
 from sgdjob_trainer.config import SyncMode
 from sgdjob_trainer.wire.control import ControlCommand
 from sgdjob_trainer.wire.launch_contract import COMMAND_MODE_NOTE, TRAINER_MODULE
@@ -192,7 +202,7 @@ def prepare(job: SGDJob, options: RunOptions) -> tuple[LaunchPlan, str]:
     work_dir = (options.work_dir or Path.cwd()).resolve()
     training = job.spec.training
     notes = (run_note(work_dir, training.on_adaptation_api),) if training.command is not None else ()
-    ports = free_port_blocks(job.spec.replicas + 1, job.spec.nproc_per_node)
+    ports = free_port_blocks(job.spec.replicas + 2, job.spec.nproc_per_node)
     token = secrets.token_urlsafe(32)
     out_dir = options.out_dir.resolve()
     plan = plan_launch(
@@ -200,7 +210,8 @@ def prepare(job: SGDJob, options: RunOptions) -> tuple[LaunchPlan, str]:
         mode,
         out_dir,
         rdzv_port=ports[0],
-        metrics_bases=ports[1:],
+        store_health_port=ports[1],
+        metrics_bases=ports[2:],
         token=token,
         python=options.python,
         base_env=with_code_dirs(os.environ, options.code_dirs),
@@ -277,6 +288,7 @@ async def _supervise(
                 display.note(f"agent {agent.plan.node} has no world to join after the job finished; stopping it")
         if options.timeout_s is not None and now - start > options.timeout_s:
             return "timeout"
+        await run.fleet.tell()  # level-based: a store restarted since hears it again
         results = await scrape(run.endpoints, status=True, timeout=options.scrape_timeout_s, session=run.session)
         run.last_results = results
         for result in results:
@@ -406,6 +418,8 @@ async def run_local(job: SGDJob, options: RunOptions, display: Display, on_poll:
         procs.start(plan.agents)
         async with aiohttp.ClientSession() as session:
             run = LocalRun(plan, token, session, fleet, reviver, started=start)
+            if plan.context.store_health_port is not None:
+                fleet.tell_store = partial(store_answers, session, LOOPBACK, plan.context.store_health_port)
             why = await _supervise(run, procs, options, display, on_poll, stop, start, start_wall)
             extra, statuses = {**run.report_extra, "timeline": run.timeline.to_dict()}, run.last_status
     finally:

@@ -20,6 +20,10 @@ TRAINER_MODULE = "sgdjob_trainer"  # python -m TRAINER_MODULE --config FILE: one
 AGENT_MODULE = "sgdjob_trainer.agent"  # torchrun with forked workers (see sgdjob_trainer.agent)
 STORE_MODULE = "sgdjob_trainer.rendezvous_store"  # the c10d store the agents rendezvous through
 RDZV_BACKEND = "c10d"
+# The rendezvous store's key for the node count the job's controller wants now: a round completes
+# as soon as that many agents joined (sgdjob_trainer.rendezvous_rounds); the operator sets it through
+# the store pod's health endpoint (PUT STORE_HEALTH_PATH?nodes=N).
+INTENDED_NODES_KEY = "sgdjob/intended-nodes"
 # The agent's exit status when the rendezvous it joins is already closed: the job ended (its other
 # agents finished or gave up) before this node got a world. Not a failure of this node; its peers'
 # exit statuses say how the job ended.

@@ -1,0 +1,138 @@
+"""Membership changes without torch's waits (sgdjob_trainer.rendezvous_rounds), on real agents.
+
+Three `python -m sgdjob_trainer.agent` processes share the job's store process (its health port, as
+the operator's store pod), told the job's intended size through the operator's own probe
+(`store_probe.store_answers(nodes=N)`). The rendezvous' waits are set so long that torch's rules could not
+pass the test: a last call of 300 s and heartbeats that lapse after 60 s. A world forms at the
+intended size at once, grows when a node joins, and, when a node is removed (SIGTERM: its pod
+deleted), the survivors form the smaller world within seconds."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import aiohttp
+import pytest
+
+from sgdjob_operator.local.procs import free_port_blocks
+from sgdjob_operator.workers.store_probe import store_answers
+from sgdjob_trainer.rendezvous_rounds import _LeaveOp, complete_at
+
+pytestmark = pytest.mark.multiproc
+
+HOST = "127.0.0.1"
+LAST_CALL_S = 300
+KEEP_ALIVE = (20, 3)  # 60 s for a silent node to count as gone
+WORKER = Path(__file__).with_name("rounds_worker.py")
+
+
+def _state(participants: list[str], **kw: object) -> SimpleNamespace:
+    base: dict[str, object] = {"closed": False, "complete": False, "redundancy_list": set(), "wait_list": set()}
+    return SimpleNamespace(participants=dict.fromkeys(participants, 0), **{**base, **kw})
+
+
+def test_a_round_completes_at_the_intended_size_within_min_and_max() -> None:
+    settings = SimpleNamespace(min_nodes=1, max_nodes=3)
+    assert complete_at(_state(["a", "b"]), "a", settings, 2)
+    assert not complete_at(_state(["a", "b"]), "a", settings, 3), "one more is coming"
+    assert not complete_at(_state(["a", "b"]), "a", settings, None), "nobody said: torch's last call"
+    assert not complete_at(_state(["a", "b"]), "c", settings, 2), "only a participant completes it"
+    assert not complete_at(_state(["a", "b"], complete=True), "a", settings, 2)
+    assert not complete_at(_state(["a", "b"], closed=True), "a", settings, 2)
+    assert not complete_at(_state(["a"]), "a", SimpleNamespace(min_nodes=2, max_nodes=3), 1), "never under min"
+
+
+def test_a_leaving_node_is_taken_off_every_list_it_is_on() -> None:
+    leave, far = _LeaveOp(), time.monotonic() + 60
+    ctx = SimpleNamespace(node="a", state=_state(["a", "b"], complete=True))
+    assert leave(ctx, far).name == "REMOVE_FROM_PARTICIPANTS"
+    assert leave(SimpleNamespace(node="a", state=_state(["b"], wait_list={"a"})), far).name == "REMOVE_FROM_WAIT_LIST"
+    assert leave(SimpleNamespace(node="a", state=_state(["b"])), far).name == "FINISH"
+    assert leave(SimpleNamespace(node="a", state=_state(["a"], closed=True)), far).name == "FINISH"
+
+
+def _tell(port: int, nodes: int) -> bool:
+    async def go() -> bool:
+        async with aiohttp.ClientSession() as session:
+            return await store_answers(session, HOST, port, timeout_s=5.0, nodes=nodes)
+
+    return asyncio.run(go())
+
+
+def _formed(log: Path) -> list[tuple[int, float]]:
+    lines = log.read_text().split("\n") if log.exists() else []
+    return [(int(f[1]), float(f[2])) for f in (line.split() for line in lines) if f and f[0] == "formed"]
+
+
+def _wait_formed(log: Path, size: int, after: float, timeout_s: float, agents: list[subprocess.Popen[bytes]]) -> float:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = [t for n, t in _formed(log) if n == size and t > after]
+        if got:
+            return got[0]
+        assert all(a.poll() is None for a in agents), "an agent ended early"
+        time.sleep(0.2)
+    raise AssertionError(f"no world of {size} within {timeout_s} s; worlds formed: {_formed(log)}")
+
+
+def test_worlds_form_at_the_intended_size_and_a_removed_node_costs_seconds(tmp_path: Path) -> None:
+    port, health = free_port_blocks(2)
+    store = subprocess.Popen(
+        [sys.executable, "-m", "sgdjob_trainer.rendezvous_store", "--host", HOST, "--port", str(port),
+         "--health-port", str(health)],
+        stdout=(tmp_path / "store.txt").open("wb"), stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    log, done = tmp_path / "formed.txt", tmp_path / "done"
+    conf = f"join_timeout=600,last_call_timeout={LAST_CALL_S},keep_alive_interval={KEEP_ALIVE[0]}," + (
+        f"keep_alive_max_attempt={KEEP_ALIVE[1]}"
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+    def agent(name: str) -> subprocess.Popen[bytes]:
+        cmd = [sys.executable, "-m", "sgdjob_trainer.agent", f"--rdzv-endpoint={HOST}:{port}", "--rdzv-backend=c10d",
+               "--rdzv-id=rounds", "--nnodes=1:3", "--nproc-per-node=1", "--max-restarts=5", f"--rdzv-conf={conf}",
+               f"--local-addr={HOST}", "--no-python", sys.executable, str(WORKER), str(log), str(done)]  # fmt: skip
+        return subprocess.Popen(cmd, stdout=(tmp_path / f"{name}.txt").open("wb"), stderr=subprocess.STDOUT, env=env)
+
+    agents: list[subprocess.Popen[bytes]] = []
+    try:
+        deadline = time.monotonic() + 60
+        while not _tell(health, 2):  # the operator's probe: the job wants 2 nodes
+            assert store.poll() is None and time.monotonic() < deadline, (tmp_path / "store.txt").read_text()
+            time.sleep(0.3)
+        t0 = time.time()
+        agents += [agent("a"), agent("b")]
+        _wait_formed(log, 2, t0, 120, agents)  # torch: the last call, 300 s after the second joined
+
+        assert _tell(health, 3)
+        t1 = time.time()
+        agents.append(agent("c"))
+        _wait_formed(log, 3, t1, 120, agents)  # 3 is also max: torch completes it so too
+
+        assert _tell(health, 2)  # the policy removes c: the operator says 2, then deletes c's pod
+        t2 = time.time()
+        agents[2].send_signal(signal.SIGTERM)
+        formed = _wait_formed(log, 2, t2, 60, agents[:2])
+        print(f"world of 2 again {formed - t2:.1f} s after c's SIGTERM")
+        # torch: c's heartbeats lapse (60 s), then the last call (300 s); measured here: 2-5 s.
+        assert formed - t2 < 20, f"{formed - t2:.1f} s from the SIGTERM to the smaller world"
+        assert agents[2].wait(timeout=30) != 0
+        done.touch()
+        for a in agents[:2]:
+            assert a.wait(timeout=60) == 0
+    finally:
+        for a in agents:
+            if a.poll() is None:
+                a.kill()
+        store.terminate()
+        store.wait(timeout=30)
+        for name in ("a", "b", "c", "store"):
+            if (tmp_path / f"{name}.txt").exists():
+                print(f"--- {name}\n" + (tmp_path / f"{name}.txt").read_text()[-2500:])
