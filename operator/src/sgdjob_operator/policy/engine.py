@@ -46,7 +46,16 @@ from sgdjob_operator.policy.job import JobView
 from sgdjob_operator.policy.measure import FirstWindow, Window, measure
 from sgdjob_operator.policy.progress import restarted, track
 from sgdjob_operator.policy.samples import WorkerSample
-from sgdjob_operator.policy.splits import FAST_GAIN, RESPLIT_STEPS, fast, margin, percent, split_margin
+from sgdjob_operator.policy.splits import (
+    FAST_GAIN,
+    RESPLIT_STEPS,
+    SplitMargins,
+    fast,
+    margin,
+    margin_text,
+    speed_noise,
+    split_margin,
+)
 from sgdjob_operator.policy.state import PolicyState, RankState
 from sgdjob_operator.policy.stats import median
 from sgdjob_operator.policy.trial import Trial
@@ -195,7 +204,7 @@ def evaluate(state: PolicyState, samples: Sequence[WorkerSample], job: JobView, 
     # margin (three at +3-5 % under 3 % noise). It then needs switchMargin, as any change.
     pending = base.trial
     settled = split_margin(health, job.world_size)
-    split = settled if pending is None else None
+    split = SplitMargins(settled if pending is None else None, speed_noise(health, job.world_size))
     chosen = _choose(candidates, current, job, state.candidate, left, split)
     if chosen is None:
         why = _keep_reason(health, current, candidates, job, left, bool(waiting_for), split, pending)
@@ -206,10 +215,8 @@ def evaluate(state: PolicyState, samples: Sequence[WorkerSample], job: JobView, 
     waiting = replace(base, candidate=chosen.key, candidate_streak=streak)
     gain = _gain(chosen.prediction, current)
     basis = ""
-    if chosen.batch_only and settled is not None:
-        basis = (
-            f"; speeds over {RESPLIT_STEPS}+ steps at each rank's batch (margin {percent(margin(chosen, job, split))})"
-        )
+    if chosen.batch_only and not chosen.restoring and settled is not None:
+        basis = f"; speeds over {RESPLIT_STEPS}+ steps at each rank's batch (margin {margin_text(chosen, job, split)})"
     if fixed and chosen.prediction.staleness == 0:
         fits = ", ".join(f"rank {r} {v * 1000:.1f} ms" for r, v in sorted(fixed.items()))
         basis += f"; fixed step time fitted from two batch sizes: {fits}"
@@ -275,7 +282,7 @@ def _horizon(job: JobView, left: float | None) -> float:
     return horizon if left is None else min(horizon, left)
 
 
-def _viable(c: Candidate, current: Prediction, job: JobView, left: float | None, split: float | None) -> bool:
+def _viable(c: Candidate, current: Prediction, job: JobView, left: float | None, split: SplitMargins) -> bool:
     if c.restoring:
         return c.prediction.useful >= current.useful and (left is None or c.cost_seconds < left)
     gain = _gain(c.prediction, current)
@@ -292,7 +299,7 @@ def _choose(
     job: JobView,
     previous: str | None,
     left: float | None,
-    split: float | None = None,
+    split: SplitMargins,
 ) -> Candidate | None:
     viable = [c for c in candidates if _viable(c, current, job, left, split)]
     if not viable:
@@ -321,12 +328,13 @@ def _keep_reason(
     job: JobView,
     left: float | None,
     stale_waiting: bool = False,
-    split: float | None = None,
+    split: SplitMargins | None = None,
     pending: Trial | None = None,
 ) -> str:
     ending = ""
     if left is not None and left < _horizon(job, None):
         ending = f"; the job ends in about {left:.0f}s ({job.steps_left} steps)"
+    split = split or SplitMargins()
     gainful = [c for c in candidates if _gain(c.prediction, current) >= margin(c, job, split)]
     if health.shape is Shape.HOMOGENEOUS and not (ending and gainful):
         return f"{health.summary}; nothing to change"
@@ -342,7 +350,7 @@ def _keep_reason(
     checking = f" while the check of the last change ({pending.label}) has no verdict" if pending else ""
     return (
         f"{health.summary}; best alternative {best.prediction.label} predicts {gain} "
-        f"(a change needs {percent(margin(best, job, split))}{checking} and must repay its pause{ending})"
+        f"(a change needs {margin_text(best, job, split)}{checking} and must repay its pause{ending})"
     )
 
 

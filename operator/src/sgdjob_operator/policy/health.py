@@ -42,7 +42,8 @@ class RankHealth:
     on at its current batch and mode; `fixed`: the seconds of its step that do not grow with the
     batch, where its step times at two batches tell (else 0.0; see speeds.py); `error`: its speed's
     relative standard error, where enough windows tell (`state.SpeedEstimate.error`); `windows`: the
-    windows its estimate sums (decayed)."""
+    windows its estimate sums (decayed); `noise`: the relative error its speed has by the rank's
+    window-to-window noise (`state.SpeedEstimate.noise`)."""
 
     rank: int
     node: str | None
@@ -57,6 +58,7 @@ class RankHealth:
     fixed: float = 0.0
     error: float | None = None
     windows: float = 0.0
+    noise: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,8 +176,8 @@ def _running(
     out: dict[int, tuple[float, SpeedEstimate | None]] = {}
     for r, w in window.ranks.items():
         old = olds[r]
-        previous = old.estimate if old is not None and not afresh else None
-        out[r] = running_speed(previous, w, r in window.from_start, p.recover_threshold)
+        previous = old.estimate if old is not None else None
+        out[r] = running_speed(previous, w, r in window.from_start, p.recover_threshold, afresh)
     return out
 
 
@@ -250,6 +252,7 @@ def assess(window: Window, state: PolicyState, p: PolicySpec) -> Assessment:
             fixed=step_overhead(ranks[r].estimate),
             error=_error(ranks[r]),
             windows=_windows(ranks[r]),
+            noise=_noise(ranks[r]),
         )
         for r, v in sorted(known.items())
     }
@@ -280,6 +283,10 @@ def assess(window: Window, state: PolicyState, p: PolicySpec) -> Assessment:
 
 def _error(state: RankState) -> float | None:
     return state.estimate.error if state.estimate is not None else None
+
+
+def _noise(state: RankState) -> float | None:
+    return state.estimate.noise if state.estimate is not None else None
 
 
 def _windows(state: RankState) -> float:

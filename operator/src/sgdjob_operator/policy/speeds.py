@@ -23,6 +23,16 @@ its estimate keeps the step time at the batch before (`prior_batch`, `prior_step
 and `step_overhead` fits `step(b) = fixed + b / rate` through the two, so the next split can equalise
 the steps themselves. A window that spans the change (it ran both batches) is kept at a negligible
 weight (`MIXED_WEIGHT`), so the new point rests on whole windows at the new batch.
+
+Every estimate also carries the rank's spikes from the estimates before it: how far a window
+departed from the estimate before it (at the same batch and mode) and the next one went back, the
+departures that restarted an estimate included. On a node whose CPU quota throttles it in bursts (the real-node
+benchmark's equal fleet: three 0.6-CPU nodes read 500 to 3,500 samples/s in 0.5-s windows, a
+different rank slow each time) nearly every window departs, so every estimate rests on one or two
+windows and never shows a spread of its own: a split from it looked +15-53 % better and was made
+every 1-3 s, 10-16 times in 600 steps. The carried noise (`state.SpeedEstimate.noise`) says what a
+speed from one or two windows of such a rank is worth, and the margin a split needs grows with it
+(`splits.speed_noise`).
 """
 
 from __future__ import annotations
@@ -53,7 +63,12 @@ LARGE_FIXED_STEPS = 10.0
 LARGE_FIXED_WINDOWS = 1.9
 
 
-def _from_window(w: RankWindow, prior: tuple[int, float] = (0, 0.0), weight: float = 1.0) -> SpeedEstimate:
+def _from_window(
+    w: RankWindow,
+    prior: tuple[int, float] = (0, 0.0),
+    weight: float = 1.0,
+    spikes: tuple[float, float, float] = (0.0, 0.0, 0.0),
+) -> SpeedEstimate:
     work = w.speed * w.compute
     log = math.log(w.speed)
     return SpeedEstimate(
@@ -66,7 +81,28 @@ def _from_window(w: RankWindow, prior: tuple[int, float] = (0, 0.0), weight: flo
         windows=weight,
         log_sum=log * weight,
         log_squares=log * log * weight,
+        spike_squares=spikes[0],
+        spike_windows=spikes[1],
+        last_jump=spikes[2],
     )
+
+
+def _spikes(previous: SpeedEstimate | None, w: RankWindow | None = None) -> tuple[float, float, float]:
+    """The spikes `previous` carries (decayed by one window) with `w` counted (None: a window at
+    another batch or mode, whose departure is the change's doing, not noise): `w`'s departure from
+    `previous`, as a log ratio, is a spike where it goes back against the window before's, by the
+    smaller of the two (a rank that slowed for a window and came back); a departure that stays (a
+    straggler came, a batch was cut) counts nothing, so a real change does not read as noise."""
+    if previous is None:
+        return 0.0, 0.0, 0.0
+    keep = 1.0 - 1.0 / MEMORY_WINDOWS
+    squares, count = previous.spike_squares * keep, previous.spike_windows * keep
+    if w is None:
+        return squares, count, 0.0
+    jump = math.log(w.speed / previous.speed)
+    last = previous.last_jump
+    spike = min(abs(jump), abs(last)) if jump * last < 0 else 0.0
+    return squares + spike * spike, count + 1.0, jump
 
 
 def _mixed(w: RankWindow) -> bool:
@@ -110,25 +146,30 @@ def _large_fit_allowed(est: SpeedEstimate) -> bool:
 
 
 def running_speed(
-    previous: SpeedEstimate | None, w: RankWindow, from_start: bool, departure: float
+    previous: SpeedEstimate | None, w: RankWindow, from_start: bool, departure: float, afresh: bool = False
 ) -> tuple[float, SpeedEstimate | None]:
     """The rank's speed after window `w` and the estimate to keep for the next window (None after a
     window from the training start). `previous` must be the same worker's (see measure.same_worker);
-    `departure` is the speed ratio at which a window starts a new estimate."""
+    `departure` is the speed ratio at which a window starts a new estimate; `afresh`: start one from
+    `w` whatever it departs by (the fleet's shape changed), keeping only the rank's noise."""
     if from_start:
         return w.speed, None
-    fresh = _from_window(w)
     if previous is None or previous.mode != w.mode:
+        fresh = _from_window(w, spikes=_spikes(previous))
         return fresh.speed, fresh
     if previous.batch != w.batch_size:
         prior = _prior(previous)
-        return w.speed, _from_window(w, prior, MIXED_WEIGHT if _mixed(w) else 1.0)
+        return w.speed, _from_window(w, prior, MIXED_WEIGHT if _mixed(w) else 1.0, _spikes(previous))
     ratio = w.speed / previous.speed
     # (Not against a mixed window's seed, which weighs a small fraction of one step: its speed blends
-    # two batches.)
-    if max(ratio, 1.0 / ratio) >= departure and previous.steps >= 1.0:
+    # two batches; nor is its departure noise.)
+    counted = previous.steps >= 1.0
+    spikes = _spikes(previous, w if counted else None)
+    if afresh or (max(ratio, 1.0 / ratio) >= departure and counted):
         # The rank's speed changed: the prior point described the old speed.
+        fresh = _from_window(w, spikes=spikes)
         return fresh.speed, fresh
+    fresh = _from_window(w)
     keep = 1.0 - 1.0 / MEMORY_WINDOWS
     summed = SpeedEstimate(
         previous.work * keep + fresh.work,
@@ -141,5 +182,6 @@ def running_speed(
         previous.windows * keep + fresh.windows,
         previous.log_sum * keep + fresh.log_sum,
         previous.log_squares * keep + fresh.log_squares,
+        *spikes,
     )
     return summed.speed, summed

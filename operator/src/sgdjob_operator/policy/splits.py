@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 from sgdjob_operator.policy.candidates import Candidate
 from sgdjob_operator.policy.health import JobHealth
@@ -114,12 +115,40 @@ def split_margin(health: JobHealth, world: int) -> float | None:
     return min(RESPLIT_MARGIN, max(RESPLIT_FLOOR, RESPLIT_SIGMAS * math.sqrt(2.0) * worst))
 
 
-def margin(c: Candidate, job: JobView, split: float | None) -> float:
+def speed_noise(health: JobHealth, world: int) -> float:
+    """RESPLIT_SIGMAS standard errors of a gain that compares two ranks' speeds (sqrt 2 times one
+    speed's), from the world's least known speed: its measured error or what its window noise
+    leaves it (`state.SpeedEstimate.noise`), the larger; 0.0 while neither is known."""
+    errors = [
+        e for r in range(world) if (h := health.ranks.get(r)) is not None for e in (h.error, h.noise) if e is not None
+    ]
+    return RESPLIT_SIGMAS * math.sqrt(2.0) * max(errors, default=0.0)
+
+
+@dataclass(frozen=True, slots=True)
+class SplitMargins:
+    """What a new split of sync's batch is held to this window: `settled` (`split_margin`; None while
+    the speeds are not settled or the last change's check has no verdict) and `noise` (`speed_noise`)."""
+
+    settled: float | None = None
+    noise: float = 0.0
+
+
+def margin(c: Candidate, job: JobView, m: SplitMargins) -> float:
     """The predicted gain `c` needs: switchMargin, or, for a new split of sync's batch once the speeds
-    are settled, `split` (`split_margin`) if smaller."""
-    if c.batch_only and split is not None:
-        return min(job.policy.switch_margin, split)
+    are settled, `m.settled` if smaller; a new split at least `m.noise`: it rests on nothing but the
+    speeds, and a gain inside their noise is the noise's."""
+    if c.batch_only:
+        base = job.policy.switch_margin if m.settled is None else min(job.policy.switch_margin, m.settled)
+        return max(base, m.noise)
     return job.policy.switch_margin
+
+
+def margin_text(c: Candidate, job: JobView, m: SplitMargins) -> str:
+    """`margin` as a reason prints it, saying when the speeds' noise set it."""
+    needed = margin(c, job, m)
+    noisy = c.batch_only and m.noise > 0.0 and needed == m.noise
+    return percent(needed) + (" for the speeds' window noise" if noisy else "")
 
 
 def percent(x: float) -> str:

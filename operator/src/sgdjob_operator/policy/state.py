@@ -30,6 +30,9 @@ _ESTIMATE_COLUMNS = (
     "estWindows",
     "estLogSum",
     "estLogSquares",
+    "estSpikeSquares",
+    "estSpikeWindows",
+    "estLastJump",
 )
 _ESTIMATE_FIELDS = (
     "work",
@@ -42,11 +45,17 @@ _ESTIMATE_FIELDS = (
     "windows",
     "log_sum",
     "log_squares",
+    "spike_squares",
+    "spike_windows",
+    "last_jump",
 )
 # Windows an estimate must sum (decayed: five windows in a row make 4.1) before the spread of their
 # speeds says how well it is known.
 # Fitted on the tuning set with splits.RESPLIT_SIGMAS: bimodal, interval 0.5 s, seeds 0-2 (a417476).
 MIN_SPREAD_WINDOWS = 4.0
+# Windows a rank's spikes must be looked for in before they say how noisy it is (`SpeedEstimate.noise`):
+# a spike needs two departures, and a third window tells a quiet rank from a jumpy one.
+MIN_SPIKE_WINDOWS = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,7 +66,11 @@ class SpeedEstimate:
     rank's compute seconds per step at the batch it ran before this one in the same mode (0: none),
     the second point of its step-time fit (speeds.step_overhead). `windows`, `log_sum`, `log_squares`:
     the windows summed and the sums of their speeds' logarithms and squared logarithms (decayed
-    alike), whose spread says how well the speed is known (`error`)."""
+    alike), whose spread says how well the speed is known (`error`). `spike_squares`, `spike_windows`:
+    the squared spikes of the rank's windows (speeds.py: a departure from the estimate before that
+    the next window took back, as a log ratio) and the windows they were looked for in (decayed
+    alike), carried into every estimate that follows, so the rank's window-to-window noise is known
+    when a new estimate starts (`noise`); `last_jump`: the last window's departure, signed."""
 
     work: float
     compute: float
@@ -69,6 +82,9 @@ class SpeedEstimate:
     windows: float = 0.0
     log_sum: float = 0.0
     log_squares: float = 0.0
+    spike_squares: float = 0.0
+    spike_windows: float = 0.0
+    last_jump: float = 0.0
 
     @property
     def speed(self) -> float:
@@ -85,6 +101,17 @@ class SpeedEstimate:
         mean = self.log_sum / self.windows
         variance = max(0.0, self.log_squares / self.windows - mean * mean)
         return math.sqrt(variance / (self.windows - 1.0))
+
+    @property
+    def noise(self) -> float | None:
+        """The relative error of a speed resting on this estimate's windows, from the rank's
+        window-to-window noise: the root mean square of its windows' spikes over the square root of
+        the windows summed (None before MIN_SPIKE_WINDOWS windows were looked at). Where `error`
+        starts over with every estimate, and a rank whose windows keep departing keeps restarting its
+        estimate so never shows its spread, this says what a speed from its first windows is worth."""
+        if self.spike_windows < MIN_SPIKE_WINDOWS:
+            return None
+        return math.sqrt(self.spike_squares / self.spike_windows) / math.sqrt(max(1.0, self.windows))
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,11 +235,25 @@ class PolicyState:
 
 
 def _estimate(row: tuple[Any, ...]) -> SpeedEstimate | None:
-    work, compute, steps, batch, mode, prior_batch, prior_step, windows, log_sum, log_squares = row
+    (
+        work,
+        compute,
+        steps,
+        batch,
+        mode,
+        prior_batch,
+        prior_step,
+        windows,
+        log_sum,
+        log_squares,
+        spike_sq,
+        spikes,
+        last,
+    ) = row
     if work is None:
         return None
-    # A state written before the step-time fit (or the window spread) lacks those columns: no prior
-    # point (no spread known yet).
+    # A state written before the step-time fit (or the window spread, or the departures) lacks those
+    # columns: no prior point (no spread, no noise known yet).
     out = SpeedEstimate(
         _finite(work),
         _finite(compute),
@@ -224,13 +265,16 @@ def _estimate(row: tuple[Any, ...]) -> SpeedEstimate | None:
         _finite(windows or 0.0),
         _finite(log_sum or 0.0),
         _finite(log_squares or 0.0),
+        _finite(spike_sq or 0.0),
+        _finite(spikes or 0.0),
+        _finite(last or 0.0),
     )
     if out.compute <= 0 or out.work <= 0:
         raise ValueError("a speed estimate needs positive work and compute")
     if out.prior_batch < 0 or out.prior_step < 0:
         raise ValueError("a speed estimate's prior point needs a non-negative batch and step time")
-    if out.windows < 0 or out.log_squares < 0:
-        raise ValueError("a speed estimate's window count and squared sum must be non-negative")
+    if out.windows < 0 or out.log_squares < 0 or out.spike_squares < 0 or out.spike_windows < 0:
+        raise ValueError("a speed estimate's window counts and squared sums must be non-negative")
     return out
 
 
