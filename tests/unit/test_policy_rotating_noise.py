@@ -1,21 +1,16 @@
-"""Known failure, kept as a strict xfail so it is fixed on purpose: the policy flaps on an equal fleet
-whose ranks take turns being slow for a window or two (the real-node benchmark's equal fleet: three
-0.6-CPU nodes sharing two cores read 2-3x apart in 0.5-s windows, a different rank slow each time; auto
-split 10-16 times in 600 steps there at 0d46d31).
+"""An equal fleet whose ranks take turns being slow for a window or two is rarely split (the real-node
+benchmark's equal fleet: three 0.6-CPU nodes sharing two cores read 2-3x apart in 0.5-s windows, a
+different rank slow each time; auto split 10-16 times in 600 steps there at 0d46d31).
 
-Why: a window that departs from a rank's estimate by recoverThreshold starts a new estimate (and a
-change of the fleet's shape starts every estimate over), so such a rank's speed always rests on one or
-two windows and its spread is never measured; the split margin stays at its flat values. A fix tried
-(c7dbfdf: each estimate carries the rank's spikes and a split must predict more than that noise) passed
-this test (42 changes) and removed the flapping on the real equal fleet, but was reverted: on the real
-slow fleet the re-splits it stopped had been holding a rescale back, whose real restart (24 s) and
-over-predicted throughput made auto slower than DDP (see the revert's message)."""
+Why it flapped: a window that departs from a rank's estimate by recoverThreshold starts a new estimate
+(and a change of the fleet's shape starts every estimate over), so such a rank's speed always rests on
+one or two windows and its spread is never measured; the split margin stayed at its flat values. Now
+each estimate carries the rank's spikes and a split must predict more than that noise (82 changes in 8
+runs before, 42 after; first tried in c7dbfdf, reverted while a rescale's restart still cost 24 s)."""
 
 from __future__ import annotations
 
 import random
-
-import pytest
 
 from sgdjob_operator.policy import Rebalance, SwitchMode
 from tests.unit.test_policy_harness import Harness
@@ -42,7 +37,6 @@ def _rotating(seed: int, windows: int = 60) -> list[Rebalance | SwitchMode]:
     return [e.decision for e in h.history if isinstance(e.decision, Rebalance | SwitchMode)]
 
 
-@pytest.mark.xfail(strict=True, reason="flaps on rotating one-window slowness: 82 changes in 8 runs (module doc)")
 def test_an_equal_fleet_whose_ranks_take_turns_being_slow_is_rarely_split() -> None:
     changes = [len(_rotating(seed)) for seed in range(8)]
     # 30 s each at 0.5-s windows: a change every 3 s now. Half that (c7dbfdf's 42) is the bar.
