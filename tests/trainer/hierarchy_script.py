@@ -22,7 +22,9 @@ from torch.utils.data import TensorDataset
 from sgdjob_trainer import adapt
 
 
-def main() -> None:
+def arguments() -> argparse.Namespace:
+    """The run's arguments (lightning_hierarchy_script.py takes the same); this rank's node named
+    after its local rank, two ranks a node (as the downward API sets NODE_NAME)."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--step-seconds", type=float, default=0.005)
@@ -30,8 +32,12 @@ def main() -> None:
     parser.add_argument("--slow-seconds", type=float, default=0.0)
     parser.add_argument("--after-sync", type=int, default=6)
     parser.add_argument("--max-steps", type=int, default=400)
-    args = parser.parse_args()
     os.environ["NODE_NAME"] = f"node-{int(os.environ['LOCAL_RANK']) // 2}"
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = arguments()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)

@@ -1,6 +1,9 @@
 """A script on the adaptation API follows `mode: hierarchical` and back to sync, on 4 real torchrun
 ranks (gloo, loopback) that claim two nodes of two ranks each, rank 3 an EMULATED straggler (it
-sleeps 16x longer a step). The commands go to rank 0's /control, as a controller sends them.
+sleeps 16x longer a step). The commands go to rank 0's /control, as a controller sends them. The same
+run twice: a plain DDP script that hands `adapt.start` its optimizer (hierarchy_script.py), and a
+Lightning module under SGDJobTrainer, whose callback hands the session Lightning's optimizer
+(lightning_hierarchy_script.py; skipped only without the `lightning` extra).
 
 Checked from the JSON line each rank writes a step (hierarchy_script.py): inside a node's group the
 ranks hold the same parameters at every step while the groups drift apart between the averaging
@@ -16,6 +19,8 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from statistics import median
 from typing import Any
@@ -30,10 +35,36 @@ from tests.trainer.two_ranks import REPO
 
 pytestmark = pytest.mark.multiproc
 
-SCRIPT = Path(__file__).with_name("hierarchy_script.py")
 EVERY, STALENESS, CHECKPOINT_EVERY = 3, 1, 10
-SLOW, FAST = 0.08, 0.005
+FAST = 0.005
 TOKEN = "hierarchy-test-token"
+
+
+def _plain_params(saved: dict[str, Any]) -> list[float]:
+    model = saved["model"]
+    return torch.cat([model["weight"].flatten(), model["bias"].flatten()]).tolist()
+
+
+def _lightning_params(saved: dict[str, Any]) -> list[float]:
+    model = saved["state_dict"]
+    return torch.cat([model["net.weight"].flatten(), model["net.bias"].flatten()]).tolist()
+
+
+@dataclass(frozen=True)
+class Script:
+    path: Path
+    slow: float  # the straggler's seconds a step
+    within_s: float  # the run's deadline (Lightning's imports on 4 ranks take a while on 2 cores)
+    saved_params: Callable[[dict[str, Any]], list[float]]  # the parameters in its checkpoint file
+    needs: str | None = None  # a module without which it skips
+
+
+SCRIPTS = {
+    "ddp-script": Script(Path(__file__).with_name("hierarchy_script.py"), 0.08, 50, _plain_params),
+    "lightning": Script(
+        Path(__file__).with_name("lightning_hierarchy_script.py"), 0.15, 150, _lightning_params, "lightning"
+    ),
+}
 
 
 def _get(port: int) -> dict[str, Any] | None:
@@ -80,9 +111,13 @@ def _lead(fast: list[dict[str, Any]], slow: list[dict[str, Any]], steps: range) 
     return [r["step"] - sum(t <= r["t"] for t in times) for r in fast if r["step"] in steps]
 
 
-def test_a_script_runs_hierarchical_in_node_groups_and_comes_back_to_one_model(tmp_path: Path) -> None:
+@pytest.mark.parametrize("which", sorted(SCRIPTS))
+def test_a_script_runs_hierarchical_in_node_groups_and_comes_back_to_one_model(tmp_path: Path, which: str) -> None:
+    script = SCRIPTS[which]
+    if script.needs is not None:
+        pytest.importorskip(script.needs, reason=f"the {script.needs} extra is not installed")
     training = TrainingConfig(
-        command=["python", SCRIPT.name],
+        command=["python", script.path.name],
         adaptation=Adaptation.API,
         batch_size=8,
         hierarchical=HierarchicalConfig(average_every=EVERY, staleness=STALENESS),
@@ -95,13 +130,13 @@ def test_a_script_runs_hierarchical_in_node_groups_and_comes_back_to_one_model(t
     path = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
     env = {**os.environ, "SGDJOB_RUN_CONFIG": str(config), "SGDJOB_METRICS_PORT": str(base)}
     env |= {"SGDJOB_CONTROL_TOKEN": TOKEN, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
-    args = ["--out", str(tmp_path), "--slow-rank", "3", "--slow-seconds", str(SLOW), "--step-seconds", str(FAST)]
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", str(SCRIPT)]
+    args = ["--out", str(tmp_path), "--slow-rank", "3", "--slow-seconds", str(script.slow), "--step-seconds", str(FAST)]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", str(script.path)]
     proc = subprocess.Popen(
         [*command, *args], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     try:
-        deadline = time.monotonic() + 50
+        deadline = time.monotonic() + script.within_s
         _until(proc, deadline, lambda: (s := _get(base)) is not None and s["step"] >= 6)
         _post(base, {"epoch": 1, "mode": "hierarchical", "reason": "test: by node"})
         statuses = _until(proc, deadline, lambda: _all_in(base, "hierarchical"))
@@ -137,9 +172,8 @@ def test_a_script_runs_hierarchical_in_node_groups_and_comes_back_to_one_model(t
     # every rank holds the same parameters and momentum at every step, and at the end.
     merged = [k for k in inside if k % CHECKPOINT_EVERY == 0]
     assert merged and all(same(k, 0, r) and same(k, 0, r, "momentum") for k in merged for r in (1, 2, 3))
-    saved = torch.load(tmp_path / "ckpt" / f"step-{merged[0]:010d}" / "checkpoint.pt")["model"]
-    flat = torch.cat([saved["weight"].flatten(), saved["bias"].flatten()]).tolist()
-    assert flat == by_step[0][merged[0]]["params"]
+    saved = torch.load(tmp_path / "ckpt" / f"step-{merged[0]:010d}" / "checkpoint.pt", weights_only=False)
+    assert script.saved_params(saved) == by_step[0][merged[0]]["params"]
     after = [k for k in by_step[0] if k >= back]
     assert len(after) >= 6 and all(same(k, 0, r) and same(k, 0, r, "momentum") for k in after for r in (1, 2, 3))
     finals = [json.loads((tmp_path / f"final{r}.json").read_text()) for r in range(4)]
@@ -151,5 +185,5 @@ def test_a_script_runs_hierarchical_in_node_groups_and_comes_back_to_one_model(t
     assert EVERY <= max(leads) <= (STALENESS + 1) * EVERY + 1, leads
     assert max(_lead(ranks[0], ranks[3], range(1, first))) <= 1
     gaps = {k: by_step[0][k]["t"] - by_step[0][k - 1]["t"] for k in range(2, len(by_step[0]))}
-    assert median(gaps[k] for k in inside if k > first + 1) < SLOW / 2, gaps
-    assert median(gaps[k] for k in range(2, first)) > SLOW * 0.9, gaps
+    assert median(gaps[k] for k in inside if k > first + 1) < script.slow / 2, gaps
+    assert median(gaps[k] for k in range(2, first)) > script.slow * 0.9, gaps

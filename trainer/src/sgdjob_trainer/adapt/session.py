@@ -120,10 +120,13 @@ class Session:
             self._resume(self.checkpoint_dir)
 
     # -- the API ------------------------------------------------------------------------------------
-    def attach(self, model: DistributedDataParallel) -> None:
-        """Weigh and time the model's gradient exchange (ddp.py). Before its first backward pass."""
+    def attach(self, model: DistributedDataParallel, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Weigh and time the model's gradient exchange (ddp.py). Before its first backward pass.
+        `optimizer`: for a framework that makes it after `adapt.start` (as `adapt.start(optimizer=)`)."""
         if self.exchange is not None:
             raise RuntimeError("the session is attached to a model already")
+        if optimizer is not None:
+            self.modes.optimizer = optimizer
         self.exchange = Exchange(model, self._computed)  # weight 1 until the loader hands out a batch
         self.modes.attach(model, self.exchange)
         self.telemetry.set_gradient_bytes(exchange_bytes(list(model.parameters()), Compression.NONE))

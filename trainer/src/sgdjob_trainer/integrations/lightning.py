@@ -17,9 +17,11 @@ What it gives, as `adapt.start`/`session.loader`/`session.step` give a plain DDP
   loops, callbacks). `SGDJobStrategy` (a `DDPStrategy`) hands Lightning that checkpoint without a
   second read and swaps the training DataLoader for the session's loader (`process_dataloader`).
 - `SGDJobCallback` attaches the session to the `DistributedDataParallel` model at `on_fit_start` (the
-  hook weighs unequal batches and times the exchange), reports each batch's optimizer step at
+  hook weighs unequal batches and times the exchange) with Lightning's optimizer, so the session can
+  switch to hierarchical and back (one optimizer; with several it runs sync), reports each batch's optimizer step at
   `on_train_batch_end` (`session.step(loss)`, which may apply a rebalance, checkpoint or stop there),
-  and finishes at `on_train_end`. It keeps SIGTERM for the session (an agreed stop), not Lightning's.
+  and finishes at `on_train_end`. It keeps SIGTERM for the session (an agreed stop), not Lightning's,
+  and `SGDJobTrainer` skips Lightning's per-batch broadcast of its SIGTERM flag (a world collective).
 - The batches: the session's loader with the DataLoader's dataset, batch size, shuffling (its
   DistributedSampler's or RandomSampler's, and its seed) and worker arguments. Its length is a whole
   epoch's steps (samples // global batch, the same under any split), so Lightning's per-epoch counts
@@ -200,7 +202,9 @@ class SGDJobCallback(L.Callback):
         session = self.session_of(trainer)
         model = trainer.strategy.model
         if session.exchange is None and isinstance(model, DistributedDataParallel):
-            session.attach(model)
+            # Lightning made the optimizer by now; with one, the session can run hierarchical.
+            optimizers = trainer.optimizers
+            session.attach(model, optimizer=optimizers[0] if len(optimizers) == 1 else None)
         elif session.exchange is None and session.info.world_size > 1:
             raise TypeError(f"SGDJobTrainer: the model is a {type(model).__name__}, not DistributedDataParallel")
 
@@ -231,6 +235,10 @@ class SGDJobCallback(L.Callback):
         self.session_of(trainer).finish()
 
 
+def _no_broadcast() -> None:
+    """In place of Lightning's per-batch SIGTERM broadcast (SGDJobTrainer.__init__ says why)."""
+
+
 class SGDJobTrainer(L.Trainer):
     """`lightning.Trainer` on SGDJob's adaptation API (module docstring). `sgdjob_checkpoint_dir` and
     `sgdjob_checkpoint_every` serve plain torchrun; the job's training.checkpoint wins."""
@@ -254,6 +262,12 @@ class SGDJobTrainer(L.Trainer):
         kwargs["strategy"] = SGDJobStrategy()
         kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), SGDJobCallback()]
         super().__init__(**kwargs)
+        # Lightning (2.5+) broadcasts from rank 0 at every batch whether its SIGTERM handler fired. Here
+        # SIGTERM is the session's (an agreed stop), so that flag never is set, and the broadcast is a
+        # world collective a step for nothing: it would hold hierarchical's fast group to the slowest rank.
+        epoch_loop = self.fit_loop.epoch_loop
+        if hasattr(epoch_loop, "_broadcast_sigterm_tensor"):
+            epoch_loop._broadcast_sigterm_tensor = _no_broadcast  # type: ignore[method-assign]
         self._sgdjob_dir = sgdjob_checkpoint_dir or os.path.join(self.default_root_dir, "sgdjob-checkpoints")
         self._sgdjob_every = sgdjob_checkpoint_every
 
