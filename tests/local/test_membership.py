@@ -61,9 +61,9 @@ def test_rescale_drops_the_straggler_and_finishes_with_fewer_workers(run_example
     speeds = [r["speed_samples_per_s"] for r in report["per_rank"]]
     assert max(speeds) < 1.3 * median(speeds), speeds
     assert report["final_loss"] < report["initial_loss"]
-    # The run weighed the change by its own launch's measured length, and measured the change as well.
+    # The run measured its launch, and the rescale as a shrink of its own (what the next one is weighed by).
     launch, change_took = report["restarts_measured"]
-    assert launch["from"] == "launch" and change_took["from"] == "change", report["restarts_measured"]
+    assert launch["from"] == "launch" and change_took["from"] == "shrink", report["restarts_measured"]
     assert 1.0 <= change_took["seconds"] < 120.0
 
 

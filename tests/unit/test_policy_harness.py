@@ -62,6 +62,7 @@ class Harness:
     evaluation_lag: float = 0.0
     # What a membership change pauses, as the shell tells the policy (the operator measures it).
     restart_seconds: float = 60.0
+    shrink_seconds: float | None = None  # what a change that only removes workers pauses (None: the above)
 
     def __post_init__(self) -> None:
         nodes = len(self.speeds) // self.nproc
@@ -158,6 +159,7 @@ class Harness:
             comm=self.comm,
             in_flight=self.in_flight,
             restart_seconds=self.restart_seconds,
+            shrink_seconds=self.shrink_seconds,
         )
         ev = evaluate(PolicyState.from_dict(self.state_doc), self.samples(), view, self.now + self.evaluation_lag)
         self.state_doc = ev.state.to_dict()

@@ -202,6 +202,22 @@ class ControllerState(CamelModel):
         str | None,
         Field(max_length=64, description="When the policy's latest membership change began, until its world trains."),
     ] = None
+    shrink_seconds: Annotated[
+        float | None,
+        Field(
+            ge=0.0,
+            le=86_400.0,
+            description=(
+                "Seconds the policy's latest shrink took, measured from the change until every rank of the smaller "
+                "world trained. A shrink starts no pod, so the policy weighs a rescale down by it, not restartSeconds "
+                "(until measured: the lesser of restartSeconds and 10)."
+            ),
+        ),
+    ] = None
+    restart_shrinks: Annotated[
+        bool | None,
+        Field(description="Whether the membership change being measured (restartFrom) is a shrink."),
+    ] = None
     checkpoint_failures: Annotated[
         int, Field(ge=0, le=10**9, description="Rank 0's failed checkpoint writes already reported in an Event.")
     ] = 0

@@ -30,7 +30,7 @@ from sgdjob_operator.k8s.membership import (
     wanted_indices,
 )
 from sgdjob_operator.k8s.observe import Observation
-from sgdjob_operator.k8s.restart_cost import measure_restart, restart_began, restart_estimate
+from sgdjob_operator.k8s.restart_cost import job_shrink_estimate, measure_restart, restart_began, restart_estimate
 from sgdjob_operator.k8s.status import Event, PodView, controller, record_decision, rfc3339
 from sgdjob_operator.policy.decisions import SwitchMode, per_rank_text
 from sgdjob_operator.policy.driver import (
@@ -103,7 +103,8 @@ def evaluate_job(
     # The first start is measured from the job's creation only while no worker has restarted: a world
     # that a failure restarted began long after it, and that span is no restart's cost.
     measure_restart(ctl, obs.samples, created if st.restarts == 0 else None)
-    step = drive(state, observed, spec, now, PlatformCosts(restart_seconds=restart_estimate(ctl)))
+    costs = PlatformCosts(restart_seconds=restart_estimate(ctl), shrink_seconds=job_shrink_estimate(ctl))
+    step = drive(state, observed, spec, now, costs)
     store(st, step.state)
     return step, "; ".join(p for p in (problem, step.problem) if p)
 
@@ -177,7 +178,7 @@ class StatusActuator:
         removed = [self.indices[p] for p in action.remove_pods if p in self.indices]
         current = wanted_indices(ctl, self.spec.replicas)
         store_indices(ctl, rescaled_indices(current, action.replicas, removed))
-        restart_began(ctl, self.now)
+        restart_began(ctl, self.now, shrink=action.replicas < len(current))
         record_scale(self.spec, ctl, action.replicas)
         if action.exclude_node:
             why = f"ranks {list(action.remove_ranks)} slow on it; removed by a rescale"

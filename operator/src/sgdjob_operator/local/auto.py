@@ -36,7 +36,7 @@ from sgdjob_operator.policy.driver import (
     restarted,
     unanimous_mode,
 )
-from sgdjob_operator.policy.restart import restart_took
+from sgdjob_operator.policy.restart import restart_took, shrink_estimate
 from sgdjob_operator.policy.samples import WorkerSample
 from sgdjob_operator.workers.scrape import ControlResult, ScrapeResult
 from sgdjob_trainer.config import SyncMode
@@ -124,6 +124,8 @@ class AutoController:
     training_start_s: float | None = None  # seconds into the run when the first world began training
     restart_seconds: float | None = None  # the latest (re)start's measured length: the launch, then changes
     restart_from: float | None = None  # when the membership change being measured began
+    shrink_seconds: float | None = None  # the latest shrink's measured length
+    restart_shrinks: bool = False  # the change being measured only removed nodes
 
     async def __call__(self, run: RunHandle, results: list[ScrapeResult], snap: ProgressFrame) -> None:
         run.report_extra["mode"] = "auto"
@@ -160,8 +162,9 @@ class AutoController:
             in_flight=finishing,
             step=snap.step or None,
         )
-        costs = (
-            LOCAL_COSTS if self.restart_seconds is None else replace(LOCAL_COSTS, restart_seconds=self.restart_seconds)
+        restart = LOCAL_COSTS.restart_seconds if self.restart_seconds is None else self.restart_seconds
+        costs = replace(
+            LOCAL_COSTS, restart_seconds=restart, shrink_seconds=shrink_estimate(self.shrink_seconds, restart)
         )
         step = drive(self.state, observed, self.job.spec, now, costs)
         self.state = step.state
@@ -181,7 +184,10 @@ class AutoController:
         else:
             return
         if took is not None:
-            self.restart_seconds = took
+            if since == "change" and self.restart_shrinks:
+                self.shrink_seconds, since = took, "shrink"
+            else:
+                self.restart_seconds = took
             run.report_extra.setdefault("restarts_measured", []).append({"from": since, "seconds": took})
 
     def record(self, decision: Decision, snap: ProgressFrame, applied: bool, note: str = "") -> None:
@@ -193,8 +199,9 @@ class AutoController:
         suffix = f" ({note})" if note else ""
         self.display.note(f"[{snap.elapsed_s:6.1f}s] decision at step {snap.step}: {what}: {decision.reason}{suffix}")
 
-    def changed(self, run: RunHandle) -> None:
+    def changed(self, run: RunHandle, *, shrink: bool = False) -> None:
         self.settling_since = self.restart_from = self.clock()
+        self.restart_shrinks = shrink
         self.display.resize(len(run.fleet.nodes()), run.fleet.world_size())
         nodes = ", ".join(run.fleet.nodes())
         self.display.note(f"nodes now: {nodes}; waiting for the new world to resume from the checkpoint")
@@ -241,4 +248,4 @@ class LocalActuator:
         note = f"{action.current} -> {action.replicas} nodes"
         self.controller.record(action.decision, self.snap, applied=True, note=note)
         await self.run.rescale(action.replicas, SyncMode(action.mode), action.decision.reason, action.remove_nodes)
-        self.controller.changed(self.run)
+        self.controller.changed(self.run, shrink=action.replicas < action.current)

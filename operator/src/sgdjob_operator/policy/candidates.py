@@ -349,7 +349,5 @@ def _membership(ctx: DecisionContext) -> list[Candidate]:
             node = ctx.nodes.get(rank)
             off = node if node_bound else None
             key = f"rescale:{node or rank}"
-            out.append(
-                _candidate(key, lambda why, g: Rescale(target, why, removed, g, off), pred, view.restart_seconds)
-            )
+            out.append(_candidate(key, lambda why, g: Rescale(target, why, removed, g, off), pred, view.shrink_cost))
     return out

@@ -125,6 +125,7 @@ class PlatformCosts:
     comm: CommModel | None = None
     max_batch_sizes: Mapping[int, int] | None = None
     restart_seconds: float = 60.0
+    shrink_seconds: float | None = None  # a membership change that starts no pod (None: restart_seconds)
     switch_seconds: float = 5.0
     rebalance_seconds: float = REBALANCE_SECONDS
 
@@ -293,6 +294,7 @@ def drive(
             comm=costs.comm,
             max_batch_sizes=costs.max_batch_sizes,
             restart_seconds=costs.restart_seconds,
+            shrink_seconds=costs.shrink_seconds,
             switch_seconds=costs.switch_seconds,
             rebalance_seconds=costs.rebalance_seconds,
             in_flight=in_flight,

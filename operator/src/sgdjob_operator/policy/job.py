@@ -27,7 +27,8 @@ class JobView:
     `mode` is the active mode (what the workers run now); `requested_mode` is spec.mode (auto lets
     the policy switch). `batch_sizes` and `max_batch_sizes` are per global rank; a rank absent from
     them has `base_batch` and `max_batch`. `restart_seconds` is what a membership change costs
-    (re-rendezvous plus resuming from a checkpoint), `switch_seconds` a mode switch, `rebalance_seconds`
+    (re-rendezvous plus resuming from a checkpoint), `shrink_seconds` one that only removes workers
+    (no pod to start; None: `restart_seconds`), `switch_seconds` a mode switch, `rebalance_seconds`
     a new split of sync's batch (applied at a step boundary: no pause, but the windows while it lands
     are not measured).
     `in_flight` says why a change is still being applied ('' when none): the policy then holds.
@@ -57,6 +58,7 @@ class JobView:
     max_batch: int = 0
     max_batch_sizes: Mapping[int, int] = field(default_factory=dict)
     restart_seconds: float = 60.0
+    shrink_seconds: float | None = None
     switch_seconds: float = 5.0
     rebalance_seconds: float = REBALANCE_SECONDS
     in_flight: str = ""
@@ -75,6 +77,11 @@ class JobView:
     @property
     def auto(self) -> bool:
         return self.requested_mode == JobMode.AUTO.value
+
+    @property
+    def shrink_cost(self) -> float:
+        """Seconds a shrink pauses training: its own figure where the shell has one."""
+        return self.shrink_seconds if self.shrink_seconds is not None else self.restart_seconds
 
     def allows(self, action: Action) -> bool:
         return action in self.policy.allowed_actions
@@ -121,6 +128,7 @@ def job_view(
     comm: CommModel | None = None,
     max_batch_sizes: Mapping[int, int] | None = None,
     restart_seconds: float = 60.0,
+    shrink_seconds: float | None = None,
     switch_seconds: float = 5.0,
     rebalance_seconds: float = REBALANCE_SECONDS,
     in_flight: str = "",
@@ -167,6 +175,7 @@ def job_view(
         lr_scaling=spec.training.lr_scaling.value,
         max_batch_sizes=dict(max_batch_sizes or {}),
         restart_seconds=restart_seconds,
+        shrink_seconds=shrink_seconds,
         switch_seconds=switch_seconds,
         rebalance_seconds=rebalance_seconds,
         in_flight=in_flight,

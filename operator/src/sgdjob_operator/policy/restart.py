@@ -14,6 +14,19 @@ from sgdjob_operator.policy.samples import WorkerSample
 
 # A measured restart is never taken below this: a scrape dates a start to about a second.
 MIN_RESTART_SECONDS = 1.0
+# A shrink's cost before the job measured one: an agreed stop with a checkpoint, the survivors' world
+# re-formed (3.2 s in tests/trainer/test_rendezvous_rounds.py) and their workers forked anew from warm
+# agents, loading that checkpoint. A guess, replaced by the job's own figure after its first shrink.
+SHRINK_GUESS_SECONDS = 10.0
+
+
+def shrink_estimate(shrink_seconds: float | None, restart_seconds: float) -> float:
+    """Seconds a shrink (a change that only removes workers) is expected to pause training: its own
+    latest measured figure, else the lesser of SHRINK_GUESS_SECONDS and what a start measured. A shrink
+    starts no process tree, pulls nothing and imports nothing; the job's first start paid for all of
+    that, on its slowest node, so it says little of a shrink's cost (issue #37: ~20 s there, most of
+    it the slow node importing torch, a world re-formed without that node in seconds)."""
+    return shrink_seconds if shrink_seconds is not None else min(SHRINK_GUESS_SECONDS, restart_seconds)
 
 
 def world_began(samples: Sequence[WorkerSample]) -> float | None:
