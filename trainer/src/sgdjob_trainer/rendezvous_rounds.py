@@ -117,8 +117,22 @@ def _create(params: RendezvousParameters) -> RendezvousHandler:
         log.warning("rendezvous: %s is not torch's dynamic handler: rounds end by torch's rules", type(handler))
         return handler
     handler._backend_name = SIZED_BACKEND  # the registry checks the name it was asked for
+    if not _torch_has_what_we_use(handler):
+        log.warning("rendezvous: this torch's c10d handler lacks what rendezvous_rounds uses: torch's rules")
+        return handler
     _handlers.append(handler)
     return sized(handler)
+
+
+def _torch_has_what_we_use(handler: dyn.DynamicRendezvousHandler) -> bool:
+    """The private parts of torch's handler this module relies on (torch 2.4-2.13 have them all)."""
+    actions = ("MARK_RENDEZVOUS_COMPLETE", "REMOVE_FROM_PARTICIPANTS", "REMOVE_FROM_WAIT_LIST", "FINISH")
+    return (
+        hasattr(dyn, "_RendezvousJoinOp")
+        and all(hasattr(getattr(dyn, "_Action", None), a) for a in actions)
+        and hasattr(getattr(handler, "_op_executor", None), "run")
+        and all(hasattr(handler, a) for a in ("_store", "_stop_heartbeats"))
+    )
 
 
 def register() -> str:
