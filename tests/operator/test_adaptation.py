@@ -367,7 +367,7 @@ def test_a_reached_target_shows_in_status_and_ends_the_job_as_target_reached(
         status = wait_for("Succeeded", lambda: (s := cluster.status("goal")).get("phase") == "Succeeded" and s)
         assert {c["type"]: c["reason"] for c in status["conditions"]}["Succeeded"] == "TargetReached"
         assert status["timeToTargetSeconds"] == 3.5 and status["step"] < 1000
-        assert "TargetReached" in cluster.reasons("goal")
+        wait_for("the TargetReached event", lambda: "TargetReached" in cluster.reasons("goal"))
     finally:
         for w in workers:
             w.stop()

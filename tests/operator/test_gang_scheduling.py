@@ -164,7 +164,7 @@ def test_kueue_job_waits_for_admission(third_party: ControlPlane, cluster: Clust
     _kueue_admits(cluster, "sgdjob-kq", 2)
     cluster.run_all("kq", 2, ip_base=21)
     wait_for("Running once admitted", lambda: cluster.status("kq").get("phase") == "Running")
-    assert "Admitted" in cluster.reasons("kq")
+    wait_for("the Admitted event", lambda: "Admitted" in cluster.reasons("kq"))
 
     # Kueue preempts the job: it evicts the Workload, and the job's controller must stop its pods.
     evicted = [
