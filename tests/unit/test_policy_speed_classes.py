@@ -7,6 +7,7 @@ import pytest
 from sgdjob_operator.policy import Evaluation, Rebalance, ReplaceWorker, Rescale, Shape
 from sgdjob_operator.policy.cost import SAME_SPEED, StepTime, pooled, step_times
 from tests.unit.test_policy_harness import Harness
+from tests.unit.test_restart_cost import bench_like
 
 
 @pytest.mark.parametrize("seed", range(10))
@@ -81,3 +82,17 @@ def test_no_node_is_replaced_or_removed_that_holds_every_rank(speeds: list[float
         ev = h.step()
         assert not {"replace", "rescale"} & set(ev.predictions), (ev.health.summary, ev.predictions)
     assert not any(isinstance(e.decision, ReplaceWorker | Rescale) for e in h.history)
+
+
+def test_a_slow_node_is_dropped_when_the_rest_of_the_fleet_reads_unequal_too() -> None:
+    """A node whose step is nearly all fixed cost (a CPU quota sets it, not the batch) paces every
+    split; what helps is to drop it. The other two ranks read 2.2x apart, as the real-node benchmark's
+    two equal 0.8-CPU nodes did after a rebalance, so the fleet is three speed classes, not a single
+    straggler: the rescale is proposed there too (it was not, and three re-splits kept ~480 samples/s)."""
+    h = bench_like(20.0, 4.0, speeds=(1 / 0.0003, 1 / 0.00065, 1 / 0.0006), fixed=(0.002, 0.002, 0.2))
+    for _ in range(40):
+        h.step()
+    dropped = [e for e in h.changes() if isinstance(e.decision, Rescale)]
+    assert len(dropped) == 1 and dropped[0].decision.remove_ranks == (2,), [e.decision.reason for e in h.changes()]
+    assert dropped[0].health.raw_shape is Shape.CLUSTERS
+    assert len(h.speeds) == 2

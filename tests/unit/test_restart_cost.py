@@ -69,11 +69,17 @@ def test_a_shrink_is_measured_apart_and_until_then_costs_at_most_the_guess() -> 
     assert job_shrink_estimate(fast) == pytest.approx(1.0), "never more than a whole start"
 
 
-def bench_like(restart_s: float, shrink_s: float | None = None) -> Harness:
+def bench_like(
+    restart_s: float,
+    shrink_s: float | None = None,
+    speeds: tuple[float, ...] = (1 / 0.00055, 1 / 0.00055, 1 / 0.0006),
+    fixed: tuple[float, ...] = (0.002, 0.002, 0.044),
+) -> Harness:
+    """The real-node benchmark's slow fleet at its settings (0.5-s interval, 10-s cooldown)."""
     return Harness(
-        [1 / 0.00055, 1 / 0.00055, 1 / 0.0006],
+        list(speeds),
         mode="sync",
-        fixed=[0.002, 0.002, 0.044],
+        fixed=list(fixed),
         policy={
             "intervalSeconds": 0.5, "persistenceIntervals": 2, "cooldownSeconds": 10,
             "allowedActions": ["rebalance", "rescale"],

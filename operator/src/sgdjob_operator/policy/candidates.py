@@ -182,7 +182,10 @@ def build(ctx: DecisionContext) -> list[Candidate]:
                 )
             )
         return out + _grow(ctx)
-    if shape is Shape.SINGLE_STRAGGLER:
+    if shape in (Shape.SINGLE_STRAGGLER, Shape.CLUSTERS, Shape.DISPERSED):
+        # Not only a single straggler: a rebalance that cut the slow node's batch can make the fast
+        # ranks read apart (a step's fixed part, a CPU quota's bursts), and the fleet then reads as
+        # clusters while the remedy a user would try by hand, dropping the slow node, still exists.
         out.extend(_membership(ctx))
     total = view.base_batch * len(ctx.speeds)
     caps = {r: view.cap(r) for r in ctx.speeds}
