@@ -15,7 +15,8 @@ from sgdjob_operator.k8s.membership import goal_replicas, normalise, record_scal
 from sgdjob_operator.k8s.plan import plan_reconcile
 from sgdjob_operator.k8s.status import PodView, controller, dump_status, load_status, rfc3339
 from sgdjob_operator.policy import Rescale, job_view
-from sgdjob_operator.policy.driver import Observed, Step, action_for
+from sgdjob_operator.policy.driver import Observed, Step, action_for, issue
+from sgdjob_trainer.wire.control import ControlCommand
 from tests.unit.test_status import T0, _sample, _spec, pod, rdzv, running
 
 
@@ -66,6 +67,21 @@ def test_rescale_deletes_the_named_pod_not_the_highest_even_after_a_restart() ->
     grown = plan_reconcile(_spec(replicas=4), restarted(settled.status), gone, generation=3, now=T0 + 4)
     assert grown.create_workers == [1] and grown.delete_pods == []
     assert controller(grown.status).worker_indices is None  # 0..3 again: nothing to remember
+
+
+def test_a_rescale_drops_the_old_worlds_batch_split_and_tells_the_new_world_plain_sizes() -> None:
+    # The old world of 4 ran a split that gave its slow rank 1 a small share; that split names ranks
+    # the new world of 3 hands out anew, and kept, it would run the survivors on the old shares.
+    st = running()
+    split = ControlCommand(epoch=0, batch_sizes={0: 40, 1: 8, 2: 40, 3: 40}, reason="rank 1 slow")
+    state, _ = driver_state(st)
+    store(st, issue(state, split))
+    before = driver_state(st)[0].epoch
+    rescale_decision(st, 3, (1,), [pod(i, node=f"n{i}") for i in range(4)] + [rdzv()])
+    after, problem = driver_state(st)
+    assert not problem and after.command is not None and after.epoch > before
+    assert after.command.batch_sizes == {0: 32, 1: 32, 2: 32}, after.command
+    assert after.policy.last_change == T0, "the policy starts over from the change"
 
 
 def test_status_written_but_replicas_not_lowered_changes_nothing() -> None:

@@ -45,6 +45,7 @@ from sgdjob_operator.policy.driver import (
     drive,
     first_call_wait,
     load_state,
+    restarted,
 )
 
 
@@ -157,6 +158,7 @@ class StatusActuator:
         elif action.pod:
             self.out.delete_pod = action.pod
         restart_began(ctl, self.now)
+        self._ranks_anew(len(wanted_indices(ctl, self.spec.replicas)))
         d = action.decision
         record = record_decision(self.st, self.now, d.action, d.reason, rank=action.rank, pod=action.pod, hung=d.hung)
         where = f"; node {node} excluded for this job" if node else ""
@@ -179,6 +181,7 @@ class StatusActuator:
         current = wanted_indices(ctl, self.spec.replicas)
         store_indices(ctl, rescaled_indices(current, action.replicas, removed))
         restart_began(ctl, self.now, shrink=action.replicas < len(current))
+        self._ranks_anew(action.replicas)
         record_scale(self.spec, ctl, action.replicas)
         if action.exclude_node:
             why = f"ranks {list(action.remove_ranks)} slow on it; removed by a rescale"
@@ -192,3 +195,14 @@ class StatusActuator:
         message = f"rescaling {action.current} -> {action.replicas} workers{f' ({what})' if what else ''}: {reason}"
         self.out.events.append(Event("Normal", "Rescale", message))
         ctl.last_change_time = record.time
+
+    def _ranks_anew(self, replicas: int) -> None:
+        """A membership change hands the ranks out anew: per-rank batch sizes and groups, which name
+        the old world's ranks, are dropped, the new world is told the job's batch on every rank, and
+        the policy starts over from the change (`driver.restarted`, as the local runner does). Kept,
+        a rescale from 3 to 2 handed the survivors the old world's split (measured on real nodes:
+        rank 1 of 2 ran the slow rank's share until a later pass restored plain sync)."""
+        state, _ = driver_state(self.st)
+        world = replicas * self.spec.nproc_per_node
+        fresh, _ = restarted(state, self.now, world, self.spec.training.batch_size, None)
+        store(self.st, fresh)
