@@ -96,3 +96,7 @@ def test_a_slow_node_is_dropped_when_the_rest_of_the_fleet_reads_unequal_too() -
     assert len(dropped) == 1 and dropped[0].decision.remove_ranks == (2,), [e.decision.reason for e in h.changes()]
     assert dropped[0].health.raw_shape is Shape.CLUSTERS
     assert len(h.speeds) == 2
+    # The split made first paused nothing, so the rescale does not wait a cooldown (10 s) after it.
+    split, shrink = h.changes()[0].state.last_change, dropped[0].state.last_change
+    assert isinstance(h.changes()[0].decision, Rebalance) and split is not None and shrink is not None
+    assert shrink - split < 10, f"split at {split} s, rescale at {shrink} s"

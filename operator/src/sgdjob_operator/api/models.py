@@ -128,7 +128,8 @@ class PolicySpec(CamelModel):
             le=86_400.0,
             description=(
                 "Least seconds between two changes to the job. Not waited for by the way back to plain "
-                "sync, nor by a new split of sync's batch (no pause); every change starts it."
+                "sync, nor by a new split of sync's batch (no pause); every change starts it, except that a "
+                "restart (rescale, replacement) waits it out only after a change that paused training."
             ),
         ),
     ] = 60.0

@@ -95,6 +95,7 @@ class Candidate:
     restoring: bool = False
     settle: bool = False  # a restoring change that still waits for the cooldown (it restarts the world)
     batch_only: bool = False
+    restarts: bool = False  # a membership change: it restarts the world
 
 
 # Replacing a lone slow node wins over re-tuning around it unless it predicts clearly less: the
@@ -268,8 +269,9 @@ def _candidate(
     preference: float = 0.0,
     restoring: bool = False,
     batch_only: bool = False,
+    restarts: bool = False,
 ) -> Candidate:
-    return Candidate(key, make, pred, cost, preference, restoring, batch_only=batch_only)
+    return Candidate(key, make, pred, cost, preference, restoring, batch_only=batch_only, restarts=restarts)
 
 
 def _grow(ctx: DecisionContext) -> list[Candidate]:
@@ -294,6 +296,7 @@ def _grow(ctx: DecisionContext) -> list[Candidate]:
             view.restart_seconds,
             restoring=True,
             settle=True,
+            restarts=True,
         )
     ]
 
@@ -341,6 +344,7 @@ def _membership(ctx: DecisionContext) -> list[Candidate]:
                 pred,
                 view.restart_seconds,
                 REPLACE_PREFERENCE,
+                restarts=True,
             )
         )
     if view.allows(Action.RESCALE) and view.replicas - 1 >= view.min_replicas:
@@ -352,5 +356,9 @@ def _membership(ctx: DecisionContext) -> list[Candidate]:
             node = ctx.nodes.get(rank)
             off = node if node_bound else None
             key = f"rescale:{node or rank}"
-            out.append(_candidate(key, lambda why, g: Rescale(target, why, removed, g, off), pred, view.shrink_cost))
+            out.append(
+                _candidate(
+                    key, lambda why, g: Rescale(target, why, removed, g, off), pred, view.shrink_cost, restarts=True
+                )
+            )
     return out

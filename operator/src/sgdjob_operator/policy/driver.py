@@ -374,7 +374,7 @@ def restarted(
     cooldown running from the change, and per-rank batch sizes and groups, which named old ranks,
     are dropped (the workers are told plain sizes when they had others). Returns the state and
     the command to send, if any."""
-    policy = dataclasses.replace(PolicyState(), last_change=now, jitter=state.policy.jitter)
+    policy = dataclasses.replace(PolicyState(), last_change=now, last_pause=now, jitter=state.policy.jitter)
     epoch = max(state.epoch, applied_epoch or 0)
     fresh = DriverState(policy, None, epoch, state.mode)
     if state.command is None or not state.command.batch_sizes:

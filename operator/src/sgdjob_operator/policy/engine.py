@@ -116,6 +116,7 @@ def evaluate(state: PolicyState, samples: Sequence[WorkerSample], job: JobView, 
         candidate=None,
         candidate_streak=0,
         last_change=state.last_change,
+        last_pause=state.last_pause,
         jitter=jitter,
         evaluations=state.evaluations + 1,
         progress=state.progress,
@@ -128,7 +129,8 @@ def evaluate(state: PolicyState, samples: Sequence[WorkerSample], job: JobView, 
     recovering = state.last_change is not None and now - state.last_change < (p.hang_timeout_seconds or 0.0)
     if hang is not None and not recovering:
         recover = ReplaceWorker(hang.rank, hang.reason(p.hang_timeout_seconds or 0.0), hang.pod, hung=True)
-        return Evaluation(recover, health, replace(base, last_change=now, progress=restarted(), trial=None), {})
+        recovered = replace(base, last_change=now, last_pause=now, progress=restarted(), trial=None)
+        return Evaluation(recover, health, recovered, {})
     if health.raw_shape is Shape.UNKNOWN:
         why = f"waiting for rates: {health.measured} of {job.world_size} ranks measured this window"
         if window.restarted:
@@ -186,7 +188,8 @@ def evaluate(state: PolicyState, samples: Sequence[WorkerSample], job: JobView, 
         elif may_revert(trial, job) and (left is None or cost < left):  # else the check closes unheeded
             kept = remember(base.discounts, trial, verdict.ratio, now, horizon)
             back = revert(trial, verdict, job, health.summary, kept[-1].until - now)
-            after = replace(base, last_change=now, progress=restarted(), trial=None, discounts=kept)
+            paused = base.last_pause if splits_back(trial, job) else now
+            after = replace(base, last_change=now, last_pause=paused, progress=restarted(), trial=None, discounts=kept)
             return Evaluation(back, health, after, predictions)
     trained = min((s.steps for s in window.latest.values()), default=0)
     waiting_for = ""
@@ -240,14 +243,24 @@ def evaluate(state: PolicyState, samples: Sequence[WorkerSample], job: JobView, 
     # would otherwise run a whole cooldown at equal batches (measured: 1.2x the best static system on
     # digits-cnn). It still starts the cooldown, so a mode switch or restart after it waits.
     cooled = (not chosen.restoring or chosen.settle) and not chosen.batch_only
-    if cooled and state.last_change is not None and now - state.last_change < p.cooldown_seconds:
-        left = p.cooldown_seconds - (now - state.last_change)
+    # A restart's cooldown runs from the last change that paused training: a new split of sync's batch
+    # before it is no flap to wait out (it paused nothing, and the restart is weighed by its own pause
+    # and persistence). Measured on real nodes: a split at step 8 held the rescale that the split's
+    # own results called for until step 127-199 (the 10-s cooldown), 2x DDP-without-the-node's time.
+    since = state.last_pause if chosen.restarts else state.last_change
+    if cooled and since is not None and now - since < p.cooldown_seconds:
+        left = p.cooldown_seconds - (now - since)
         return Evaluation(Keep(f"{health.summary}; {what}; cooldown {left:.0f}s left"), health, waiting, predictions)
     decision = chosen.make(f"{health.summary}; {what}", round(gain, 4))
     # The change is checked by its results against what the configuration it leaves measured.
     opened = open_trial(chosen, decision, current, job, progress, now, health.step, a.shape_key)
     changed = replace(
-        base, last_change=now, ranks=_forget_replaced(a.ranks, decision, ctx), progress=restarted(), trial=opened
+        base,
+        last_change=now,
+        last_pause=state.last_pause if chosen.batch_only else now,
+        ranks=_forget_replaced(a.ranks, decision, ctx),
+        progress=restarted(),
+        trial=opened,
     )
     return Evaluation(decision, health, changed, predictions)
 

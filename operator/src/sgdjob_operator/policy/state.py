@@ -135,7 +135,8 @@ class PolicyState:
     """`shape` is the last window's raw heterogeneity signature and `shape_streak` how many windows
     in a row it held; `candidate`/`candidate_streak` the same for the change the cost model prefers;
     `heterogeneous` the hysteresis flag of the fleet's spread; `jitter` the learned compute-noise
-    coefficient (see health.jitter_coefficient); `last_change` the time of the last change;
+    coefficient (see health.jitter_coefficient); `last_change` the time of the last change and
+    `last_pause` of the last one that paused training (not a new split of sync's batch);
     `progress` the measured useful progress of the configuration in force, `trial` the last change
     while it is checked against it, `discounts` the changes taken back for under-delivering
     (`policy.check`). A state written before the last three reads as none of them."""
@@ -147,6 +148,7 @@ class PolicyState:
     candidate: str | None = None
     candidate_streak: int = 0
     last_change: float | None = None
+    last_pause: float | None = None
     jitter: float = 0.0
     evaluations: int = 0
     progress: Progress = field(default_factory=Progress)
@@ -179,6 +181,7 @@ class PolicyState:
             "candidate": self.candidate,
             "candidateStreak": self.candidate_streak,
             "lastChange": self.last_change,
+            "lastPause": self.last_pause,
             "jitter": self.jitter,
             "evaluations": self.evaluations,
             "progress": self.progress.to_dict(),
@@ -216,6 +219,8 @@ class PolicyState:
                     estimate=_estimate(est),
                 )
             last_change = data.get("lastChange")
+            # A state from before lastPause: every change counted as one that paused.
+            last_pause = data.get("lastPause", last_change)
             return cls(
                 ranks=ranks,
                 heterogeneous=bool(data.get("heterogeneous", False)),
@@ -224,6 +229,7 @@ class PolicyState:
                 candidate=None if data.get("candidate") is None else str(data["candidate"]),
                 candidate_streak=int(data.get("candidateStreak", 0)),
                 last_change=None if last_change is None else _finite(last_change),
+                last_pause=None if last_pause is None else _finite(last_pause),
                 jitter=_finite(data.get("jitter", 0.0)),
                 evaluations=int(data.get("evaluations", 0)),
                 progress=Progress.from_dict(data.get("progress")),
