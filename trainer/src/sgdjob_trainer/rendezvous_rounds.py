@@ -30,7 +30,6 @@ import copy
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -46,16 +45,7 @@ log = logging.getLogger("sgdjob_trainer.rendezvous_rounds")
 SIZED_BACKEND = "sgdjob-c10d"
 LEAVE_TIMEOUT_S = 5.0  # a stopping agent tries this long to leave; its heartbeats lapse otherwise
 
-
-@dataclass
-class _Joined:
-    """A handler this process made, and how many nodes the last round it completed had (None: none yet)."""
-
-    handler: dyn.DynamicRendezvousHandler
-    nodes: int | None = None
-
-
-_handlers: list[_Joined] = []  # this process's, for `leave_if_removed`
+_handlers: list[dyn.DynamicRendezvousHandler] = []  # this process's, for `leave_if_removed`
 
 
 def intended_nodes(store: Any) -> int | None:
@@ -101,9 +91,8 @@ class _LeaveIfRemoved:
     removed nodes and said so first). A completed round the job still wants whole (a suspend, the job's
     end) is left as torch leaves it: its heartbeats lapse."""
 
-    def __init__(self, intended: Callable[[], int | None], nodes: int | None) -> None:
+    def __init__(self, intended: Callable[[], int | None]) -> None:
         self._intended = intended
-        self._nodes = nodes  # the size of the round this node last completed
 
     def __call__(self, ctx: Any, deadline: float) -> Any:
         state, node = ctx.state, ctx.node
@@ -111,10 +100,8 @@ class _LeaveIfRemoved:
             return dyn._Action.FINISH
         if node in state.participants:
             if state.complete:
-                # Against the round's size when it completed, not its participants now: the peers'
-                # agents leave it as their workers stop, often before this check runs.
                 intended = self._intended()
-                if intended is None or self._nodes is None or intended >= self._nodes:
+                if intended is None or intended >= len(state.participants):
                     return dyn._Action.FINISH
             action = dyn._Action.REMOVE_FROM_PARTICIPANTS
         elif node in state.wait_list:
@@ -129,30 +116,17 @@ class _LeaveIfRemoved:
 
 
 def sized(handler: dyn.DynamicRendezvousHandler) -> dyn.DynamicRendezvousHandler:
-    """`handler`, its join operations made `_SizedJoin`s (the intended size read from its store), and
-    the size of each round it completes kept for `leave_if_removed`."""
+    """`handler`, its join operations made `_SizedJoin`s (the intended size read from its store)."""
     executor = handler._op_executor
     run = executor.run
     store = handler._store
-    joined = _Joined(handler)
-    _handlers.append(joined)
 
     def run_sized(state_handler: Any, deadline: float, update_deadline: Any = None) -> None:
         if isinstance(state_handler, dyn._RendezvousJoinOp):
             state_handler = _SizedJoin(state_handler, lambda: intended_nodes(store))
         run(state_handler, deadline, update_deadline)
 
-    next_round = handler.next_rendezvous
-
-    def next_rendezvous() -> Any:
-        info = next_round()
-        # torch >= 2.4: RendezvousInfo(store, rank, world_size, ...); before: (store, rank, world_size).
-        nodes = info[2] if isinstance(info, tuple) else getattr(info, "world_size", None)
-        joined.nodes = nodes if isinstance(nodes, int) else None
-        return info
-
     executor.run = run_sized  # type: ignore[method-assign]
-    handler.next_rendezvous = next_rendezvous  # type: ignore[method-assign]
     return handler
 
 
@@ -167,6 +141,7 @@ def _create(params: RendezvousParameters) -> RendezvousHandler:
     if not _torch_has_what_we_use(handler):
         log.warning("rendezvous: this torch's c10d handler lacks what rendezvous_rounds uses: torch's rules")
         return handler
+    _handlers.append(handler)
     return sized(handler)
 
 
@@ -196,11 +171,10 @@ def leave_if_removed(timeout_s: float = LEAVE_TIMEOUT_S) -> int:
     so their peers' next round need not wait for heartbeats to lapse; returns how many handlers ran the
     check. A store that is away fails it: the heartbeats lapse then, as before."""
     done = 0
-    for joined in _handlers:
-        handler = joined.handler
+    for handler in _handlers:
         try:
             handler._stop_heartbeats()
-            check = _LeaveIfRemoved(partial(intended_nodes, handler._store), joined.nodes)
+            check = _LeaveIfRemoved(partial(intended_nodes, handler._store))
             handler._op_executor.run(check, time.monotonic() + timeout_s)
             done += 1
         except Exception as err:  # leaving is a courtesy to the peers; the agent stops either way
