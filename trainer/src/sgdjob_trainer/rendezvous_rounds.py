@@ -10,15 +10,12 @@ worker that is both: on the real-node cluster 10 s + 10 s of a 24-s restart (#37
   wants now under `INTENDED_NODES_KEY` in the rendezvous store (the operator through the store pod's
   health endpoint, every pass); a participant completes the round as soon as that many have joined
   (within min..max), without the last call. No key, or fewer joined: torch's rules, unchanged.
-- **A stopped agent leaves where its staying would hold its peers up.** An agent stopped by a signal
-  leaves an open round (it would be counted into a world it will not join) and any wait list; it
-  leaves the completed round it runs in only where the job's intended size is below that round's
-  (the operator said the smaller size before it deleted the pod). A completed round the job still
-  wants whole (a suspend, the job's end) is left as torch leaves it, by lapsed heartbeats: b8c6ecc
-  made every stopped agent leave, and in one clean CI run of two a suspend then lost its final
-  checkpoint (chaos cases d, h), most likely to a straggling agent that formed a world alone once
-  its peers had emptied the round. torchrun's own shutdown would close the rendezvous for every
-  node; leaving does not.
+- **An agent stopped by a signal while the job wants fewer nodes than its round holds leaves the
+  rendezvous** (the operator said the smaller size before it deleted the pod), so the round moves on
+  at once instead of waiting its heartbeats. Any other stop (a suspend, the job's end, a node drained
+  while the job still wants it) leaves the rendezvous as torch does: b8c6ecc made every stopped agent
+  leave, and in one clean CI run of two a suspend then lost its final checkpoint (chaos cases d, h).
+  torchrun's own shutdown would close the rendezvous for every node; leaving does not.
 
 The backend is torch's c10d one (same store, keys and state), registered again under
 `SIZED_BACKEND` so only this agent's handlers behave so; agents of either kind share a rendezvous.
@@ -85,34 +82,23 @@ class _SizedJoin:
 
 
 class _LeaveIfRemoved:
-    """Take a stopping node off the rendezvous where that cannot hold its peers up wrongly: an open
-    round (it would be counted into a world it will not join) or a wait list, always; the completed
-    round it runs in only where the job's intended size is below that round's (the job's controller
-    removed nodes and said so first). A completed round the job still wants whole (a suspend, the job's
-    end) is left as torch leaves it: its heartbeats lapse."""
+    """Leave the completed round this node takes part in, where the job's intended size is below the
+    round's: the job's controller removed nodes (this one among them) and said so first. Otherwise,
+    and where the node is in no round, nothing."""
 
     def __init__(self, intended: Callable[[], int | None]) -> None:
         self._intended = intended
 
     def __call__(self, ctx: Any, deadline: float) -> Any:
-        state, node = ctx.state, ctx.node
-        if state.closed:
+        state = ctx.state
+        if state.closed or ctx.node not in state.participants:
             return dyn._Action.FINISH
-        if node in state.participants:
-            if state.complete:
-                intended = self._intended()
-                if intended is None or intended >= len(state.participants):
-                    return dyn._Action.FINISH
-            action = dyn._Action.REMOVE_FROM_PARTICIPANTS
-        elif node in state.wait_list:
-            action = dyn._Action.REMOVE_FROM_WAIT_LIST
-        elif node in state.redundancy_list:
-            action = dyn._Action.REMOVE_FROM_REDUNDANCY_LIST
-        else:
+        intended = self._intended()
+        if intended is None or intended >= len(state.participants):
             return dyn._Action.FINISH
         if time.monotonic() > deadline:
             return dyn._Action.ERROR_TIMEOUT
-        return action
+        return dyn._Action.REMOVE_FROM_PARTICIPANTS
 
 
 def sized(handler: dyn.DynamicRendezvousHandler) -> dyn.DynamicRendezvousHandler:
@@ -147,10 +133,7 @@ def _create(params: RendezvousParameters) -> RendezvousHandler:
 
 def _torch_has_what_we_use(handler: dyn.DynamicRendezvousHandler) -> bool:
     """The private parts of torch's handler this module relies on (torch 2.4-2.13 have them all)."""
-    actions = (
-        "MARK_RENDEZVOUS_COMPLETE", "REMOVE_FROM_PARTICIPANTS", "REMOVE_FROM_WAIT_LIST", "REMOVE_FROM_REDUNDANCY_LIST",
-        "FINISH", "ERROR_TIMEOUT",
-    )  # fmt: skip
+    actions = ("MARK_RENDEZVOUS_COMPLETE", "REMOVE_FROM_PARTICIPANTS", "FINISH", "ERROR_TIMEOUT")
     return (
         hasattr(dyn, "_RendezvousJoinOp")
         and all(hasattr(getattr(dyn, "_Action", None), a) for a in actions)
