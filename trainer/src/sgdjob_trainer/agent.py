@@ -33,7 +33,6 @@ import uuid
 from typing import Any, NoReturn
 
 import torch
-from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousTimeoutError
 from torch.distributed.elastic.rendezvous.utils import _parse_rendezvous_config
@@ -165,15 +164,10 @@ def run_command(config: LaunchConfig, program: str, argv: list[str]) -> None:
 
 def run_agent(config: LaunchConfig, entrypoint: Any, *args: str) -> None:
     """torchrun's agent on the c10d rendezvous of `rendezvous_rounds`: rounds complete at the job's
-    intended size instead of waiting torch's last call, and an agent stopped by a signal after the job
-    was told to shrink (its pod removed by a rescale) leaves its round, so its peers go on at once."""
+    intended size instead of waiting torch's last call."""
     if config.rdzv_backend == RDZV_BACKEND:
         config.rdzv_backend = rendezvous_rounds.register()
-    try:
-        elastic_launch(config=config, entrypoint=entrypoint)(*args)
-    except SignalException:
-        rendezvous_rounds.leave_if_removed()
-        raise
+    elastic_launch(config=config, entrypoint=entrypoint)(*args)
 
 
 @record  # as torchrun's main: a failed worker's error is printed, and the exit status is 1

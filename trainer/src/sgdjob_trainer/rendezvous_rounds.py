@@ -10,12 +10,9 @@ worker that is both: on the real-node cluster 10 s + 10 s of a 24-s restart (#37
   wants now under `INTENDED_NODES_KEY` in the rendezvous store (the operator through the store pod's
   health endpoint, every pass); a participant completes the round as soon as that many have joined
   (within min..max), without the last call. No key, or fewer joined: torch's rules, unchanged.
-- **An agent stopped by a signal while the job wants fewer nodes than its round holds leaves the
-  rendezvous** (the operator said the smaller size before it deleted the pod), so the round moves on
-  at once instead of waiting its heartbeats. Any other stop (a suspend, the job's end, a node drained
-  while the job still wants it) leaves the rendezvous as torch does: b8c6ecc made every stopped agent
-  leave, and in one clean CI run of two a suspend then lost its final checkpoint (chaos cases d, h).
-  torchrun's own shutdown would close the rendezvous for every node; leaving does not.
+- Not done: an agent stopped by a signal still leaves its peers to wait for its heartbeats to lapse.
+  Taking it off the rendezvous at once (tried in b8c6ecc) made a suspend lose its final checkpoint in
+  one clean CI run of two (chaos cases d and h), so it was taken out until that is understood.
 
 The backend is torch's c10d one (same store, keys and state), registered again under
 `SIZED_BACKEND` so only this agent's handlers behave so; agents of either kind share a rendezvous.
@@ -27,7 +24,6 @@ import copy
 import logging
 import time
 from collections.abc import Callable
-from functools import partial
 from typing import Any
 
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
@@ -40,9 +36,6 @@ from sgdjob_trainer.wire.launch_contract import INTENDED_NODES_KEY, RDZV_BACKEND
 log = logging.getLogger("sgdjob_trainer.rendezvous_rounds")
 
 SIZED_BACKEND = "sgdjob-c10d"
-LEAVE_TIMEOUT_S = 5.0  # a stopping agent tries this long to leave; its heartbeats lapse otherwise
-
-_handlers: list[dyn.DynamicRendezvousHandler] = []  # this process's, for `leave_if_removed`
 
 
 def intended_nodes(store: Any) -> int | None:
@@ -81,26 +74,6 @@ class _SizedJoin:
         return self._inner(ctx, deadline)
 
 
-class _LeaveIfRemoved:
-    """Leave the completed round this node takes part in, where the job's intended size is below the
-    round's: the job's controller removed nodes (this one among them) and said so first. Otherwise,
-    and where the node is in no round, nothing."""
-
-    def __init__(self, intended: Callable[[], int | None]) -> None:
-        self._intended = intended
-
-    def __call__(self, ctx: Any, deadline: float) -> Any:
-        state = ctx.state
-        if state.closed or ctx.node not in state.participants:
-            return dyn._Action.FINISH
-        intended = self._intended()
-        if intended is None or intended >= len(state.participants):
-            return dyn._Action.FINISH
-        if time.monotonic() > deadline:
-            return dyn._Action.ERROR_TIMEOUT
-        return dyn._Action.REMOVE_FROM_PARTICIPANTS
-
-
 def sized(handler: dyn.DynamicRendezvousHandler) -> dyn.DynamicRendezvousHandler:
     """`handler`, its join operations made `_SizedJoin`s (the intended size read from its store)."""
     executor = handler._op_executor
@@ -127,18 +100,17 @@ def _create(params: RendezvousParameters) -> RendezvousHandler:
     if not _torch_has_what_we_use(handler):
         log.warning("rendezvous: this torch's c10d handler lacks what rendezvous_rounds uses: torch's rules")
         return handler
-    _handlers.append(handler)
     return sized(handler)
 
 
 def _torch_has_what_we_use(handler: dyn.DynamicRendezvousHandler) -> bool:
     """The private parts of torch's handler this module relies on (torch 2.4-2.13 have them all)."""
-    actions = ("MARK_RENDEZVOUS_COMPLETE", "REMOVE_FROM_PARTICIPANTS", "FINISH", "ERROR_TIMEOUT")
+    actions = ("MARK_RENDEZVOUS_COMPLETE",)
     return (
         hasattr(dyn, "_RendezvousJoinOp")
         and all(hasattr(getattr(dyn, "_Action", None), a) for a in actions)
         and hasattr(getattr(handler, "_op_executor", None), "run")
-        and all(hasattr(handler, a) for a in ("_store", "_stop_heartbeats"))
+        and hasattr(handler, "_store")
     )
 
 
@@ -147,21 +119,3 @@ def register() -> str:
     if not rendezvous_handler_registry._registry.get(SIZED_BACKEND):
         rendezvous_handler_registry.register(SIZED_BACKEND, _create)
     return SIZED_BACKEND
-
-
-def leave_if_removed(timeout_s: float = LEAVE_TIMEOUT_S) -> int:
-    """Take this process's nodes off their rounds where the job was told to shrink (`_LeaveIfRemoved`),
-    so their peers' next round need not wait for heartbeats to lapse; returns how many handlers ran the
-    check. A store that is away fails it: the heartbeats lapse then, as before."""
-    done = 0
-    for handler in _handlers:
-        try:
-            handler._stop_heartbeats()
-            check = _LeaveIfRemoved(partial(intended_nodes, handler._store))
-            handler._op_executor.run(check, time.monotonic() + timeout_s)
-            done += 1
-        except Exception as err:  # leaving is a courtesy to the peers; the agent stops either way
-            log.warning(
-                "rendezvous: could not check out (%s: %s); peers wait for the heartbeats", type(err).__name__, err
-            )
-    return done
