@@ -200,8 +200,8 @@ class StatusActuator:
         """A membership change hands the ranks out anew: per-rank batch sizes and groups, which name
         the old world's ranks, are dropped, the new world is told the job's batch on every rank, and
         the policy starts over from the change (`driver.restarted`, as the local runner does). Kept,
-        a rescale from 3 to 2 handed the survivors the old world's split (measured on real nodes:
-        rank 1 of 2 ran the slow rank's share until a later pass restored plain sync)."""
+        a rescale from 3 to 2 ran the survivors on their shares of the old world's split until a later
+        pass restored plain sync (measured on real nodes)."""
         state, _ = driver_state(self.st)
         world = replicas * self.spec.nproc_per_node
         fresh, _ = restarted(state, self.now, world, self.spec.training.batch_size, None)
