@@ -86,8 +86,10 @@ def test_a_pushed_rebalance_reaches_every_rank_and_a_killed_agent_resumes_from_t
     assert scenario.killed_after is not None, context
     resumed = [int(s) for s in re.findall(r"resumed from the checkpoint of step (\d+)", logs)]
     assert resumed and resumed[0] >= scenario.killed_after, (resumed, scenario.killed_after)
+    # Rank 0 lives twice. Its restart count is its agent's: the re-formed round may give rank 0 to the
+    # restarted agent of local-1 (count 0) rather than to local-0's (count 1), so only the lives count.
     starts = re.findall(r"rank 0/\d restart (\d+): starting at epoch (\d+), step (\d+)", logs)
-    assert int(starts[-1][0]) > 0 and int(starts[-1][2]) >= scenario.killed_after, starts
+    assert len(starts) >= 2 and int(starts[-1][2]) >= scenario.killed_after, starts
     assert "done: 14 epochs" in logs
     deaths = outcome.report["agent_deaths"] if outcome.report else []
     assert [d["node"] for d in deaths] == ["local-1"]
