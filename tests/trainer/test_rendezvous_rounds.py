@@ -2,10 +2,10 @@
 
 Three `python -m sgdjob_trainer.agent` processes share the job's store process (its health port, as
 the operator's store pod), told the job's intended size through the operator's own probe
-(`store_probe.store_answers(nodes=N)`). The last call is set so long (300 s) that torch's rules could
-not pass the test. A world forms at the intended size at once, grows when a node joins, and, when a
-node is removed (SIGTERM: its pod deleted), the survivors form the smaller world once the removed
-agent's heartbeats lapsed (6 s here), without the last call."""
+(`store_probe.store_answers(nodes=N)`). The last call (300 s) and the heartbeats (60 s to lapse) are
+set so long that torch's rules could not pass the test. A world forms at the intended size at once,
+grows when a node joins, and, when the operator removes a node (names its agent departed, then
+SIGTERM: its pod deleted), the survivors form the smaller world within seconds, waiting for neither."""
 
 from __future__ import annotations
 
@@ -15,21 +15,24 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from types import SimpleNamespace
 
 import aiohttp
 import pytest
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc
 
 from sgdjob_operator.local.procs import free_port_blocks
 from sgdjob_operator.workers.store_probe import store_answers
-from sgdjob_trainer.rendezvous_rounds import complete_at
+from sgdjob_trainer.rendezvous_rounds import complete_at, expire_departed
+from sgdjob_trainer.wire.launch_contract import ENV_AGENT_ID
 
 pytestmark = pytest.mark.multiproc
 
 HOST = "127.0.0.1"
 LAST_CALL_S = 300
-KEEP_ALIVE = (2, 3)  # 6 s for a silent node to count as gone
+KEEP_ALIVE = (10, 6)  # 60 s for a silent node to count as gone
 WORKER = Path(__file__).with_name("rounds_worker.py")
 
 
@@ -49,10 +52,21 @@ def test_a_round_completes_at_the_intended_size_within_min_and_max() -> None:
     assert not complete_at(_state(["a"]), "a", SimpleNamespace(min_nodes=2, max_nodes=3), 1), "never under min"
 
 
-def _tell(port: int, nodes: int) -> bool:
+def test_a_departed_agent_counts_as_long_silent_and_no_other() -> None:
+    a, b, c = (_NodeDesc("127.0.0.1", pid, 0) for pid in (1, 2, 3))  # torch's own node identities
+    now = datetime.now(UTC)
+    state = _state([], last_heartbeats={a: now, b: now}, wait_list={c})
+    state.participants = {a: 0, b: 1}
+    assert sorted(expire_departed(state, {"127.0.0.1_2_0", "127.0.0.1_3_0", "10.0.0.9_1_0"}), key=repr) == [b, c]
+    assert state.last_heartbeats[a] == now, "the one still wanted keeps its heartbeat"
+    assert state.last_heartbeats[b] < now - timedelta(days=365) and state.last_heartbeats[c] < now - timedelta(days=365)
+    assert expire_departed(state, set()) == []
+
+
+def _tell(port: int, nodes: int, departed: tuple[str, ...] = ()) -> bool:
     async def go() -> bool:
         async with aiohttp.ClientSession() as session:
-            return await store_answers(session, HOST, port, timeout_s=5.0, nodes=nodes)
+            return await store_answers(session, HOST, port, timeout_s=5.0, nodes=nodes, departed=departed)
 
     return asyncio.run(go())
 
@@ -90,7 +104,8 @@ def test_worlds_form_at_the_intended_size_and_a_removed_node_costs_seconds(tmp_p
         cmd = [sys.executable, "-m", "sgdjob_trainer.agent", f"--rdzv-endpoint={HOST}:{port}", "--rdzv-backend=c10d",
                "--rdzv-id=rounds", "--nnodes=1:3", "--nproc-per-node=1", "--max-restarts=5", f"--rdzv-conf={conf}",
                f"--local-addr={HOST}", "--no-python", sys.executable, str(WORKER), str(log), str(done)]  # fmt: skip
-        return subprocess.Popen(cmd, stdout=(tmp_path / f"{name}.txt").open("wb"), stderr=subprocess.STDOUT, env=env)
+        out = (tmp_path / f"{name}.txt").open("wb")
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**env, ENV_AGENT_ID: f"uid-{name}"})
 
     agents: list[subprocess.Popen[bytes]] = []
     try:
@@ -107,13 +122,16 @@ def test_worlds_form_at_the_intended_size_and_a_removed_node_costs_seconds(tmp_p
         agents.append(agent("c"))
         _wait_formed(log, 3, t1, 120, agents)  # 3 is also max: torch completes it so too
 
-        assert _tell(health, 2)  # the policy removes c: the operator says 2, then deletes c's pod
+        # The policy removes c: the operator says 2 and names c's agent departed, then deletes its pod.
+        assert _tell(health, 2, departed=("uid-c",))
         t2 = time.time()
         agents[2].send_signal(signal.SIGTERM)
-        formed = _wait_formed(log, 2, t2, 60, agents[:2])
+        formed = _wait_formed(log, 2, t2, 90, agents[:2])
         print(f"world of 2 again {formed - t2:.1f} s after c's SIGTERM")
-        # torch: c's heartbeats lapse (6 s), then the last call (300 s).
-        assert formed - t2 < 60, f"{formed - t2:.1f} s from the SIGTERM to the smaller world"
+        # torch: c's heartbeats lapse (60 s), then the last call (300 s).
+        assert formed - t2 < 20, f"{formed - t2:.1f} s from the SIGTERM to the smaller world"
+        said = (tmp_path / "a.txt").read_text() + (tmp_path / "b.txt").read_text()
+        assert "127.0.0.1_" in said and "removed by the job's controller" in said, said[-3000:]
         assert agents[2].wait(timeout=30) != 0
         done.touch()
         for a in agents[:2]:

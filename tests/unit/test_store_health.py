@@ -16,8 +16,8 @@ from contextlib import contextmanager
 import aiohttp
 
 from sgdjob_operator.workers.store_probe import store_answers
-from sgdjob_trainer.rendezvous_store import HEALTH_KEY, StoreHealth, health_server
-from sgdjob_trainer.wire.launch_contract import STORE_HEALTH_PATH
+from sgdjob_trainer.rendezvous_store import HEALTH_KEY, MAX_DEPARTED, StoreHealth, health_server
+from sgdjob_trainer.wire.launch_contract import DEPARTED_AGENTS_KEY, INTENDED_NODES_KEY, STORE_HEALTH_PATH
 
 
 class FakeStore:
@@ -158,3 +158,38 @@ def test_the_operator_takes_a_refused_or_silent_endpoint_for_silence() -> None:
         started = time.monotonic()
         assert not _answers(port, timeout_s=0.5)
         assert time.monotonic() - started < 2.0
+
+
+def _tell(port: int, nodes: int, departed: tuple[str, ...]) -> bool:
+    async def go() -> bool:
+        async with aiohttp.ClientSession() as session:
+            return await store_answers(session, "127.0.0.1", port, timeout_s=5.0, nodes=nodes, departed=departed)
+
+    return asyncio.run(go())
+
+
+def _put(port: int, query: str) -> tuple[int, str]:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{STORE_HEALTH_PATH}?{query}", method="PUT")
+    try:
+        with urllib.request.urlopen(req, timeout=5) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()
+
+
+def test_the_operators_probe_writes_the_intended_size_and_the_departed_agents_before_it_answers() -> None:
+    store = FakeStore()
+    with serving(StoreHealth(Connector(store), timeout_s=5)) as port:
+        assert _tell(port, 3, ())
+        assert store.data[INTENDED_NODES_KEY] == "3" and DEPARTED_AGENTS_KEY not in store.data
+        assert _tell(port, 2, ("uid-c",))  # a rescale removes c: by the time the probe answers, the store says so
+        assert store.data[INTENDED_NODES_KEY] == "2" and store.data[DEPARTED_AGENTS_KEY] == "uid-c"
+        assert _tell(port, 2, ("uid-c", "uid-d"))  # told again each pass it deletes: kept once
+        assert store.data[DEPARTED_AGENTS_KEY] == "uid-c,uid-d"
+        code, text = _put(port, "nodes=2&departed=uid-e,../etc")
+        assert code == 400 and "departed='../etc'" in text and "pod's UID" in text
+        assert store.data[DEPARTED_AGENTS_KEY] == "uid-c,uid-d", "a refused probe changes nothing"
+        ids = tuple(f"uid-{i}" for i in range(MAX_DEPARTED + 5))
+        assert _tell(port, 2, ids)
+        kept = store.data[DEPARTED_AGENTS_KEY].split(",")
+        assert len(kept) == MAX_DEPARTED and kept[-1] == ids[-1], "the newest are kept"

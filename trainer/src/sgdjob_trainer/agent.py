@@ -24,6 +24,7 @@ peers missing: `EXIT_RENDEZVOUS_TIMEOUT`). Controllers do not count those agains
 
 from __future__ import annotations
 
+import logging
 import os
 import runpy
 import shutil
@@ -167,6 +168,15 @@ def run_agent(config: LaunchConfig, entrypoint: Any, *args: str) -> None:
     intended size instead of waiting torch's last call."""
     if config.rdzv_backend == RDZV_BACKEND:
         config.rdzv_backend = rendezvous_rounds.register()
+        # Its decisions (a round completed at the intended size, a removed peer dropped) in the
+        # agent's log, beside torch's own lines; nothing else of ours logs in the agent.
+        said = logging.getLogger(rendezvous_rounds.__name__)
+        if not said.handlers:
+            handler = logging.StreamHandler(sys.stderr)
+            handler.setFormatter(logging.Formatter("[sgdjob agent] %(message)s"))
+            said.addHandler(handler)
+            said.setLevel(logging.INFO)
+            said.propagate = False
     elastic_launch(config=config, entrypoint=entrypoint)(*args)
 
 

@@ -10,9 +10,15 @@ worker that is both: on the real-node cluster 10 s + 10 s of a 24-s restart (#37
   wants now under `INTENDED_NODES_KEY` in the rendezvous store (the operator through the store pod's
   health endpoint, every pass); a participant completes the round as soon as that many have joined
   (within min..max), without the last call. No key, or fewer joined: torch's rules, unchanged.
-- Not done: an agent stopped by a signal still leaves its peers to wait for its heartbeats to lapse.
-  Taking it off the rendezvous at once (tried in b8c6ecc) made a suspend lose its final checkpoint in
-  one clean CI run of two (chaos cases d and h), so it was taken out until that is understood.
+- **An agent the controller removed on purpose is taken off the rendezvous by its peers at once.**
+  Each agent writes its rendezvous identity under `AGENT_KEY_PREFIX` + its `ENV_AGENT_ID` (a pod's
+  UID); the operator, before it deletes a running worker pod (a rescale's or a replacement's), adds
+  that UID to `DEPARTED_AGENTS_KEY`; every peer's state sync counts a departed agent's heartbeats as
+  lapsed, so torch's own sanitizing drops it and the next round starts. The decision is the
+  controller's, not the stopped agent's: an agent that leaves on its own signal (tried in b8c6ecc and
+  3299d9f) cannot tell a rescale from a suspend or a lost node's old pod stopped on its return, and
+  in clean CI runs chaos cases d and h lost a final checkpoint or billed restarts for lost nodes.
+  Anything else that stops (a lost node, a crash) still waits for its heartbeats to lapse.
 
 The backend is torch's c10d one (same store, keys and state), registered again under
 `SIZED_BACKEND` so only this agent's handlers behave so; agents of either kind share a rendezvous.
@@ -22,8 +28,10 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import time
 from collections.abc import Callable
+from datetime import UTC, datetime
 from typing import Any
 
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
@@ -31,7 +39,13 @@ from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dyn
 from torch.distributed.elastic.rendezvous.api import rendezvous_handler_registry
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
-from sgdjob_trainer.wire.launch_contract import INTENDED_NODES_KEY, RDZV_BACKEND
+from sgdjob_trainer.wire.launch_contract import (
+    AGENT_KEY_PREFIX,
+    DEPARTED_AGENTS_KEY,
+    ENV_AGENT_ID,
+    INTENDED_NODES_KEY,
+    RDZV_BACKEND,
+)
 
 log = logging.getLogger("sgdjob_trainer.rendezvous_rounds")
 
@@ -74,6 +88,66 @@ class _SizedJoin:
         return self._inner(ctx, deadline)
 
 
+class Departures:
+    """The departed agents' rendezvous identities, read from the store (an agent's identity never
+    changes, so each is read once)."""
+
+    def __init__(self, store: Any) -> None:
+        self._store = store
+        self._known: dict[str, str] = {}
+
+    def identities(self) -> set[str]:
+        try:
+            if not self._store.check([DEPARTED_AGENTS_KEY]):
+                return set()
+            ids = [a for a in self._store.get(DEPARTED_AGENTS_KEY).decode().split(",") if a]
+            for agent in ids:
+                if agent not in self._known and self._store.check([AGENT_KEY_PREFIX + agent]):
+                    self._known[agent] = self._store.get(AGENT_KEY_PREFIX + agent).decode()
+        except Exception:  # a store that fails here fails the rendezvous' own next call, which says why
+            return set()
+        return {self._known[a] for a in ids if a in self._known}
+
+
+def expire_departed(state: Any, departed: set[str]) -> list[Any]:
+    """Mark the departed nodes of `state` as long silent (torch's sanitizing then drops them); returns them."""
+    if not departed:
+        return []
+    members = {*state.last_heartbeats, *state.participants, *state.wait_list, *state.redundancy_list}
+    gone = [node for node in members if repr(node) in departed]
+    for node in gone:
+        state.last_heartbeats[node] = datetime.fromtimestamp(0, UTC)
+    return gone
+
+
+def announce(handler: dyn.DynamicRendezvousHandler, agent: str | None) -> None:
+    """Write this agent's rendezvous identity under its id, so the controller can name it departed."""
+    if not agent:
+        return
+    try:
+        handler._store.set(AGENT_KEY_PREFIX + agent, repr(handler._this_node))
+    except Exception as err:  # without it a removal waits for heartbeats, as torch's agents do
+        log.warning("rendezvous: could not write this agent's identity (%s): a removal waits for heartbeats", err)
+
+
+def departing(handler: dyn.DynamicRendezvousHandler) -> dyn.DynamicRendezvousHandler:
+    """`handler`, its state syncs counting departed agents' heartbeats as lapsed."""
+    holder = handler._state_holder
+    sanitize = holder._sanitize  # type: ignore[attr-defined]
+    departures = Departures(handler._store)
+    said: set[str] = set()
+
+    def sanitize_departed() -> None:
+        for node in expire_departed(holder.state, departures.identities()):
+            if repr(node) not in said:  # every sync drops it again until a peer writes the state
+                said.add(repr(node))
+                log.info("rendezvous: %s was removed by the job's controller: off the rendezvous", node)
+        sanitize()
+
+    holder._sanitize = sanitize_departed  # type: ignore[attr-defined]
+    return handler
+
+
 def sized(handler: dyn.DynamicRendezvousHandler) -> dyn.DynamicRendezvousHandler:
     """`handler`, its join operations made `_SizedJoin`s (the intended size read from its store)."""
     executor = handler._op_executor
@@ -100,7 +174,8 @@ def _create(params: RendezvousParameters) -> RendezvousHandler:
     if not _torch_has_what_we_use(handler):
         log.warning("rendezvous: this torch's c10d handler lacks what rendezvous_rounds uses: torch's rules")
         return handler
-    return sized(handler)
+    announce(handler, os.environ.get(ENV_AGENT_ID))
+    return departing(sized(handler))
 
 
 def _torch_has_what_we_use(handler: dyn.DynamicRendezvousHandler) -> bool:
@@ -111,6 +186,8 @@ def _torch_has_what_we_use(handler: dyn.DynamicRendezvousHandler) -> bool:
         and all(hasattr(getattr(dyn, "_Action", None), a) for a in actions)
         and hasattr(getattr(handler, "_op_executor", None), "run")
         and hasattr(handler, "_store")
+        and hasattr(handler, "_this_node")
+        and hasattr(getattr(handler, "_state_holder", None), "_sanitize")
     )
 
 

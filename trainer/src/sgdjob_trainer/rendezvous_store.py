@@ -15,20 +15,23 @@ No health port is opened unless asked for: the local runner hands out its ports 
 Intended size: the operator's probe is `PUT STORE_HEALTH_PATH?nodes=N`, answered as GET is, which
 also records N, the worker pods the job wants now, under `INTENDED_NODES_KEY` in the store (written
 by the health check's own round trip, when it changed). The agents' rounds complete as soon as that
-many joined (sgdjob_trainer.rendezvous_rounds). Anyone who reaches this port can set it, as anyone
-who reaches the store's port can set any key: neither is more exposed than the other.
+many joined (sgdjob_trainer.rendezvous_rounds). `&departed=ID,ID` adds agents the operator removed on
+purpose to `DEPARTED_AGENTS_KEY` (the newest MAX_DEPARTED kept), so their peers take them off the
+rendezvous at once. Anyone who reaches this port can set these, as anyone who reaches the store's port
+can set any key: neither is more exposed than the other.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import re
 import signal
 import socket
 import socketserver
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -36,7 +39,7 @@ from types import FrameType
 from typing import Protocol
 from urllib.parse import parse_qs, urlsplit
 
-from sgdjob_trainer.wire.launch_contract import INTENDED_NODES_KEY, STORE_HEALTH_PATH
+from sgdjob_trainer.wire.launch_contract import DEPARTED_AGENTS_KEY, INTENDED_NODES_KEY, STORE_HEALTH_PATH
 
 log = logging.getLogger("sgdjob_trainer.rendezvous_store")
 
@@ -45,6 +48,10 @@ HEALTH_KEY = "sgdjob/health"  # the key the health check writes and reads back (
 # loopback set+get takes well under a millisecond, and the 503 then still reaches a prober that waits
 # 2 s (the operator's POD_PROBE_TIMEOUT_S).
 ROUND_TRIP_TIMEOUT_S = 1.5
+# Departed agents kept in the store: a job removes a few per membership change; their peers read the
+# list at every rendezvous sync, and an old entry only names an agent that is gone for good.
+MAX_DEPARTED = 64
+AGENT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
 class StoreClient(Protocol):
@@ -88,13 +95,29 @@ class StoreHealth:
         self._healthy: bool | None = None
         self.nodes: int | None = None  # the intended size last told (`tell`)
         self._nodes_written: int | None = None
+        self.departed: list[str] = []  # agents removed on purpose, oldest first (`tell`)
+        self._departed_written = ""
 
-    def tell(self, nodes: int) -> None:
-        """Record `nodes` as the job's intended size: the next round trip writes it into the store."""
+    def tell(self, nodes: int, departed: Sequence[str] = ()) -> None:
+        """Record `nodes` as the job's intended size and `departed` as agents removed on purpose: the
+        next round trip writes them into the store."""
         self.nodes = nodes
+        new = [a for a in dict.fromkeys(departed) if a not in self.departed]
+        if new:
+            self.departed = [*self.departed, *new][-MAX_DEPARTED:]
+
+    def _told_unwritten(self) -> bool:
+        return self.nodes != self._nodes_written or ",".join(self.departed) != self._departed_written
 
     def check(self) -> str | None:
-        """None when a round trip through the store succeeded just now, else why not."""
+        """None when a round trip through the store succeeded just now (and wrote what was told before
+        this call), else why not."""
+        why = self._check_once()
+        if why is None and self._told_unwritten():  # the round trip had begun before the last `tell`
+            why = self._check_once()
+        return why
+
+    def _check_once(self) -> str | None:
         with self._lock:
             flight = self._flight
             if flight is None:
@@ -126,6 +149,11 @@ class StoreHealth:
                 self._client.set(INTENDED_NODES_KEY, str(nodes))
                 self._nodes_written = nodes
                 log.info("intended size: %d nodes", nodes)
+            departed = ",".join(self.departed)
+            if error is None and departed != self._departed_written:
+                self._client.set(DEPARTED_AGENTS_KEY, departed)
+                self._departed_written = departed
+                log.info("departed agents: %s", departed)
         except Exception as err:  # any failure of the store's client is an unhealthy store
             lines = str(err).strip().splitlines()
             error = f"{type(err).__name__}: {lines[0][:200] if lines else ''}".rstrip(": ")
@@ -168,7 +196,8 @@ class _HealthHandler(BaseHTTPRequestHandler):
         self._reply(200, "ok") if why is None else self._reply(503, why)
 
     def do_PUT(self) -> None:
-        """The operator's probe: GET's answer, and `?nodes=N` recorded as the intended size."""
+        """The operator's probe: GET's answer, `?nodes=N` recorded as the intended size and
+        `&departed=ID,ID` as agents removed on purpose."""
         url = urlsplit(self.path)
         if url.path != STORE_HEALTH_PATH:
             self._reply(404, "not found")
@@ -178,7 +207,11 @@ class _HealthHandler(BaseHTTPRequestHandler):
         if not given.isdigit() or int(given) < 1:
             self._reply(400, f"nodes={given!r}: give the intended number of nodes, a whole number >= 1")
             return
-        self.server.health.tell(int(given))
+        departed = [a for a in ",".join(parse_qs(url.query).get("departed", [])).split(",") if a]
+        if bad := [a for a in departed if not AGENT_ID.fullmatch(a)]:
+            self._reply(400, f"departed={bad[0][:140]!r}: give agent ids (a pod's UID), comma-separated")
+            return
+        self.server.health.tell(int(given), departed)
         self.do_GET()
 
     def _discard_body(self) -> None:

@@ -23,6 +23,7 @@ from sgdjob_operator.k8s import gang
 from sgdjob_trainer.config import SyncMode
 from sgdjob_trainer.wire.launch_contract import (
     AGENT_MODULE,
+    ENV_AGENT_ID,
     ENV_CONTROL_TOKEN_FILE,
     ENV_METRICS_HOST,
     ENV_NODE_NAME,
@@ -240,6 +241,7 @@ def worker_env(job: JobRef, spec: SGDJobSpec, index: int) -> list[dict[str, Any]
         _field_env(ENV_NODE_NAME, "spec.nodeName"),
         _field_env("POD_NAME", "metadata.name"),
         _field_env("POD_NAMESPACE", "metadata.namespace"),
+        _field_env(ENV_AGENT_ID, "metadata.uid"),  # the rendezvous' name for this agent, never reused
         *({"name": name, "value": value} for name, value in torchrun_options(job, spec).env().items()),
         {"name": ENV_UNSHARED_RDZV_STORE, "value": "1"},
         {"name": ENV_METRICS_HOST, "value": "$(POD_IP)"},

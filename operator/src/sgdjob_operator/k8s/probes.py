@@ -5,7 +5,7 @@ decisions on the answers are in `nodeloss`, `storeloss` and `plan`."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 from sgdjob_operator.api.models import SGDJobSpec
 from sgdjob_operator.k8s.builders import RDZV_HEALTH_PORT
@@ -26,14 +26,27 @@ async def _accepts(ip: str, port: int) -> bool:
     return True
 
 
-async def probe_store(rt: Runtime, pods: list[PodView], nodes: int | None = None) -> bool | None:
+async def probe_store(
+    rt: Runtime, pods: list[PodView], nodes: int | None = None, departed: Sequence[str] = ()
+) -> bool | None:
     """Whether the store's pod answers its health check (`store_answers`, telling it `nodes`, the
-    worker pods the job wants; None: no running store, or an operator that reaches pods through
-    SGDJOB_SCRAPE_HOST, which cannot address the store)."""
+    worker pods the job wants, and `departed`, agents removed on purpose; None: no running store, or
+    an operator that reaches pods through SGDJOB_SCRAPE_HOST, which cannot address the store)."""
     store = store_to_probe(pods)
     if store is None or store.ip is None or rt.settings.scrape_host:
         return None
-    return await store_answers(rt.http, store.ip, RDZV_HEALTH_PORT, nodes=nodes)
+    return await store_answers(rt.http, store.ip, RDZV_HEALTH_PORT, nodes=nodes, departed=departed)
+
+
+def departing_agents(pods: Sequence[PodView], deleting: Collection[str], lost: Collection[str]) -> list[str]:
+    """The agents (pod UIDs) a pass removes on purpose: running worker pods it deletes on nodes that
+    answer. Their peers take them off the rendezvous at once (sgdjob_trainer.rendezvous_rounds); a lost
+    node's pod is left to its heartbeats, as its node may come back with the pod still running."""
+    return [
+        p.uid
+        for p in worker_pods(pods)
+        if p.name in deleting and p.uid and p.phase == "Running" and not p.deleting and p.node not in lost
+    ]
 
 
 async def answering_on_lost_nodes(

@@ -30,7 +30,13 @@ from sgdjob_operator.k8s.client import core_path
 from sgdjob_operator.k8s.membership import excluded_names, lost_exclusions
 from sgdjob_operator.k8s.monitor import monitor
 from sgdjob_operator.k8s.plan import count_pods, plan_reconcile
-from sgdjob_operator.k8s.probes import answering_on_lost_nodes, lost_nodes, probe_store, ready_again
+from sgdjob_operator.k8s.probes import (
+    answering_on_lost_nodes,
+    departing_agents,
+    lost_nodes,
+    probe_store,
+    ready_again,
+)
 from sgdjob_operator.k8s.publish import event_once, post_events, write_status
 from sgdjob_operator.k8s.queueing import QUEUED_POLL_S, Gate, ensure_pod_group, kueue_gate
 from sgdjob_operator.k8s.runtime import Runtime
@@ -171,6 +177,9 @@ async def reconcile(rt: Runtime, ref: JobRef) -> float | None:
     deletes = list(plan.delete_pods)
     if outcome is not None and outcome.delete_pod and outcome.delete_pod not in {n for n, _ in deletes}:
         deletes.append((outcome.delete_pod, "replaced by the policy"))
+    # Before the deletes: the removed agents' peers re-form the world without waiting for their heartbeats.
+    if probing and (departed := departing_agents(pods, {n for n, _ in deletes}, lost)):
+        await probe_store(rt, pods, nodes=spec.replicas, departed=departed)
     for name, why in deletes:
         # Grace 0 for a pod on a lost node: no kubelet will ever confirm a graceful stop.
         if await rt.kube.delete("Pod", ref.namespace, name, grace_s=0 if name in plan.force_delete else None):

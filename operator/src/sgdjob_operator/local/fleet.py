@@ -21,6 +21,7 @@ from sgdjob_operator.local.launch import LOOPBACK, AgentPlan, LaunchPlan, plan_a
 from sgdjob_operator.local.procs import Agent, ProcessSet, free_port_blocks
 from sgdjob_operator.workers.scrape import Endpoint
 from sgdjob_trainer.config import SyncMode
+from sgdjob_trainer.wire.launch_contract import ENV_AGENT_ID
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,11 +69,12 @@ class Fleet:
     # so the agents' next round completes at that size; None: nobody is told (torch's last call).
     tell_store: Callable[..., Awaitable[bool]] | None = None
 
-    async def tell(self, nodes: int | None = None) -> bool:
-        """Tell the store the intended size: `nodes`, else the nodes running now."""
+    async def tell(self, nodes: int | None = None, departed: Sequence[str] = ()) -> bool:
+        """Tell the store the intended size (`nodes`, else the nodes running now) and the agents about
+        to be retired on purpose (their peers drop them from the rendezvous without their heartbeats)."""
         if self.tell_store is None:
             return False
-        return await self.tell_store(nodes=len(self.nodes()) if nodes is None else nodes)
+        return await self.tell_store(nodes=len(self.nodes()) if nodes is None else nodes, departed=tuple(departed))
 
     def __post_init__(self) -> None:
         self.next_index = max((a.index for a in self.plan.agents), default=-1) + 1
@@ -101,7 +103,14 @@ class Fleet:
         bases = free_port_blocks(len(indices), self.plan.context.job.spec.nproc_per_node)
         plans = [plan_agent(self.plan.context, index, mode, base) for index, base in zip(indices, bases, strict=True)]
         if attempt:
-            plans = [replace(p, log_path=p.log_path.with_name(f"{p.node}.restart-{attempt}.log")) for p in plans]
+            plans = [
+                replace(
+                    p,
+                    log_path=p.log_path.with_name(f"{p.node}.restart-{attempt}.log"),
+                    env={**p.env, ENV_AGENT_ID: f"{p.node}.{attempt}"},  # another agent for the rendezvous
+                )
+                for p in plans
+            ]
         for p in plans:
             write_run_config(p)
         self.procs.start(plans)
@@ -114,7 +123,9 @@ class Fleet:
         """Retire the leaving agents (in a worker thread: it waits for them), then start the new ones."""
         loop = asyncio.get_running_loop()
         began = time.monotonic()
-        await self.tell(change.nodes)  # before anyone leaves: the survivors' round completes at that size
+        leaving = [a for a in self.active() if a.plan.node in change.retire]
+        # Before anyone leaves: the survivors' round completes at that size, without the leavers.
+        await self.tell(change.nodes, [a.plan.env[ENV_AGENT_ID] for a in leaving if ENV_AGENT_ID in a.plan.env])
         for node in change.retire:
             agent = next((a for a in self.active() if a.plan.node == node), None)
             if agent is not None:  # None: its agent has died already (a crash loop's node)

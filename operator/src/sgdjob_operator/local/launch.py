@@ -23,6 +23,7 @@ from sgdjob_operator.local.command_mode import local_command
 from sgdjob_trainer.config import SyncMode, TrainingConfig
 from sgdjob_trainer.wire.launch_contract import (
     AGENT_MODULE,
+    ENV_AGENT_ID,
     ENV_CONTROL_TOKEN,
     ENV_CONTROL_TOKEN_FILE,
     ENV_METRICS_HOST,
@@ -234,7 +235,10 @@ def plan_agent(ctx: LaunchContext, index: int, mode: SyncMode, metrics_base: int
         index=index,
         node=node,
         argv=agent_argv(ctx.python, ctx.torchrun, config_path, ctx.trainer_module, spec.training.command),
-        env=agent_env(ctx.base_env, node=node, token=ctx.token, report_dir=ctx.report_dir, run_config=config_path),
+        env={
+            **agent_env(ctx.base_env, node=node, token=ctx.token, report_dir=ctx.report_dir, run_config=config_path),
+            ENV_AGENT_ID: node,  # the fleet renames a restarted node's agent (`Fleet.start`'s attempt)
+        },
         config_path=config_path,
         run_config=run_config(
             job_name(ctx.job),

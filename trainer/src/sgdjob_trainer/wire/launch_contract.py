@@ -24,6 +24,15 @@ RDZV_BACKEND = "c10d"
 # as soon as that many agents joined (sgdjob_trainer.rendezvous_rounds); the operator sets it through
 # the store pod's health endpoint (PUT STORE_HEALTH_PATH?nodes=N).
 INTENDED_NODES_KEY = "sgdjob/intended-nodes"
+# Agents the job's controller removed on purpose (a rescale's or a replacement's deleted pod): their
+# ids, comma-separated, under DEPARTED_AGENTS_KEY (the operator through PUT ...&departed=ID,ID). Each
+# agent writes its rendezvous identity under AGENT_KEY_PREFIX + its id when it starts, so its peers
+# take a departed agent off the rendezvous at once instead of waiting for its heartbeats to lapse.
+# The id is ENV_AGENT_ID: a pod's UID (never reused, unlike its name or IP), or the local runner's
+# name for one launch of an agent.
+DEPARTED_AGENTS_KEY = "sgdjob/departed-agents"
+AGENT_KEY_PREFIX = "sgdjob/agent/"
+ENV_AGENT_ID = "SGDJOB_AGENT_ID"
 # The agent's exit status when the rendezvous it joins is already closed: the job ended (its other
 # agents finished or gave up) before this node got a world. Not a failure of this node; its peers'
 # exit statuses say how the job ended.
