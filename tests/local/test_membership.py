@@ -4,6 +4,7 @@ leaving worker helped write. Real torchrun agents and trainers on loopback."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from statistics import median
 from typing import Any
 
@@ -14,17 +15,17 @@ from tests.local.example_runs import RunExample, processes_mentioning
 pytestmark = pytest.mark.multiproc
 
 
-def run_with(run_example: RunExample, actions: list[str]) -> tuple[dict[str, Any], str]:
+def run_with(run_example: RunExample, actions: list[str]) -> tuple[dict[str, Any], str, Path]:
     code, output, report, out = run_example(
         "node-straggler.yaml", {"training": {"steps": 200}, "policy": {"allowedActions": actions}}
     )
     assert code == 0 and report is not None, output
     assert processes_mentioning(str(out)) == [], "processes of the run are left behind"
-    return report, output
+    return report, output, out
 
 
 def test_a_node_bound_straggler_is_replaced_by_a_worker_on_a_new_node(run_example: RunExample) -> None:
-    report, output = run_with(run_example, ["replaceWorker"])
+    report, output, _ = run_with(run_example, ["replaceWorker"])
     assert report["ok"] and report["steps"] == 200 and report["missing_ranks"] == [], report
     replace = [d for d in report["decisions"] if d["action"] == "replaceWorker"]
     assert replace and replace[0]["applied"] and "local-3" in replace[0]["reason"], report["decisions"]
@@ -46,7 +47,7 @@ def test_a_node_bound_straggler_is_replaced_by_a_worker_on_a_new_node(run_exampl
 
 
 def test_rescale_drops_the_straggler_and_finishes_with_fewer_workers(run_example: RunExample) -> None:
-    report, _ = run_with(run_example, ["rescale"])
+    report, _, out = run_with(run_example, ["rescale"])
     assert report["ok"] and report["steps"] == 200, report
     rescale = [d for d in report["decisions"] if d["action"] == "rescale"]
     assert rescale and rescale[0]["applied"] and rescale[0]["replicas"] == 3, report["decisions"]
@@ -65,6 +66,9 @@ def test_rescale_drops_the_straggler_and_finishes_with_fewer_workers(run_example
     launch, change_took = report["restarts_measured"]
     assert launch["from"] == "launch" and change_took["from"] == "shrink", report["restarts_measured"]
     assert 1.0 <= change_took["seconds"] < 120.0
+    # The runner named the retired agent to the store: a survivor dropped it without its heartbeats.
+    survivors = "".join((out / "logs" / f"local-{i}.log").read_text() for i in range(3))
+    assert "was removed by the job's controller: off the rendezvous" in survivors, survivors[-3000:]
 
 
 def test_a_hung_worker_is_replaced_and_the_job_finishes_from_the_checkpoint(run_example: RunExample) -> None:
