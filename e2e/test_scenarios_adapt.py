@@ -219,6 +219,10 @@ def test_3_node_bound_straggler_is_replaced_on_another_node(env: Env) -> None:
 
     docs = wait_for(training_again, RECOVER_TIMEOUT, f"{job} training again with 3 workers")
     assert bad_node not in {d["node"] for d in docs}
+    # The operator named the replaced pod's agent to the store before deleting it, so its peers dropped
+    # it at once instead of waiting for its heartbeats to lapse.
+    said = "\n".join(env.logs(p["metadata"]["name"]) for p in live_workers(env, job, 3) or [])
+    assert "was removed by the job's controller: off the rendezvous" in said, said[-3000:]
 
     # What the replacement paused is measured (k8s.restart_cost), from the decision until every rank of
     # the new world trained, and kept in status: the next membership change is weighed by it.

@@ -126,8 +126,6 @@ def test_11_an_unmodified_ddp_script_survives_losing_worker_0_and_a_rescale(env:
     saved_after(env, after_loss, 2, "training goes on at 2 workers", RECOVER_TIMEOUT)
     starts = [(int(r), int(w), int(ep)) for r, w, ep in START_LINE.findall(logs(env))]
     assert any(w == 2 and ep > after_loss - 1 for _, w, ep in starts), f"the world of 2 did not resume: {starts}"
-    # The survivors dropped the removed agent when the operator named it, not when its heartbeats lapsed.
-    assert "was removed by the job's controller: off the rendezvous" in logs(env), logs(env)[-3000:]
 
     st = wait_for(lambda: finished(env), RECOVER_TIMEOUT, f"{JOB} finished")
     assert st["phase"] == "Succeeded", st.get("conditions")
