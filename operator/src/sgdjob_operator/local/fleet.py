@@ -123,13 +123,12 @@ class Fleet:
         """Retire the leaving agents (in a worker thread: it waits for them), then start the new ones."""
         loop = asyncio.get_running_loop()
         began = time.monotonic()
+        # A retired node without an active agent has lost it already (a crash loop's node).
         leaving = [a for a in self.active() if a.plan.node in change.retire]
         # Before anyone leaves: the survivors' round completes at that size, without the leavers.
-        await self.tell(change.nodes, [a.plan.env[ENV_AGENT_ID] for a in leaving if ENV_AGENT_ID in a.plan.env])
-        for node in change.retire:
-            agent = next((a for a in self.active() if a.plan.node == node), None)
-            if agent is not None:  # None: its agent has died already (a crash loop's node)
-                await loop.run_in_executor(None, self.procs.retire, agent, self.retire_grace_s)
+        await self.tell(change.nodes, [a.plan.env[ENV_AGENT_ID] for a in leaving])
+        for agent in leaving:
+            await loop.run_in_executor(None, self.procs.retire, agent, self.retire_grace_s)
         added = self.start(change.add, mode)
         self.history.append(
             {
