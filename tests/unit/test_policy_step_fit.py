@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from sgdjob_operator.policy import Rebalance
+from sgdjob_operator.policy import Rebalance, Rescale
 from sgdjob_operator.policy.cost import StepTime, step_times
 from sgdjob_operator.policy.job import REBALANCE_SECONDS
 from sgdjob_operator.policy.measure import RankWindow
@@ -45,7 +45,7 @@ def test_two_batch_sizes_give_the_fixed_part_of_a_step() -> None:
     ("first", "second"),
     [
         (window(0.058, 32), window(0.0625, 35)),  # batches 9 % apart: the fit would amplify noise
-        (window(0.058, 32), window(0.060, 14)),  # a smaller batch that takes longer: noise, not a model
+        (window(0.058, 32), window(0.060, 14)),  # a smaller batch that takes longer, measured once: noise
         (window(0.058, 32), window(0.020, 14)),  # a negative fixed part
         (window(0.058, 32), window(0.050, 14)),  # a fixed part of 44 ms of a 50-ms step: not credible
     ],
@@ -63,6 +63,30 @@ def test_a_large_fixed_part_is_believed_after_a_cut_measured_twice_and_never_aft
     assert step_overhead(estimate_after(*cut, window(0.050, 14))) == pytest.approx(0.0437, rel=0.01)
     grown = [window(0.050, 14), window(0.050, 14), window(0.058, 32), window(0.058, 32), window(0.058, 32)]
     assert step_overhead(estimate_after(*grown)) == 0.0
+
+
+def test_a_cut_that_left_the_step_flat_is_read_as_fixed_once_measured_twice() -> None:
+    # A rank bound by its CPU quota: 58 ms at 32 samples, 60 ms at 14. Read as proportional (no fit),
+    # a further cut promises to shrink its step with its batch; the fit keeps the slope the 32-sample
+    # step allows.
+    cut = [window(0.058, 32), window(0.058, 32), window(0.060, 14)]
+    assert step_overhead(estimate_after(*cut)) == 0.0
+    fixed = step_overhead(estimate_after(*cut, window(0.060, 14)))
+    assert fixed == pytest.approx(0.060 - 14 * 0.058 / 32)
+    model = StepTime(14 / (0.060 - fixed), fixed)
+    # Cut to 3 samples: a third off the step, not the 79 % a proportional reading promises.
+    assert model.at(14) == pytest.approx(0.060) and model.at(3) == pytest.approx(0.040, rel=0.01)
+    grown = [window(0.060, 14), window(0.060, 14), window(0.058, 32), window(0.058, 32), window(0.058, 32)]
+    assert step_overhead(estimate_after(*grown)) == 0.0  # a flat step after a growth never loads the rank
+
+
+def test_a_rank_keeps_its_prior_point_when_only_the_fleet_changed_shape() -> None:
+    est = estimate_after(window(0.058, 32), window(0.058, 32), window(0.031, 14), window(0.031, 14))
+    assert est is not None
+    _, same = running_speed(est, window(0.031, 14), False, DEPARTURE, afresh=True)
+    assert same is not None and (same.prior_batch, same.windows) == (32, 1.0)
+    _, moved = running_speed(est, window(0.031 * 1.5, 14), False, DEPARTURE, afresh=True)
+    assert moved is not None and moved.prior_batch == 0
 
 
 def test_the_prior_point_survives_more_windows_and_goes_when_the_speed_jumps() -> None:
@@ -170,3 +194,30 @@ def test_a_rank_whose_step_is_mostly_fixed_is_cut_once_and_the_prediction_then_h
     assert "rank 2 44.0 ms" in cuts[1].reason and h.batches[2] == 1
     last = h.history[-1]
     assert last.predictions["rebalanced sync"] == pytest.approx(last.predictions["current"], rel=0.05)
+
+
+def test_a_rank_whose_cut_left_its_step_flat_is_dropped_not_cut_again() -> None:
+    # The real-node benchmark's seed 102: the slow rank (0.27 CPU on a machine whose other ranks take
+    # the rest) took 100 ms a step at 32 samples and, once cut, 110 ms at 8 (the fast ranks' larger
+    # batches took more of the shared CPU). A second cut from the same proportional reading held the
+    # shrink off by 40 steps; the policy now waits for the cut's own check and drops the node.
+    h = Harness(
+        [1 / 0.00055, 1 / 0.00055, 1 / 0.0001],
+        mode="auto",
+        fixed=[0.002, 0.002, 0.100],
+        policy={
+            "intervalSeconds": 0.5,
+            "persistenceIntervals": 2,
+            "cooldownSeconds": 10,
+            "allowedActions": ["switchMode", "rebalance", "rescale"],
+        },
+        restart_seconds=4.0,
+    )
+    for _ in range(8):
+        if h.step().decision.action == "rebalance":
+            h.fixed[2] = 0.110
+    changes = [e.decision for e in h.changes()]
+    assert [type(d) for d in changes] == [Rebalance, Rescale], [d.reason for d in changes]
+    assert changes[1].remove_ranks == (2,)
+    held = [e.decision.reason for e in h.history if "no second rebalanced sync before the check" in e.decision.reason]
+    assert held and "vs 768 before it" in held[0], held

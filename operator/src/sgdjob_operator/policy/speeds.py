@@ -121,8 +121,9 @@ def _prior(previous: SpeedEstimate) -> tuple[int, float]:
 def step_overhead(est: SpeedEstimate | None) -> float:
     """The seconds of a step that do not grow with the batch, from the rank's step times at its
     current and prior batch (0.0 when there is no prior point, the batches are too close, or the
-    fit is not credible: a falling step time, a negative fixed part, or one above MAX_FIXED_SHARE
-    that `_large_fit_allowed` does not vouch for)."""
+    fit is not credible: a negative fixed part, or one above MAX_FIXED_SHARE that
+    `_large_fit_allowed` does not vouch for). A step that did not grow with the batch is read by
+    `_flat_cut`."""
     if est is None or est.prior_batch <= 0 or est.prior_step <= 0 or est.steps <= 0:
         return 0.0
     b1, t1 = est.batch, est.compute / est.steps
@@ -131,12 +132,26 @@ def step_overhead(est: SpeedEstimate | None) -> float:
         return 0.0
     per_sample = (t1 - t0) / (b1 - b0)
     if per_sample <= 0:
-        return 0.0
+        return _flat_cut(est, t0, t1)
     fixed = t1 - per_sample * b1
     smaller = t0 if b0 < b1 else t1
     if fixed <= 0 or (fixed > MAX_FIXED_SHARE * smaller and not _large_fit_allowed(est)):
         return 0.0
     return fixed
+
+
+def _flat_cut(est: SpeedEstimate, t0: float, t1: float) -> float:
+    """The fixed part of a rank whose step did not fall when its batch was cut (0.0 unless the cut is
+    measured as `_large_fit_allowed` asks). No line through the two points has a positive slope, and
+    reading none (a proportional step) predicts the largest gain of all from cutting it again: on a
+    real node bound by its CPU quota (0.27 CPU, on a machine whose other ranks took the rest) the slow
+    rank's step took 80-120 ms at 32, 8 and 3 samples alike, and each cut predicted +170-220 %. The
+    slope taken is the largest the larger batch's step allows (all of the smaller step time spent on
+    the larger batch's samples), through the step measured now: a further cut then predicts at most
+    that share back."""
+    if not _large_fit_allowed(est):
+        return 0.0
+    return t1 - est.batch * min(t0, t1) / est.prior_batch
 
 
 def _large_fit_allowed(est: SpeedEstimate) -> bool:
@@ -165,9 +180,14 @@ def running_speed(
     # two batches; nor is its departure noise.)
     counted = previous.steps >= 1.0
     spikes = _spikes(previous, w if counted else None)
-    if afresh or (max(ratio, 1.0 / ratio) >= departure and counted):
-        # The rank's speed changed: the prior point described the old speed.
-        fresh = _from_window(w, spikes=spikes)
+    departed = max(ratio, 1.0 / ratio) >= departure and counted
+    if afresh or departed:
+        # The rank's speed changed: the prior point described the old speed. A rank started afresh
+        # only because the fleet's shape changed, its own speed where it was, keeps the point: the
+        # shape of a CPU-quota'd fleet changes with the bursts of its other ranks, and a rank that
+        # lost its fit at each would be cut again on a proportional reading (speeds.step_overhead).
+        prior = (previous.prior_batch, previous.prior_step) if not departed else (0, 0.0)
+        fresh = _from_window(w, prior, spikes=spikes)
         return fresh.speed, fresh
     fresh = _from_window(w)
     keep = 1.0 - 1.0 / MEMORY_WINDOWS
