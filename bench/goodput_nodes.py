@@ -212,6 +212,22 @@ def keep_logs(logs: Mapping[str, str], folder: Path) -> None:
         (folder / f"{pod}.{parts[-2]}.{Path(parts[-1]).stem}.log").write_text(text)
 
 
+def keep_run_logs(logs: PodLogs, name: str, folder: Path) -> None:
+    """The job's pod logs (`keep_logs`), and the operator's lines about the job as `operator.log` (with
+    --operator-verbose every policy pass's reason, a kept configuration's too)."""
+    from e2e.real import OPERATOR_NS, RELEASE
+
+    keep_logs(logs(NAMESPACE, f"{name}-"), folder)
+    mine = f"{NAMESPACE}/{name}"
+    lines = [
+        line
+        for text in logs(OPERATOR_NS, f"{RELEASE}-").values()
+        for line in text.splitlines()
+        if any(mine + end in line for end in (":", " ", "]"))  # kopf's prefix is [namespace/name]
+    ]
+    (folder / "operator.log").write_text("".join(f"{line}\n" for line in sorted(lines)))
+
+
 def run_job(
     kube: Any, manifest: Mapping[str, Any], timeout_s: float, before_delete: Callable[[], None] | None = None
 ) -> tuple[float, dict[str, Any]]:
@@ -254,7 +270,7 @@ def run_one(
     manifest = job_manifest(seeded, fleet, system, f"{system}-s{seed}", run_dir)
     (run_dir / "job.json").write_text(json.dumps(manifest, indent=1) + "\n")
     name = manifest["metadata"]["name"]
-    save = None if logs is None else (lambda: keep_logs(logs(NAMESPACE, f"{name}-"), run_dir / "logs"))
+    save = None if logs is None else (lambda: keep_run_logs(logs, name, run_dir / "logs"))
     harness, status = run_job(kube, manifest, JOB_TIMEOUT_S, before_delete=save)
     docs, _ = load_rank_docs(run_dir / "report")
     error = None if status.get("phase") == "Succeeded" else f"job {status.get('phase')}: {status.get('message')}"
@@ -315,9 +331,10 @@ def make_namespace(kube: Any) -> None:
 
 def run_fleet(
     cpus: Sequence[float], cfg: BenchConfig, systems: Sequence[str], seeds: Sequence[int], out: Path, *,
-    target: float, budget_s: float, log: Any = sys.stderr,
+    target: float, budget_s: float, log: Any = sys.stderr, operator_args: Sequence[str] = (),
 ) -> dict[str, Any]:  # fmt: skip
-    """Start a real-node cluster with `cpus`, install the operator (Helm), run every system x seed, stop it."""
+    """Start a real-node cluster with `cpus`, install the operator (Helm, with `operator_args`), run every
+    system x seed, stop it."""
     from devcluster.images import ImageBuilder
     from devcluster.realnodes import RealCluster
     from e2e.real import OPERATOR_IMAGES, install_operator
@@ -329,7 +346,7 @@ def run_fleet(
     t0 = time.monotonic()
     cluster.start(images)
     try:
-        install_operator(cluster, workdir)
+        install_operator(cluster, workdir, extra_args=operator_args)
         kube = cluster.kube()
         make_namespace(kube)
         fleet = Fleet(tuple(cpus), tuple(cluster.node_names()))
@@ -364,6 +381,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, help="override the task's steps per run")
     parser.add_argument("--target", type=float, help="target validation accuracy (default: the task's)")
     parser.add_argument("--budget", type=float, help="wall-time budget, s since training start (default: the task's)")
+    parser.add_argument(
+        "--operator-verbose", action="store_true",
+        help="run the operator with --verbose: each run's logs/operator.log then holds every policy pass's reason",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     systems = [s for s in args.systems.split(",") if s]
     unknown = sorted(set(systems) - set(SYSTEMS))
@@ -381,8 +402,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("needs the control plane and helm: export KUBEBUILDER_ASSETS=$(../shared/k8s/install.sh)")
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    operator_args = ("--verbose",) if args.operator_verbose else ()
     results = [
-        run_fleet(cpus, cfg, systems, seeds, args.out, target=target, budget_s=budget)
+        run_fleet(cpus, cfg, systems, seeds, args.out, target=target, budget_s=budget, operator_args=operator_args)
         for cpus in (args.fleet or [STRAGGLER_FLEET, EQUAL_FLEET])
     ]
     checks = node_checks(results)

@@ -17,7 +17,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -134,9 +134,12 @@ class RealOperator:
         return result.stdout + result.stderr
 
 
-def install_operator(cluster: RealCluster, workdir: Path, resync_s: int = 3) -> RealOperator:
+def install_operator(
+    cluster: RealCluster, workdir: Path, resync_s: int = 3, extra_args: Sequence[str] = ()
+) -> RealOperator:
     """Build (cached) and import the project's images, advertise GPUs, and `helm install` the chart with
-    its webhook on; returns once the operator pod is ready and its webhook answers through the Service."""
+    its webhook on (`extra_args`: more operator arguments, e.g. --verbose); returns once the operator pod
+    is ready and its webhook answers through the Service."""
     timings: dict[str, float] = {}
     t0 = time.monotonic()
     builder = ImageBuilder()
@@ -158,7 +161,7 @@ def install_operator(cluster: RealCluster, workdir: Path, resync_s: int = 3) -> 
     # On top of the README's values for this cluster (the images `up` imports).
     values = {
         # A short resync, as the process-node scenarios run the operator: the tests wait less.
-        "extraArgs": ["--resync", str(resync_s)],
+        "extraArgs": ["--resync", str(resync_s), *extra_args],
         # High availability as an admin runs it: a leader and a hot standby on another node, so that
         # losing any one node (the leader's too, e2e/test_chaos.py) leaves an operator.
         "replicaCount": OPERATOR_REPLICAS,

@@ -14,6 +14,7 @@ from bench.goodput_nodes import (
     ddp_config,
     job_manifest,
     keep_logs,
+    keep_run_logs,
     lb_landed,
     lb_split,
     node_checks,
@@ -134,3 +135,29 @@ def test_a_runs_pod_logs_are_kept_one_file_per_pod_container_and_life(tmp_path: 
         "auto-s100-worker-0.trainer.0.log": "first life\n",
         "auto-s100-worker-0.trainer.1.log": "second life\n",
     }
+
+
+def test_the_operators_lines_about_the_run_are_kept_beside_its_pods_logs(tmp_path: Path) -> None:
+    """What the policy said of this job (every pass's reason with --operator-verbose), in time order
+    across the operator's replicas, and nothing of other jobs."""
+    pods = {"/x/node-1/log/pods/goodput_auto-s100-worker-0_u/trainer/0.log": "trained\n"}
+    operators = {
+        "/x/node-0/log/pods/sgdjob-system_sgdjob-operator-a_u/operator/0.log": (
+            "2026-12-06T03:00:02Z [DEBUG] goodput/auto-s100: keep: persisting 1/2 intervals\n"
+            "2026-12-06T03:00:01Z [INFO] goodput/auto-s1000: keep: another job\n"
+        ),
+        "/x/node-3/log/pods/sgdjob-system_sgdjob-operator-b_u/operator/0.log": (
+            "2026-12-06T03:00:01Z [INFO] goodput/auto-s100 rescale to 2: single straggler\n"
+        ),
+    }
+
+    def logs(namespace: str, prefix: str) -> dict[str, str]:
+        found = pods if namespace == "goodput" else operators
+        return {p: t for p, t in found.items() if f"/{namespace}_{prefix}" in p}
+
+    keep_run_logs(logs, "auto-s100", tmp_path / "logs")
+    assert (tmp_path / "logs" / "auto-s100-worker-0.trainer.0.log").read_text() == "trained\n"
+    assert (tmp_path / "logs" / "operator.log").read_text().splitlines() == [
+        "2026-12-06T03:00:01Z [INFO] goodput/auto-s100 rescale to 2: single straggler",
+        "2026-12-06T03:00:02Z [DEBUG] goodput/auto-s100: keep: persisting 1/2 intervals",
+    ]

@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -21,11 +22,17 @@ from types import SimpleNamespace
 
 import aiohttp
 import pytest
+from torch.distributed import TCPStore
+from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
+from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dyn
+from torch.distributed.elastic.rendezvous import utils as rdzv_utils
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc
+from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
 from sgdjob_operator.local.procs import free_port_blocks
 from sgdjob_operator.workers.store_probe import store_answers
-from sgdjob_trainer.rendezvous_rounds import complete_at, expire_departed
+from sgdjob_trainer import rendezvous_rounds
+from sgdjob_trainer.rendezvous_rounds import complete_at, expire_departed, poll_seconds
 from sgdjob_trainer.wire.launch_contract import ENV_AGENT_ID
 
 pytestmark = pytest.mark.multiproc
@@ -85,6 +92,54 @@ def _wait_formed(log: Path, size: int, after: float, timeout_s: float, agents: l
         assert all(a.poll() is None for a in agents), "an agent ended early"
         time.sleep(0.2)
     raise AssertionError(f"no world of {size} within {timeout_s} s; worlds formed: {_formed(log)}")
+
+
+def test_a_waiting_agent_polls_the_store_faster_than_torchs_second_and_only_ours_do(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Two of our handlers (min 2, max 3 nodes) join one round through a real store; the first waits
+    # for the second. Every pause torch's executor takes while waiting is recorded: ours poll every
+    # poll_seconds(3), never torch's second; outside our handlers torch's own delay is untouched.
+    store = TCPStore(HOST, 0, is_master=True, wait_for_workers=False)
+    backend = rendezvous_rounds.register()
+    pauses: list[tuple[str, float]] = []
+    sleep = time.sleep
+
+    def recording_sleep(seconds: float) -> None:
+        pauses.append((threading.current_thread().name, seconds))
+        sleep(seconds)
+
+    monkeypatch.setattr(rdzv_utils.time, "sleep", recording_sleep)
+
+    def handler() -> RendezvousHandler:
+        params = RendezvousParameters(
+            backend, f"{HOST}:{store.port}", "poll-test", 2, 3, is_host=False, last_call_timeout=1, join_timeout=60
+        )
+        return get_rendezvous_handler(params)
+
+    first_done: list[float] = []
+
+    def first() -> None:
+        handler().next_rendezvous()
+        first_done.append(time.monotonic())
+
+    waiting = threading.Thread(target=first, name="first-agent")
+    waiting.start()
+    time.sleep(1.5)  # the first agent polls meanwhile
+    handler().next_rendezvous()
+    joined = time.monotonic()
+    waiting.join(30)
+    assert first_done, "the first agent never completed the round"
+    polls = [s for t, s in pauses if t == "first-agent"]
+    poll = poll_seconds(3)
+    other = [s for s in polls if s != pytest.approx(poll)]
+    assert len(polls) >= 5 and poll < 0.2, polls
+    assert len(other) <= 1 and all(s <= 0.3 for s in other), polls  # torch's first-round jitter, 0-0.3 s
+    assert first_done[0] - joined < 1.0  # seen within a poll or two, not torch's second per poll
+    pauses.clear()
+    dyn._delay(seconds=1)  # torch's own callers, outside our handlers' operations: torch's second
+    assert pauses[-1][1] == 1
+    assert poll_seconds(1000) == 1.0
 
 
 def test_worlds_form_at_the_intended_size_and_a_removed_node_costs_seconds(tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ step when the step is known (the way back to plain sync: its pause ends before t
 (5) no change is still in flight (`JobView.in_flight`), (6) a configuration with stale
 gradients waits for the measured statistical efficiency (MEASURE_WAIT_STEPS), and (7) a change of
 the kind still under check is not made again while that check's windows so far show less than
-switchMargin of gain (`_unproven_repeat`). A hang
+switchMargin of gain (`evidence.unproven_repeat`). A hang
 (`policy.hang`) is recovered from at once, and so is a change its own results show under-delivering
 (`policy.check`): it is taken back without waiting for persistence or the cooldown.
 """
@@ -42,11 +42,12 @@ from sgdjob_operator.policy.check import (
 from sgdjob_operator.policy.cost import CostInputs, Prediction
 from sgdjob_operator.policy.decisions import Decision, Keep, ReplaceWorker, Rescale
 from sgdjob_operator.policy.efficiency import MIN_STEPS, estimate
+from sgdjob_operator.policy.evidence import transient_for, unproven_repeat
 from sgdjob_operator.policy.hang import find_hang
 from sgdjob_operator.policy.health import JobHealth, Shape, assess, jitter_coefficient
 from sgdjob_operator.policy.job import JobView
 from sgdjob_operator.policy.measure import FirstWindow, Window, measure
-from sgdjob_operator.policy.progress import Progress, restarted, track
+from sgdjob_operator.policy.progress import restarted, track
 from sgdjob_operator.policy.samples import WorkerSample
 from sgdjob_operator.policy.splits import (
     FAST_GAIN,
@@ -193,7 +194,7 @@ def evaluate(state: PolicyState, samples: Sequence[WorkerSample], job: JobView, 
             paused = base.last_pause if splits_back(trial, job) else now
             after = replace(base, last_change=now, last_pause=paused, progress=restarted(), trial=None, discounts=kept)
             return Evaluation(back, health, after, predictions)
-    candidates, unproven = _unproven_repeat(candidates, base.trial, progress, p.switch_margin)
+    candidates, unproven = unproven_repeat(candidates, base.trial, progress, p.switch_margin)
     note += unproven
     trained = min((s.steps for s in window.latest.values()), default=0)
     waiting_for = ""
@@ -235,7 +236,7 @@ def evaluate(state: PolicyState, samples: Sequence[WorkerSample], job: JobView, 
         # Persistence starts over once the change has landed: no cooldown starts, no streak grows.
         held = chosen.make(f"{health.summary}; {what}", round(gain, 4))
         return Evaluation(Keep(f"{health.summary}; {what}; held: {job.in_flight}"), health, base, predictions, held)
-    if streak < p.persistence_intervals or health.shape is Shape.TRANSIENT:
+    if streak < p.persistence_intervals or transient_for(chosen, health):
         if not fast(chosen, gain, health, job.world_size, every, p.switch_margin, state.ranks):
             why = f"{health.summary}; {what}; persisting {streak}/{p.persistence_intervals} intervals"
             return Evaluation(Keep(why), health, waiting, predictions)
@@ -267,31 +268,6 @@ def evaluate(state: PolicyState, samples: Sequence[WorkerSample], job: JobView, 
         trial=opened,
     )
     return Evaluation(decision, health, changed, predictions)
-
-
-def _unproven_repeat(
-    candidates: list[Candidate], pending: Trial | None, progress: Progress, margin_needed: float
-) -> tuple[list[Candidate], str]:
-    """The candidates without another change of the kind still under check (`pending`, no verdict
-    yet) while its own windows so far measured less gain over the configuration it left than a change
-    must promise to be made (`margin_needed`, switchMargin), and the note
-    a reason then carries. Such a repeat rests on the model whose last prediction its results so far
-    contradict: on a real node bound by its CPU quota, a cut of the slow rank's batch predicted +217 %
-    and delivered less than before, and a second cut from the same model (+172 %) held off the shrink
-    that the same fleet paid for at once in the other seeds (rescale at step 67 instead of 16-24). The
-    other candidates stay; the check itself still takes the change back or keeps it."""
-    if pending is None or progress.since is None or progress.tally.windows < 1.0:
-        return candidates, ""
-    if progress.tally.mean >= pending.before.mean * (1.0 + margin_needed):
-        return candidates, ""
-    kept = [c for c in candidates if c.key != pending.key]
-    if len(kept) == len(candidates):
-        return candidates, ""
-    note = (
-        f"; no second {pending.label} before the check of the last one: it measured {progress.tally.mean:.4g} useful "
-        f"samples/s vs {pending.before.mean:.4g} before it (predicted {pending.predicted:.4g})"
-    )
-    return kept, note
 
 
 def _world_speeds(health: JobHealth, world: int) -> dict[int, float]:

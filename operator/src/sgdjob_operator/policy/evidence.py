@@ -1,0 +1,61 @@
+"""What a change's own evidence allows, beside the fleet's shape and the candidates' predictions.
+
+- A removal rests on the ranks it removes: the fleet's shape may still be transient (its name
+  changes with every rank's noise) while each removed rank has been slow for persistenceIntervals
+  windows (`transient_for`).
+- A change still under check (`policy.check`) is not made again while its own windows so far show
+  less gain than a change must promise (`unproven_repeat`): the repeat rests on the model whose last
+  prediction those windows contradict.
+"""
+
+from __future__ import annotations
+
+from sgdjob_operator.policy.candidates import Candidate
+from sgdjob_operator.policy.decisions import ReplaceWorker, Rescale
+from sgdjob_operator.policy.health import JobHealth, Shape
+from sgdjob_operator.policy.progress import Progress
+from sgdjob_operator.policy.trial import Trial
+
+
+def transient_for(chosen: Candidate, health: JobHealth) -> bool:
+    """The fleet's shape holds `chosen` back as transient: it has not kept its name for
+    persistenceIntervals windows, unless `chosen` takes off ranks that have each been slow that long
+    (`JobHealth.stragglers`). The name depends on every rank, the removal's evidence only on the ranks
+    it removes: on real nodes whose fast ranks read 1,100-2,200 samples/s from window to window, the
+    fleet's name went from "single straggler" to "3 speed clusters" and back, and a removal of the
+    0.27-CPU rank, slow in every window, waited 6-7 s of a 20-s job."""
+    if health.shape is not Shape.TRANSIENT:
+        return False
+    preview = chosen.make("", 0.0)
+    if isinstance(preview, Rescale) and preview.remove_ranks:
+        targets: tuple[int, ...] = preview.remove_ranks
+    elif isinstance(preview, ReplaceWorker):
+        targets = (preview.rank,)
+    else:
+        return True
+    return not set(targets) <= set(health.stragglers)
+
+
+def unproven_repeat(
+    candidates: list[Candidate], pending: Trial | None, progress: Progress, margin_needed: float
+) -> tuple[list[Candidate], str]:
+    """The candidates without another change of the kind still under check (`pending`, no verdict
+    yet) while its own windows so far measured less gain over the configuration it left than a change
+    must promise to be made (`margin_needed`, switchMargin), and the note a reason then carries. Such
+    a repeat rests on the model whose last prediction its results so far contradict: on a real node
+    bound by its CPU quota, a cut of the slow rank's batch predicted +217 % and delivered less than
+    before, and a second cut from the same model (+172 %) held off the shrink that the same fleet paid
+    for at once in the other seeds (rescale at step 67 instead of 16-24). The other candidates stay;
+    the check itself still takes the change back or keeps it."""
+    if pending is None or progress.since is None or progress.tally.windows < 1.0:
+        return candidates, ""
+    if progress.tally.mean >= pending.before.mean * (1.0 + margin_needed):
+        return candidates, ""
+    kept = [c for c in candidates if c.key != pending.key]
+    if len(kept) == len(candidates):
+        return candidates, ""
+    note = (
+        f"; no second {pending.label} before the check of the last one: it measured {progress.tally.mean:.4g} useful "
+        f"samples/s vs {pending.before.mean:.4g} before it (predicted {pending.predicted:.4g})"
+    )
+    return kept, note
