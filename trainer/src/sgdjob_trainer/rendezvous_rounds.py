@@ -19,11 +19,12 @@ worker that is both: on the real-node cluster 10 s + 10 s of a 24-s restart (#37
   3299d9f) cannot tell a rescale from a suspend or a lost node's old pod stopped on its return, and
   in clean CI runs chaos cases d and h lost a final checkpoint or billed restarts for lost nodes.
   Anything else that stops (a lost node, a crash) still waits for its heartbeats to lapse.
-- **A waiting agent polls the store faster than torch's once a second**, so the round a peer
-  completes is seen at once, not up to a second later (`poll_seconds`; a shrink's rendezvous took
-  1.2 s of a 3.4-4.1-s restart on the real-node cluster). The store's load stays bounded: n agents
-  each polling every `POLL_BASE_S + n x POLL_PER_NODE_S` make fewer than 1 / POLL_PER_NODE_S syncs a
-  second together, whatever n; from 90 nodes on it is torch's second.
+- **A waiting agent polls the store faster than torch's once a second** (`poll_seconds`). torch's
+  state holder still serves a read within a second of the last from its cache, so most of a shrink's
+  rendezvous (1.2-2.3 s of a 3.4-4.4-s restart) remains until the reads go through it too. The
+  store's load stays bounded: n agents each polling every `POLL_BASE_S + n x POLL_PER_NODE_S` make
+  fewer than 1 / POLL_PER_NODE_S syncs a second together, whatever n; from 90 nodes on it is
+  torch's second.
 
 The backend is torch's c10d one (same store, keys and state), registered again under
 `SIZED_BACKEND` so only this agent's handlers behave so; agents of either kind share a rendezvous.
