@@ -111,7 +111,7 @@ def test_a_node_joining_after_the_job_ended_exits_with_the_closed_rendezvous_sta
         stderr=subprocess.STDOUT,
     )
     rdzv = [f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-backend=c10d", "--rdzv-id=late", "--nnodes=1:2",
-            "--rdzv-conf=join_timeout=60,last_call_timeout=1", "--local-addr=127.0.0.1"]  # fmt: skip
+            "--rdzv-conf=is_host=0,join_timeout=60,last_call_timeout=1", "--local-addr=127.0.0.1"]  # fmt: skip
     try:
         first = _launch(tmp_path / "first", {"steps": 5}, max_restarts=0, rendezvous=rdzv)
         assert first.wait(timeout=300) == 0, (tmp_path / "first" / "log.txt").read_text()[-3000:]
@@ -137,7 +137,7 @@ def test_a_node_whose_peers_never_join_exits_with_the_rendezvous_timeout_status(
     termination = tmp_path / "termination-log"
     monkeypatch.setenv("SGDJOB_TERMINATION_LOG", str(termination))
     rdzv = [f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-backend=c10d", "--rdzv-id=alone", "--nnodes=2:2",
-            "--rdzv-conf=join_timeout=5,last_call_timeout=1", "--local-addr=127.0.0.1"]  # fmt: skip
+            "--rdzv-conf=is_host=0,join_timeout=5,last_call_timeout=1", "--local-addr=127.0.0.1"]  # fmt: skip
     try:
         alone = _launch(tmp_path / "alone", {"steps": 5}, max_restarts=0, rendezvous=rdzv)
         code = alone.wait(timeout=120)
