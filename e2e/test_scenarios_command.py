@@ -3,7 +3,8 @@ script in the style of the official tutorial, runs as an SGDJob in command mode 
 three kubelet nodes, loses worker-0's pod mid-run (the pod with rank 0, which writes the checkpoint),
 is scaled from 3 workers to 2 with `kubectl scale`, and ends Succeeded, each new world resuming from the
 script's own checkpoint. SGDJob does nothing to the script: it restarts the world (torchrun's elastic
-agent in every pod), replaces the pod, and re-forms the world at the new size.
+agent in every pod: SGDJob's, which the image holds), replaces the pod, and re-forms the world at the
+new size without waiting torch's last call.
 
 The script and its checkpoint live on the host, mounted into every pod (hostPath: the nodes share the
 host's filesystem), as the real-node goodput benchmark runs its DDP baseline."""
@@ -126,6 +127,12 @@ def test_11_an_unmodified_ddp_script_survives_losing_worker_0_and_a_rescale(env:
     saved_after(env, after_loss, 2, "training goes on at 2 workers", RECOVER_TIMEOUT)
     starts = [(int(r), int(w), int(ep)) for r, w, ep in START_LINE.findall(logs(env))]
     assert any(w == 2 and ep > after_loss - 1 for _, w, ep in starts), f"the world of 2 did not resume: {starts}"
+    # The image holds SGDJob, so the pods run our agent, not plain torchrun: the removed worker is taken
+    # off the rendezvous at once and the world of 2 forms at the intended size, without torch's
+    # heartbeats and last call (plain torchrun: 24-27 s here).
+    said = logs(env)
+    assert "was removed by the job's controller: off the rendezvous" in said, said[-3000:]
+    assert "rendezvous: 2 nodes joined, the job's intended size: round complete" in said, said[-3000:]
 
     st = wait_for(lambda: finished(env), RECOVER_TIMEOUT, f"{JOB} finished")
     assert st["phase"] == "Succeeded", st.get("conditions")

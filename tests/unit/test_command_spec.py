@@ -100,30 +100,43 @@ def _pod(command: list[str], template: dict[str, Any] | None = None) -> dict[str
     return build_worker_pod(JobRef(name="j", namespace="ns", uid="u"), spec, 0, default_image="img")
 
 
-def test_the_worker_pod_runs_torchrun_no_python_on_the_command() -> None:
+def test_the_worker_pod_runs_an_agent_no_python_on_the_command() -> None:
     main = _pod(COMMAND)["spec"]["containers"][0]
     assert main["command"][:2] == ["sh", "-c"] and "exec torchrun --no-python" in main["command"][2]
+    assert "exec python3 -m sgdjob_trainer.agent --no-python" in main["command"][2]
     assert main["args"] == COMMAND
     env = {e["name"]: e.get("value") for e in main["env"]}
     assert env["PET_NNODES"] == "2:2" and "SGDJOB_TERMINATION_LOG" in env
 
 
-def test_the_pods_check_exits_127_naming_the_field_and_otherwise_execs_torchrun(tmp_path: Path) -> None:
-    """The pod's shell line itself, run here: a missing program -> 127 and the termination message."""
+def _fake(folder: Path, name: str, body: str) -> None:
+    folder.mkdir(exist_ok=True)
+    (folder / name).write_text(f"#!/bin/sh\n{body}\n")
+    (folder / name).chmod(0o755)
+
+
+def test_the_pods_check_exits_127_naming_the_field_and_otherwise_execs_an_agent(tmp_path: Path) -> None:
+    """The pod's shell line itself, run here: a missing program -> 127 and the termination message;
+    our agent where the image's python3 finds sgdjob_trainer, plain torchrun where it does not."""
     main = _pod(["no-such-program-xyz"])["spec"]["containers"][0]
     log = tmp_path / "termination-log"
     env = {"PATH": "/usr/bin:/bin", "SGDJOB_TERMINATION_LOG": str(log)}
     done = subprocess.run([*main["command"], *main["args"]], env=env, capture_output=True, text=True)
     assert done.returncode == 127
     assert "spec.training.command: no-such-program-xyz was not found" in log.read_text()
-    fake = tmp_path / "bin"
-    fake.mkdir()
-    (fake / "torchrun").write_text('#!/bin/sh\necho "torchrun $*"\n')
-    (fake / "torchrun").chmod(0o755)
     main = _pod(["sh", "-c", "true"])["spec"]["containers"][0]
-    env["PATH"] = f"{fake}:/usr/bin:/bin"
+    plain, ours = tmp_path / "plain", tmp_path / "ours"
+    # An image without our package: its python3 (this machine's, outside the venv) lacks it.
+    _fake(plain, "torchrun", 'echo "torchrun $*"')
+    env["PATH"] = f"{plain}:/usr/bin:/bin"
     done = subprocess.run([*main["command"], *main["args"]], env=env, capture_output=True, text=True)
-    assert done.returncode == 0 and done.stdout.strip() == "torchrun --no-python sh -c true"
+    assert done.returncode == 0 and done.stdout.strip() == "torchrun --no-python sh -c true", done.stderr
+    # An image with it: a python3 that finds sgdjob_trainer (this venv's) runs our agent.
+    _fake(ours, "python3", f'[ "$1" = -c ] && exec {sys.executable} "$@"; echo "python3 $*"')
+    env["PATH"] = f"{ours}:{plain}:/usr/bin:/bin"
+    done = subprocess.run([*main["command"], *main["args"]], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "python3 -m sgdjob_trainer.agent --no-python sh -c true"
 
 
 def test_a_template_command_is_kept() -> None:

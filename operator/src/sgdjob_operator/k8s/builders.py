@@ -284,20 +284,24 @@ def _trainer_container(containers: list[dict[str, Any]]) -> int:
     return 0
 
 
-# Command mode: an unmodified `torchrun --no-python CMD args` (torchrun's options come as PET_* env),
-# after a check that CMD exists, so a missing program fails the pod with 127 and a termination
-# message naming the field (what `kubectl describe` and the job's message show), not a traceback.
+# Command mode: `AGENT --no-python CMD args` (torchrun's options come as PET_* env), after a check
+# that CMD exists, so a missing program fails the pod with 127 and a termination message naming the
+# field (what `kubectl describe` and the job's message show), not a traceback. AGENT is our agent
+# where the image's python3 has it (its rendezvous re-forms a rescaled world without torch's last
+# call and heartbeats: seconds, not 20+), else the image's plain torchrun.
 _COMMAND_CHECK = (
     'command -v "$1" >/dev/null 2>&1 || { echo "spec.training.command: $1 was not found in the worker image '
     '(PATH=$PATH); fix the command or the image" | tee "$SGDJOB_TERMINATION_LOG" >&2; exit 127; }; '
+    "if python3 -c 'import importlib.util as u, sys; sys.exit(u.find_spec(\"sgdjob_trainer\") is None)' "
+    f'2>/dev/null; then exec python3 -m {AGENT_MODULE} --no-python "$@"; fi; '
     'exec torchrun --no-python "$@"'
 )
 
 
 def worker_command(command: Sequence[str] | None) -> tuple[list[str], list[str]]:
-    """The trainer container's command and args: our torchrun agent running our trainer, or plain
-    torchrun running the user's training.command (its env and workingDir are the template
-    container's own; the user's image need not hold our agent)."""
+    """The trainer container's command and args: our torchrun agent running our trainer, or an agent
+    running the user's training.command (its env and workingDir are the template container's own):
+    ours where the image holds it, plain torchrun where it does not."""
     if command is None:
         # Our agent, torchrun with workers forked from it: every world a replacement, rescale or lost
         # peer restarts starts without a fresh interpreter importing torch and the trainer per worker

@@ -12,8 +12,9 @@ Event (and, past the limit, its message) names; a traceback's tail stays in the 
    the node gone or back, which rule 6 no longer sees) or were not scheduled yet. This hides no crash
    loop: a peer whose code crashes fails its own pod with its own exit status, which counts, and our
    agent exits 1, not this status, for a user's program that exits with it. (Rules 4 and 4a need
-   `sgdjob_trainer.agent` in the pod, as the trainer's worker pods run it: a plain `torchrun`, as
-   command mode's pods run it, exits 1 for both, and that counts. Worker pods wait a day for their
+   `sgdjob_trainer.agent` in the pod, as the trainer's worker pods and command mode's pods on an image
+   that holds it run it: a plain `torchrun`, which command mode falls back to on an image without it,
+   exits 1 for both, and that counts. Worker pods wait a day for their
    peers (builders.K8S_JOIN_TIMEOUT_S), so their rendezvous does not time out, and close, while
    the operator brings the peers back.)
 4b. The store did not answer the operator when the worker failed, or was re-homed after the worker's
