@@ -96,6 +96,7 @@ class Candidate:
     settle: bool = False  # a restoring change that still waits for the cooldown (it restarts the world)
     batch_only: bool = False
     restarts: bool = False  # a membership change: it restarts the world
+    removes: tuple[int, ...] = ()  # the ranks a replacement or a shrink takes off
 
 
 # Replacing a lone slow node wins over re-tuning around it unless it predicts clearly less: the
@@ -270,8 +271,11 @@ def _candidate(
     restoring: bool = False,
     batch_only: bool = False,
     restarts: bool = False,
+    removes: tuple[int, ...] = (),
 ) -> Candidate:
-    return Candidate(key, make, pred, cost, preference, restoring, batch_only=batch_only, restarts=restarts)
+    return Candidate(
+        key, make, pred, cost, preference, restoring, batch_only=batch_only, restarts=restarts, removes=removes
+    )
 
 
 def _grow(ctx: DecisionContext) -> list[Candidate]:
@@ -345,6 +349,7 @@ def _membership(ctx: DecisionContext) -> list[Candidate]:
                 view.restart_seconds,
                 REPLACE_PREFERENCE,
                 restarts=True,
+                removes=(rank,),
             )
         )
     if view.allows(Action.RESCALE) and view.replicas - 1 >= view.min_replicas:
@@ -358,7 +363,12 @@ def _membership(ctx: DecisionContext) -> list[Candidate]:
             key = f"rescale:{node or rank}"
             out.append(
                 _candidate(
-                    key, lambda why, g: Rescale(target, why, removed, g, off), pred, view.shrink_cost, restarts=True
+                    key,
+                    lambda why, g: Rescale(target, why, removed, g, off),
+                    pred,
+                    view.shrink_cost,
+                    restarts=True,
+                    removes=removed,
                 )
             )
     return out

@@ -42,7 +42,7 @@ from sgdjob_operator.policy.check import (
 from sgdjob_operator.policy.cost import CostInputs, Prediction
 from sgdjob_operator.policy.decisions import Decision, Keep, ReplaceWorker, Rescale
 from sgdjob_operator.policy.efficiency import MIN_STEPS, estimate
-from sgdjob_operator.policy.evidence import transient_for, unproven_repeat
+from sgdjob_operator.policy.evidence import removal_persisted, transient_for, unproven_repeat
 from sgdjob_operator.policy.hang import find_hang
 from sgdjob_operator.policy.health import JobHealth, Shape, assess, jitter_coefficient
 from sgdjob_operator.policy.job import JobView
@@ -236,7 +236,8 @@ def evaluate(state: PolicyState, samples: Sequence[WorkerSample], job: JobView, 
         # Persistence starts over once the change has landed: no cooldown starts, no streak grows.
         held = chosen.make(f"{health.summary}; {what}", round(gain, 4))
         return Evaluation(Keep(f"{health.summary}; {what}; held: {job.in_flight}"), health, base, predictions, held)
-    if streak < p.persistence_intervals or transient_for(chosen, health):
+    persisted = streak >= p.persistence_intervals or removal_persisted(chosen, health)
+    if not persisted or transient_for(chosen, health):
         if not fast(chosen, gain, health, job.world_size, every, p.switch_margin, state.ranks):
             why = f"{health.summary}; {what}; persisting {streak}/{p.persistence_intervals} intervals"
             return Evaluation(Keep(why), health, waiting, predictions)
