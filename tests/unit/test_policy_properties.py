@@ -108,6 +108,21 @@ class _Drawn:
         pytest.param(
             19, ["bimodal", "dispersed", "dispersed"], 0.0, [3, 2.0, 1.625, 2.875], id="correction-while-checking"
         ),
+        # (D) 37 ranks 20 % slower from one phase to the next under 3 % noise kept the step-time fit's
+        # point from their old speed (the fleet's shape changed, their speed moved less than
+        # recoverThreshold): a fixed part that was not there, a split, then async (speeds._within_noise).
+        pytest.param(43, ["dispersed", "bimodal"], 0.03125, [2.0, 37, 2.125], id="fit-across-a-speed-change"),
+        # (E) Known, not fixed: a split made as the fleet slowed 1.7x is checked against the faster
+        # fleet's tally, read as unproven (policy.evidence.unproven_repeat), and async follows in the
+        # same phase. Taking `check.fleet_drift` out of the comparison was tried: the drift read 14 %.
+        pytest.param(
+            37,
+            ["bimodal", "dispersed", "dispersed"],
+            0.0,
+            [5, 3.0, 1.75, 3.0],
+            id="split-checked-across-a-slowdown",
+            marks=pytest.mark.xfail(strict=True, reason="known flapping, see the comment"),
+        ),
     ],
 )
 def test_flapping_found_by_the_search_stays_fixed(n: int, kinds: list[str], noise: float, draws: list[float]) -> None:

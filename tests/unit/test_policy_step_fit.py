@@ -89,6 +89,18 @@ def test_a_rank_keeps_its_prior_point_when_only_the_fleet_changed_shape() -> Non
     assert moved is not None and moved.prior_batch == 0
 
 
+def test_a_rank_whose_speed_moved_beyond_its_noise_drops_its_prior_point_on_a_shape_change() -> None:
+    # 3 % window noise, then a window 15 % slower (less than the departure, 1.2): the point from the old
+    # speed would fit a fixed part that is not there. One within the noise keeps it.
+    windows = [window(0.058, 32), window(0.031, 14)] + [window(0.031 * f, 14) for f in (1.03, 0.97) * 3]
+    est = estimate_after(*windows)
+    assert est is not None and est.prior_batch == 32
+    _, moved = running_speed(est, window(0.031 * 1.15, 14), False, DEPARTURE, afresh=True)
+    assert moved is not None and moved.prior_batch == 0
+    _, same = running_speed(est, window(0.031 * 1.02, 14), False, DEPARTURE, afresh=True)
+    assert same is not None and same.prior_batch == 32
+
+
 def test_the_prior_point_survives_more_windows_and_goes_when_the_speed_jumps() -> None:
     est = estimate_after(window(0.058, 32), window(0.031, 14), window(0.031, 14), window(0.031, 14))
     assert est is not None and est.prior_batch == 32

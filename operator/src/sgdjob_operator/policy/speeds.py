@@ -40,7 +40,7 @@ from __future__ import annotations
 import math
 
 from sgdjob_operator.policy.measure import RankWindow
-from sgdjob_operator.policy.state import SpeedEstimate
+from sgdjob_operator.policy.state import MIN_SPIKE_WINDOWS, MIN_SPREAD_WINDOWS, SpeedEstimate
 from sgdjob_operator.policy.stats import MEMORY_WINDOWS
 
 # The weight of a window that ran two batches, when it starts the new batch's estimate.
@@ -61,6 +61,8 @@ MAX_FIXED_SHARE = 0.6
 # new step rests on this many steps and (decayed) windows.
 LARGE_FIXED_STEPS = 10.0
 LARGE_FIXED_WINDOWS = 1.9
+# A rank's speed within this many of its windows' spreads of its estimate has not moved.
+NOISE_SIGMAS = 2.0
 
 
 def _from_window(
@@ -116,6 +118,20 @@ def _prior(previous: SpeedEstimate) -> tuple[int, float]:
     if previous.steps >= PRIOR_MIN_STEPS:
         return previous.batch, previous.compute / previous.steps
     return previous.prior_batch, previous.prior_step
+
+
+def _within_noise(previous: SpeedEstimate, ratio: float) -> bool:
+    """A window `ratio` times the estimate's speed is within NOISE_SIGMAS of the rank's window-to-window
+    spread (its spikes, else its windows' spread; neither measured yet: within `departure`, as the
+    estimate itself reads it)."""
+    if previous.spike_windows >= MIN_SPIKE_WINDOWS:
+        spread = math.sqrt(previous.spike_squares / previous.spike_windows)
+    elif previous.windows >= MIN_SPREAD_WINDOWS:
+        mean = previous.log_sum / previous.windows
+        spread = math.sqrt(max(0.0, previous.log_squares / previous.windows - mean * mean))
+    else:
+        return True
+    return abs(math.log(ratio)) <= NOISE_SIGMAS * spread
 
 
 def step_overhead(est: SpeedEstimate | None) -> float:
@@ -183,10 +199,14 @@ def running_speed(
     departed = max(ratio, 1.0 / ratio) >= departure and counted
     if afresh or departed:
         # The rank's speed changed: the prior point described the old speed. A rank started afresh
-        # only because the fleet's shape changed, its own speed where it was, keeps the point: the
-        # shape of a CPU-quota'd fleet changes with the bursts of its other ranks, and a rank that
-        # lost its fit at each would be cut again on a proportional reading (speeds.step_overhead).
-        prior = (previous.prior_batch, previous.prior_step) if not departed else (0, 0.0)
+        # only because the fleet's shape changed, its own speed where it was (within its own windows'
+        # noise), keeps the point: the shape of a CPU-quota'd fleet changes with the bursts of its
+        # other ranks, and a rank that lost its fit at each would be cut again on a proportional
+        # reading (speeds.step_overhead). A rank whose speed moved by more than its noise, if less
+        # than `departure`, drops it: a point from its old speed fits a fixed part that is not there
+        # (the randomized no-flapping search: 20 % slower under 3 % noise, a split, then async).
+        kept = not departed and _within_noise(previous, ratio)
+        prior = (previous.prior_batch, previous.prior_step) if kept else (0, 0.0)
         fresh = _from_window(w, prior, spikes=spikes)
         return fresh.speed, fresh
     fresh = _from_window(w)
