@@ -4,6 +4,8 @@ rescale."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from sgdjob_operator.api.models import ControllerState
@@ -15,7 +17,7 @@ from sgdjob_operator.k8s.restart_cost import (
     restart_estimate,
 )
 from sgdjob_operator.policy import Rescale, WorkerSample
-from sgdjob_operator.policy.restart import SHRINK_GUESS_SECONDS, world_began
+from sgdjob_operator.policy.restart import SHRINK_FIXED_SECONDS, shrink_estimate, world_began
 from tests.unit.test_policy_harness import Harness
 
 
@@ -57,7 +59,7 @@ def test_a_shrink_is_measured_apart_and_until_then_costs_at_most_the_guess() -> 
     world = [sample(r, 3, 50.0, 5.0) for r in range(3)]
     measure_restart(ctl, world, created=25.0)  # a slow first start: 20 s
     assert restart_estimate(ctl) == pytest.approx(20.0)
-    assert job_shrink_estimate(ctl) == SHRINK_GUESS_SECONDS  # no pod starts in a shrink
+    assert job_shrink_estimate(ctl) == SHRINK_FIXED_SECONDS  # no pod starts in a shrink
     restart_began(ctl, 100.0, shrink=True)
     measure_restart(ctl, [sample(0, 2, 110.0, 6.5), sample(1, 2, 110.0, 6.0)], created=25.0)
     assert job_shrink_estimate(ctl) == pytest.approx(4.0) and restart_estimate(ctl) == pytest.approx(20.0)
@@ -115,3 +117,13 @@ def test_a_rescale_down_is_weighed_by_the_shrink_not_by_a_whole_start() -> None:
     assert not [e for e in by_start.changes() if isinstance(e.decision, Rescale)]
     dropped = shrinks(by_shrink)
     assert len(dropped) == 1 and dropped[0].remove_ranks == (2,), [e.decision.reason for e in by_shrink.changes()]
+
+
+def test_a_shrink_of_a_larger_model_is_guessed_to_pause_longer_until_one_is_measured() -> None:
+    # The checkpoint is written and read back with the optimizer's moments: 3x the gradient each way.
+    small = [sample(r, 3, 50.0, 5.0) for r in range(3)]
+    large = [replace(s, gradient_bytes=500_000_000) for s in small]  # a 125M-parameter fp32 model
+    assert shrink_estimate(None, 60.0, small) == SHRINK_FIXED_SECONDS
+    assert shrink_estimate(None, 60.0, large) == pytest.approx(SHRINK_FIXED_SECONDS + 30.0)
+    assert shrink_estimate(None, 20.0, large) == 20.0, "never more than a whole start"
+    assert shrink_estimate(2.5, 60.0, large) == 2.5, "a measured shrink is the job's own figure"

@@ -104,7 +104,7 @@ def evaluate_job(
     # The first start is measured from the job's creation only while no worker has restarted: a world
     # that a failure restarted began long after it, and that span is no restart's cost.
     measure_restart(ctl, obs.samples, created if st.restarts == 0 else None)
-    costs = PlatformCosts(restart_seconds=restart_estimate(ctl), shrink_seconds=job_shrink_estimate(ctl))
+    costs = PlatformCosts(restart_seconds=restart_estimate(ctl), shrink_seconds=job_shrink_estimate(ctl, obs.samples))
     step = drive(state, observed, spec, now, costs)
     store(st, step.state)
     return step, "; ".join(p for p in (problem, step.problem) if p)

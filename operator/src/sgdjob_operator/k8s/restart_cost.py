@@ -15,8 +15,8 @@ starts no pod, pulls nothing and imports nothing, so the first start, which paid
 the slowest node, says little of it. On the real-node slow fleet the first start took ~20 s, most of
 it the 0.27-CPU node importing torch, and a rescale away from that node never repaid 20 s within a
 600-step job; the survivors re-form their world in seconds (sgdjob_trainer.rendezvous_rounds). Until
-the job has shrunk once, a shrink is taken to cost SHRINK_GUESS_SECONDS, or the measured start if
-that is less (`policy.restart.shrink_estimate`).
+the job has shrunk once, a shrink is taken to cost `policy.restart.shrink_guess` for the job's model,
+or the measured start if that is less (`policy.restart.shrink_estimate`).
 
 How a start is dated from the workers' samples: `policy.restart`.
 """
@@ -62,6 +62,7 @@ def restart_estimate(ctl: ControllerState) -> float:
     return ctl.restart_seconds if ctl.restart_seconds is not None else RESTART_GUESS_SECONDS
 
 
-def job_shrink_estimate(ctl: ControllerState) -> float:
-    """Seconds a shrink is expected to pause training (`policy.restart.shrink_estimate`)."""
-    return shrink_estimate(ctl.shrink_seconds, restart_estimate(ctl))
+def job_shrink_estimate(ctl: ControllerState, samples: Sequence[WorkerSample] = ()) -> float:
+    """Seconds a shrink is expected to pause training (`policy.restart.shrink_estimate`), for the model
+    the workers' `samples` report."""
+    return shrink_estimate(ctl.shrink_seconds, restart_estimate(ctl), samples)

@@ -164,7 +164,7 @@ class AutoController:
         )
         restart = LOCAL_COSTS.restart_seconds if self.restart_seconds is None else self.restart_seconds
         costs = replace(
-            LOCAL_COSTS, restart_seconds=restart, shrink_seconds=shrink_estimate(self.shrink_seconds, restart)
+            LOCAL_COSTS, restart_seconds=restart, shrink_seconds=shrink_estimate(self.shrink_seconds, restart, samples)
         )
         step = drive(self.state, observed, self.job.spec, now, costs)
         self.state = step.state
