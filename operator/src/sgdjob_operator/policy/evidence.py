@@ -6,7 +6,8 @@
   (`removal_persisted`).
 - A change still under check (`policy.check`) is not made again while its own windows so far show
   less gain than a change must promise (`unproven_repeat`): the repeat rests on the model whose last
-  prediction those windows contradict.
+  prediction those windows contradict, and so does any other change the model predicts; only a
+  removal (resting on the removed ranks' own slowness) or the way back to plain sync remains.
 """
 
 from __future__ import annotations
@@ -48,14 +49,17 @@ def unproven_repeat(
     bound by its CPU quota, a cut of the slow rank's batch predicted +217 % and delivered less than
     before, and a second cut from the same model (+172 %) held off the shrink that the same fleet paid
     for at once in the other seeds (rescale at step 67 instead of 16-24). The other candidates stay;
-    the check itself still takes the change back or keeps it."""
+    the check itself still takes the change back or keeps it. Nor is any other change of the model's
+    made meanwhile, a removal and the way back to plain sync excepted: the randomized no-flapping
+    search found a split made as the fleet slowed 1.7x, checked against the faster fleet's tally, and
+    async (+10 %, from the same model) made in the same phase."""
     if pending is None or progress.since is None or progress.tally.windows < 1.0:
         return candidates, ""
     if progress.tally.mean >= pending.before.mean * (1.0 + margin_needed):
         return candidates, ""
-    kept = [c for c in candidates if c.key != pending.key]
-    if len(kept) == len(candidates):
+    if not any(c.key == pending.key for c in candidates):
         return candidates, ""
+    kept = [c for c in candidates if c.removes or c.restoring]
     note = (
         f"; no second {pending.label} before the check of the last one: it measured {progress.tally.mean:.4g} useful "
         f"samples/s vs {pending.before.mean:.4g} before it (predicted {pending.predicted:.4g})"
