@@ -19,8 +19,8 @@ worker that is both: on the real-node cluster 10 s + 10 s of a 24-s restart (#37
   3299d9f) cannot tell a rescale from a suspend or a lost node's old pod stopped on its return, and
   in clean CI runs chaos cases d and h lost a final checkpoint or billed restarts for lost nodes.
   Anything else that stops (a lost node, a crash) still waits for its heartbeats to lapse.
-- **A waiting agent polls the store faster than torch's once a second** (`poll_seconds`), and its
-  state holder's cache lasts a poll, not torch's second, so each poll reads the store (a local
+- **A waiting agent polls the store faster than torch's once a second** (`poll_seconds`), and while
+  it waits its state holder's cache lasts a poll, not torch's second, so each poll reads the store (a local
   shrink's rendezvous 2.3 s -> 0.6 s, its restart 3.6 s -> 1.2 s). The store's load stays
   bounded: n agents each polling every `POLL_BASE_S + n x POLL_PER_NODE_S` make fewer than
   1 / POLL_PER_NODE_S syncs a second together, whatever n; from 90 nodes on it is torch's second.
@@ -34,6 +34,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from contextvars import ContextVar
@@ -182,19 +183,30 @@ def sized(handler: dyn.DynamicRendezvousHandler) -> dyn.DynamicRendezvousHandler
     store = handler._store
 
     poll = poll_seconds(handler._settings.max_nodes)
-    # torch's state holder serves a read within its cache duration (1 s) of the last from memory;
-    # a poll faster than the cache would read the same state again.
+    # torch's state holder serves a read within its cache duration (1 s) of the last from memory; a
+    # poll faster than the cache would read the same state again. The cache lasts a poll only while
+    # one of this handler's operations runs (joins, heartbeats, the close): the agent's monitor,
+    # which asks for waiting nodes every tenth of a second while training, reads at torch's pace.
     holder = handler._state_holder
-    holder._cache_duration = min(holder._cache_duration, poll)  # type: ignore[attr-defined]
+    torch_cache = holder._cache_duration  # type: ignore[attr-defined]
+    running = [0]
+    lock = threading.Lock()
 
     def run_sized(state_handler: Any, deadline: float, update_deadline: Any = None) -> None:
         if isinstance(state_handler, dyn._RendezvousJoinOp):
             state_handler = _SizedJoin(state_handler, lambda: intended_nodes(store))
         token = _poll.set(poll)
+        with lock:
+            running[0] += 1
+            holder._cache_duration = min(torch_cache, poll)  # type: ignore[attr-defined]
         try:
             run(state_handler, deadline, update_deadline)
         finally:
             _poll.reset(token)
+            with lock:
+                running[0] -= 1
+                if not running[0]:
+                    holder._cache_duration = torch_cache  # type: ignore[attr-defined]
 
     executor.run = run_sized  # type: ignore[method-assign]
     return handler
