@@ -20,8 +20,8 @@ worker that is both: on the real-node cluster 10 s + 10 s of a 24-s restart (#37
   in clean CI runs chaos cases d and h lost a final checkpoint or billed restarts for lost nodes.
   Anything else that stops (a lost node, a crash) still waits for its heartbeats to lapse.
 - **A waiting agent polls the store faster than torch's once a second** (`poll_seconds`), and while
-  it waits its state holder's cache lasts a poll, not torch's second, so each poll reads the store (a local
-  shrink's rendezvous 2.3 s -> 0.6 s, its restart 3.6 s -> 1.2 s). The store's load stays
+  it waits its state holder's cache lasts a poll, not torch's second, so each poll reads the store
+  (a local shrink's rendezvous 2.3 s -> 0.6 s, its restart 3.0 s -> 1.0 s). The store's load stays
   bounded: n agents each polling every `POLL_BASE_S + n x POLL_PER_NODE_S` make fewer than
   1 / POLL_PER_NODE_S syncs a second together, whatever n; from 90 nodes on it is torch's second.
 

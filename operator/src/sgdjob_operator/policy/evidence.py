@@ -62,6 +62,7 @@ def unproven_repeat(
     kept = [c for c in candidates if c.removes or c.restoring]
     note = (
         f"; no second {pending.label} before the check of the last one: it measured {progress.tally.mean:.4g} useful "
-        f"samples/s vs {pending.before.mean:.4g} before it (predicted {pending.predicted:.4g})"
+        f"samples/s vs {pending.before.mean:.4g} before it (predicted {pending.predicted:.4g}); nor any other "
+        "change from the same model meanwhile, but a removal or plain sync"
     )
     return kept, note
