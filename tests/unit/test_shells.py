@@ -251,3 +251,52 @@ def test_a_healthy_job_below_its_replicas_grows_back_the_same_in_the_operator_an
         assert out.scale_to in (None, 4)
     assert local == k8s and [a for _, a, _ in k8s] == ["rescale"], k8s
     assert "grow to 4 nodes" in k8s[0][2]
+
+
+@dataclass
+class ShrinkingRun(FakeRun):
+    """A local run whose rescale waits for the leaving agent to exit (`retire_s` of the controller's
+    clock), as `sgdjob run`'s does, while the survivors re-form their world."""
+
+    clock: list[float] = field(default_factory=lambda: [0.0])
+    retire_s: float = 6.0
+
+    async def rescale(self, nodes: int, mode: SyncMode, reason: str, remove: tuple[str, ...] = ()) -> None:
+        self.clock[0] += self.retire_s
+        self.fleet = FakeFleet(self.fleet.names[:nodes])
+
+
+def test_a_local_shrink_is_measured_from_its_decision_though_the_survivors_train_before_it_returns() -> None:
+    # Run under load in CI, the survivors trained again 2 s into a rescale whose retired agent took 6 s
+    # to exit; dated from the rescale's return, that start was "before the change" and never measured.
+    run = ShrinkingRun()
+    auto = AutoController(
+        SGDJob(spec=spec_for(policy={"allowedActions": ["rescale"]})),
+        PlainDisplay(stream=io.StringIO()),
+        clock=lambda: run.clock[0],
+    )
+    decided: float | None = None
+    for t, samples in feed([[100.0, 100.0, 100.0, 25.0]] * 8):
+        if decided is not None:
+            break
+        run.clock[0] = t
+        dated = [dataclasses.replace(s, training_seconds=t - 1.0) for s in samples]  # trained since 1.0
+        results = [ScrapeResult(LOCAL_ENDPOINTS[s.rank], t, s, WorkerStatus(rank=s.rank)) for s in dated]
+        asyncio.run(auto(run, results, ProgressFrame(time=t, elapsed_s=t)))
+        decided = next((d["time_s"] for d in auto.decisions if d["action"] == "rescale"), None)
+    assert decided is not None and run.fleet.world_size() == 3, auto.decisions
+    t = decided + 10.0
+    run.clock[0] = t
+    survivors = [
+        WorkerSample(
+            rank=r, time=t, steps=10, samples=320, compute_seconds=1.0, comm_wait_seconds=0.1, mode="sync",
+            batch_size=32, world_size=3, training_seconds=t - (decided + 2.0),
+        )
+        for r in range(3)
+    ]  # fmt: skip
+    results = [ScrapeResult(LOCAL_ENDPOINTS[s.rank], t, s, WorkerStatus(rank=s.rank)) for s in survivors]
+    asyncio.run(auto(run, results, ProgressFrame(time=t, elapsed_s=t)))
+    assert run.report_extra["restarts_measured"] == [
+        {"from": "launch", "seconds": 1.0},
+        {"from": "shrink", "seconds": 2.0},
+    ]

@@ -199,8 +199,13 @@ class AutoController:
         suffix = f" ({note})" if note else ""
         self.display.note(f"[{snap.elapsed_s:6.1f}s] decision at step {snap.step}: {what}: {decision.reason}{suffix}")
 
-    def changed(self, run: RunHandle, *, shrink: bool = False) -> None:
-        self.settling_since = self.restart_from = self.clock()
+    def changed(self, run: RunHandle, began: float, *, shrink: bool = False) -> None:
+        """The membership change that `began` (this controller's clock) has been applied. The new world's
+        start is measured from `began`, not from now: applying it waits for the leaving agents to exit,
+        and the survivors may re-form and train meanwhile (a start dated before the change's end would
+        never be measured)."""
+        self.restart_from = began
+        self.settling_since = self.clock()
         self.restart_shrinks = shrink
         self.display.resize(len(run.fleet.nodes()), run.fleet.world_size())
         nodes = ", ".join(run.fleet.nodes())
@@ -241,11 +246,13 @@ class LocalActuator:
             applied=True,
             note=f"node {node} leaves, local-{self.run.fleet.next_index} joins",
         )
+        began = self.controller.clock()
         await self.run.replace(node, SyncMode(action.mode), action.decision.reason)
-        self.controller.changed(self.run)
+        self.controller.changed(self.run, began)
 
     async def scale(self, action: Scale) -> None:
         note = f"{action.current} -> {action.replicas} nodes"
         self.controller.record(action.decision, self.snap, applied=True, note=note)
+        began = self.controller.clock()
         await self.run.rescale(action.replicas, SyncMode(action.mode), action.decision.reason, action.remove_nodes)
-        self.controller.changed(self.run, shrink=action.replicas < action.current)
+        self.controller.changed(self.run, began, shrink=action.replicas < action.current)
