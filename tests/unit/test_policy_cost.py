@@ -6,7 +6,7 @@ import json
 import math
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from sgdjob_operator.api.models import SGDJobSpec
@@ -80,6 +80,8 @@ def test_hierarchical_runs_at_the_slowest_groups_pace_and_pays_staleness() -> No
     per_rank=st.integers(1, 256),
     cap=st.integers(1, 1024),
 )
+# Found by the randomized search: the one weighted rank capped first left one sample for two ranks.
+@example(weights={0: 0.0, 1: 0.0, 2: 1.0}, per_rank=84, cap=251)
 def test_proportional_batches_keep_the_total_within_caps(weights: dict[int, float], per_rank: int, cap: int) -> None:
     caps = {r: cap for r in weights}
     total = per_rank * len(weights)

@@ -73,6 +73,15 @@ def proportional_batches(
             remaining -= caps[r]
         taken = set(over)
         free = [r for r in free if r not in taken]
+    # A rank capped early can leave the rest less than a sample each (zero-weight ranks still get one):
+    # the largest batches give back the overshoot.
+    excess = sum(out.values()) - max(total, len(w))
+    for r in sorted(out, key=lambda r: (-out[r], r)):
+        if excess <= 0:
+            break
+        give = min(out[r] - 1, excess)
+        out[r] -= give
+        excess -= give
     return out
 
 
