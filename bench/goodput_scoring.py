@@ -118,6 +118,12 @@ def spread(values: Sequence[float | None], missing: float) -> dict[str, float | 
     return {"median": finite(mid), "min": finite(xs[0]), "max": finite(xs[-1])}
 
 
+def _at_step(entry: str) -> int:
+    """The step of a "what@step" entry (an unknown step sorts first)."""
+    step = entry.rpartition("@")[2]
+    return int(step) if step.isdigit() else -1
+
+
 def run_result(record: RunRecord, workers: int, target: float, budget_s: float) -> dict[str, Any]:
     """One run's figures (pure): from the DDP baseline's rank files or from our report.json."""
     report = record.report or {}
@@ -130,9 +136,9 @@ def run_result(record: RunRecord, workers: int, target: float, budget_s: float) 
     elif record.report is not None:
         base = sgdjob_result(record.report, 0.0, 0.0)
         points = accuracy_points(record.report.get("validation_curve"))
-        modes = list(base["modes"])
-        # Mode switches are in the timeline already; a rebalance or a resize is not.
-        modes.extend(f"{d.get('action')}@{d.get('step')}" for d in decisions if d.get("action") != "switchMode")
+        # Mode switches are in the timeline already; a rebalance or a resize is not. In step order.
+        changes = [f"{d.get('action')}@{d.get('step')}" for d in decisions if d.get("action") != "switchMode"]
+        modes = sorted([*base["modes"], *changes], key=_at_step)
         # Per-rank batches at the end (a static split, or the policy's last rebalance).
         sizes = [r.get("batch_size") for r in record.report.get("per_rank") or [] if isinstance(r, Mapping)]
         if len(set(sizes)) > 1:

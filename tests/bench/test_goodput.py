@@ -108,6 +108,11 @@ def test_run_results_aggregate_and_table() -> None:
     decided = {"step": 19, "action": "rebalance", "predictedGain": 1.43, "reason": "measured", "applied": True}
     auto = run_result(RunRecord("auto", Path("w"), 9.0, report={**_report(CURVE), "decisions": [decided]}), 2, 0.7, 2.5)
     assert auto["modes"][1] == "rebalance@19", "a rebalance shows although the mode stays"
+    # A rescale decided at step 34 and the mode the new world reports from step 36 read in step order.
+    rescaled = {**_report(CURVE), "decisions": [{**decided, "step": 34, "action": "rescale"}]}
+    rescaled["mode_timeline"] = [{"mode": "auto", "step": 0}, {"mode": "sync", "step": 36}]
+    in_order = run_result(RunRecord("auto", Path("v"), 9.0, report=rescaled), 2, 0.7, 2.5)["modes"]
+    assert in_order[:3] == ["auto@0", "rescale@34", "sync@36"], in_order
     assert auto["decisions"] == [{"step": 19, "action": "rebalance", "mode": None, "predictedGain": 1.43,
                                   "reason": "measured"}]  # fmt: skip
     failed = run_result(RunRecord("auto", Path("z"), 1.0, error="boom"), 2, 0.9, 2.5)
