@@ -118,6 +118,10 @@ class _Drawn:
         pytest.param(
             37, ["bimodal", "dispersed", "dispersed"], 0.0, [5, 3.0, 1.75, 3.0], id="split-checked-across-a-slowdown"
         ),
+        # (F) a dispersed fleet turned equal under 3.5 % noise: ranks 7-44 % faster, each under
+        # recoverThreshold, were summed with their slower windows and read dispersed for windows after;
+        # a split at those lagging speeds, then plain sync, in one phase (speeds._moved).
+        pytest.param(20, ["homogeneous", "dispersed", "homogeneous"], 0.03515625, [2.0], id="a-fleet-turned-equal"),
     ],
 )
 def test_flapping_found_by_the_search_stays_fixed(n: int, kinds: list[str], noise: float, draws: list[float]) -> None:

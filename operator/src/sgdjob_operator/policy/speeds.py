@@ -9,8 +9,9 @@ of the summed windows' speeds gives the estimate's own error (`state.SpeedEstima
 
 The sum starts over when the configuration changes (a rank's samples per second depend on its
 batch: a step has a cost that does not scale with it) and when a window departs from the estimate
-by recoverThreshold or more (the rank's speed changed: a straggler came or went; the new speed is
-then read from that window alone, as without the estimate). A window measured from the process's
+by recoverThreshold or more, or by more than the rank's own windows vary (`_moved`): the rank's speed
+changed (a straggler came or went); the new speed is then read from that window alone, as without
+the estimate. A window measured from the process's
 training start is not summed into the next ones (its first step carries one-off warm-up), and old
 windows decay (`MEMORY_WINDOWS`) so that a drift too slow to count as a jump is still followed.
 
@@ -63,6 +64,13 @@ LARGE_FIXED_STEPS = 10.0
 LARGE_FIXED_WINDOWS = 1.9
 # A rank's speed within this many of its windows' spreads of its estimate has not moved.
 NOISE_SIGMAS = 2.0
+# A window this many of the rank's own spreads, and at least MIN_MOVE (log), off its estimate says the
+# rank's speed moved, if by less than recoverThreshold: the estimate starts over from it. Summed with
+# the windows before, such a move was followed over a decay of MEMORY_WINDOWS, and a fleet that turned
+# equal read as dispersed for windows after (the randomized no-flapping search: ranks 7-44 % faster
+# under 3.5 % noise, a split at the lagging speeds, then back to plain sync in the same phase).
+MOVE_SIGMAS = 3.0
+MIN_MOVE = 0.1
 
 
 def _from_window(
@@ -120,18 +128,29 @@ def _prior(previous: SpeedEstimate) -> tuple[int, float]:
     return previous.prior_batch, previous.prior_step
 
 
+def _spread(previous: SpeedEstimate) -> float | None:
+    """The rank's window-to-window spread (log): its spikes, else its windows' spread; None while
+    neither is measured."""
+    if previous.spike_windows >= MIN_SPIKE_WINDOWS:
+        return math.sqrt(previous.spike_squares / previous.spike_windows)
+    if previous.windows >= MIN_SPREAD_WINDOWS:
+        mean = previous.log_sum / previous.windows
+        return math.sqrt(max(0.0, previous.log_squares / previous.windows - mean * mean))
+    return None
+
+
 def _within_noise(previous: SpeedEstimate, ratio: float) -> bool:
     """A window `ratio` times the estimate's speed is within NOISE_SIGMAS of the rank's window-to-window
-    spread (its spikes, else its windows' spread; neither measured yet: within `departure`, as the
-    estimate itself reads it)."""
-    if previous.spike_windows >= MIN_SPIKE_WINDOWS:
-        spread = math.sqrt(previous.spike_squares / previous.spike_windows)
-    elif previous.windows >= MIN_SPREAD_WINDOWS:
-        mean = previous.log_sum / previous.windows
-        spread = math.sqrt(max(0.0, previous.log_squares / previous.windows - mean * mean))
-    else:
-        return True
-    return abs(math.log(ratio)) <= NOISE_SIGMAS * spread
+    spread (`_spread`; not measured yet: within `departure`, as the estimate itself reads it)."""
+    spread = _spread(previous)
+    return spread is None or abs(math.log(ratio)) <= NOISE_SIGMAS * spread
+
+
+def _moved(previous: SpeedEstimate, ratio: float) -> bool:
+    """A window `ratio` times the estimate's speed is off it by more than the rank's windows vary
+    (MOVE_SIGMAS of its measured spread, and MIN_MOVE); False while that spread is not measured."""
+    spread = _spread(previous)
+    return spread is not None and abs(math.log(ratio)) > max(MIN_MOVE, MOVE_SIGMAS * spread)
 
 
 def step_overhead(est: SpeedEstimate | None) -> float:
@@ -196,7 +215,7 @@ def running_speed(
     # two batches; nor is its departure noise.)
     counted = previous.steps >= 1.0
     spikes = _spikes(previous, w if counted else None)
-    departed = max(ratio, 1.0 / ratio) >= departure and counted
+    departed = (max(ratio, 1.0 / ratio) >= departure or _moved(previous, ratio)) and counted
     if afresh or departed:
         # The rank's speed changed: the prior point described the old speed. A rank started afresh
         # only because the fleet's shape changed, its own speed where it was (within its own windows'
