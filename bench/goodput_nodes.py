@@ -259,7 +259,7 @@ def run_job(
 def run_one(
     kube: Any, cfg: BenchConfig, fleet: Fleet, system: str, seed: int, run_dir: Path, logs: PodLogs | None = None
 ) -> RunRecord:
-    from sgdjob_operator.local.report import build_report, load_rank_docs
+    from sgdjob_operator.local.report import build_report, final_world, load_rank_docs
 
     seeded = replace(cfg, seed=seed)
     (run_dir / "report").mkdir(parents=True, exist_ok=True)
@@ -272,7 +272,9 @@ def run_one(
     name = manifest["metadata"]["name"]
     save = None if logs is None else (lambda: keep_run_logs(logs, name, run_dir / "logs"))
     harness, status = run_job(kube, manifest, JOB_TIMEOUT_S, before_delete=save)
-    docs, _ = load_rank_docs(run_dir / "report")
+    every, _ = load_rank_docs(run_dir / "report")
+    # After a shrink the removed rank's file of the world before is still there.
+    docs, world = final_world(every)
     error = None if status.get("phase") == "Succeeded" else f"job {status.get('phase')}: {status.get('message')}"
     if system.startswith("ddp"):
         return RunRecord(system, run_dir, harness, rank_docs=docs, error=error)
@@ -282,7 +284,7 @@ def run_one(
         docs,
         job=manifest["metadata"]["name"],
         mode=manifest["spec"]["mode"],
-        expected_workers=len(fleet.cpus),
+        expected_workers=world or len(fleet.cpus),
         emulation=None,
         extra={"decisions": list(status.get("decisions") or [])},
     )

@@ -17,7 +17,13 @@ from sgdjob_operator.local.auto import AutoController, training_start
 from sgdjob_operator.local.launch import plan_launch, resolve_mode
 from sgdjob_operator.local.procs import PORT_FLOOR, ephemeral_ports, free_port_blocks
 from sgdjob_operator.local.progress import PlainDisplay, ProgressFrame, RunInfo, summarize
-from sgdjob_operator.local.report import build_report, mode_timeline, summary_lines, with_status_fallback
+from sgdjob_operator.local.report import (
+    build_report,
+    final_world,
+    mode_timeline,
+    summary_lines,
+    with_status_fallback,
+)
 from sgdjob_operator.workers.scrape import Endpoint, ScrapeResult
 from sgdjob_trainer.config import SyncMode
 from sgdjob_trainer.wire.launch_contract import RunConfig
@@ -341,3 +347,16 @@ def test_report_has_the_validation_curve_and_the_time_to_target() -> None:
     )
     plain = build_report([rank_doc(0, 10, 1.0, 0.0, 1.0)], job="j", mode="sync", expected_workers=1, emulation=None)
     assert plain["validation_curve"] == [] and plain["reason"] is None and plain["time_to_target_s"] is None
+
+
+def test_a_shrunk_runs_report_counts_the_last_world_only() -> None:
+    # A rescale from 3 to 2: ranks 0 and 1 rewrote their files in the world of 2, rank 2's is the old world's.
+    docs = [
+        {"rank": 0, "worldSize": 2, "steps": 600},
+        {"rank": 1, "worldSize": 2, "steps": 600},
+        {"rank": 2, "worldSize": 3, "steps": 18},
+    ]
+    kept, world = final_world(docs)
+    assert world == 2 and [d["rank"] for d in kept] == [0, 1]
+    # Rank 0's file missing (it never wrote one): nothing is dropped and the size is not known.
+    assert final_world(docs[1:]) == (docs[1:], None)

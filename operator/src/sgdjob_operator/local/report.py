@@ -256,6 +256,16 @@ def load_rank_docs(report_dir: Path) -> tuple[list[dict[str, Any]], list[str]]:
     return docs, problems
 
 
+def final_world(docs: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], int | None]:
+    """The rank files of the run's last world and its size, which rank 0's file states (rank 0 is in
+    every world, and each world's ranks rewrite their files): a rank that a shrink removed leaves a
+    file of the world before, which is dropped. Every file and None when rank 0 wrote none."""
+    world = next((int(_num(d, "worldSize")) for d in docs if int(_num(d, "rank", -1)) == 0), 0)
+    if world <= 0:
+        return list(docs), None
+    return [d for d in docs if 0 <= int(_num(d, "rank", -1)) < world], world
+
+
 def summary_lines(report: Mapping[str, Any]) -> list[str]:
     """A few plain lines for the end of a run."""
 
