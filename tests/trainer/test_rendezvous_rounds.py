@@ -34,7 +34,7 @@ from sgdjob_operator.local.procs import free_port_blocks
 from sgdjob_operator.workers.store_probe import store_answers
 from sgdjob_trainer import rendezvous_rounds
 from sgdjob_trainer.rendezvous_rounds import complete_at, expire_departed, poll_seconds
-from sgdjob_trainer.wire.launch_contract import ENV_AGENT_ID
+from sgdjob_trainer.wire.launch_contract import AGENT_KEY_PREFIX, ENV_AGENT_ID
 
 pytestmark = pytest.mark.multiproc
 
@@ -151,6 +151,28 @@ def test_a_waiting_agent_polls_the_store_faster_than_torchs_second_and_only_ours
     dyn._delay(seconds=1)  # torch's own callers, outside our handlers' operations: torch's second
     assert pauses[-1][1] == 1
     assert poll_seconds(1000) == 1.0
+
+
+def test_each_join_writes_the_agents_identity_so_a_re_homed_store_learns_it_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The store's pod re-homed after its node was lost: the new store is empty. The agent's next round
+    # writes its identity there again, so the operator can still name it departed.
+    store = TCPStore(HOST, 0, is_master=True, wait_for_workers=False)
+    backend = rendezvous_rounds.register()
+    monkeypatch.setenv(ENV_AGENT_ID, "uid-x")
+    params = RendezvousParameters(backend, f"{HOST}:{store.port}", "identity-test", 1, 1, is_host=False)
+    handler = get_rendezvous_handler(params)
+    key = AGENT_KEY_PREFIX + "uid-x"
+    try:
+        handler.next_rendezvous()
+        said = store.get(key).decode()
+        assert said == repr(handler._this_node)  # type: ignore[attr-defined]  # torch's node identity
+        store.delete_key(key)
+        handler.next_rendezvous()
+        assert store.check([key]) and store.get(key).decode() == said
+    finally:
+        handler.shutdown()
 
 
 def test_worlds_form_at_the_intended_size_and_a_removed_node_costs_seconds(tmp_path: Path) -> None:

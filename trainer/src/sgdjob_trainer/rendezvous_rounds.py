@@ -12,8 +12,9 @@ worker that is both: on the real-node cluster 10 s + 10 s of a 24-s restart (#37
   (within min..max), without the last call. No key, or fewer joined: torch's rules, unchanged.
 - **An agent the controller removed on purpose is taken off the rendezvous by its peers at once.**
   Each agent writes its rendezvous identity under `AGENT_KEY_PREFIX` + its `ENV_AGENT_ID` (a pod's
-  UID); the operator, before it deletes a running worker pod (a rescale's or a replacement's), adds
-  that UID to `DEPARTED_AGENTS_KEY`; every peer's state sync counts a departed agent's heartbeats as
+  UID) as it joins a round (so a re-homed, empty store learns it again); the operator, before it
+  deletes a running worker pod (a rescale's or a replacement's), adds that UID to
+  `DEPARTED_AGENTS_KEY`; every peer's state sync counts a departed agent's heartbeats as
   lapsed, so torch's own sanitizing drops it and the next round starts. The decision is the
   controller's, not the stopped agent's: an agent that leaves on its own signal (tried in b8c6ecc and
   3299d9f) cannot tell a rescale from a suspend or a lost node's old pod stopped on its return, and
@@ -191,9 +192,14 @@ def sized(handler: dyn.DynamicRendezvousHandler) -> dyn.DynamicRendezvousHandler
     torch_cache = holder._cache_duration  # type: ignore[attr-defined]
     running = [0]
     lock = threading.Lock()
+    agent = os.environ.get(ENV_AGENT_ID)
 
     def run_sized(state_handler: Any, deadline: float, update_deadline: Any = None) -> None:
         if isinstance(state_handler, dyn._RendezvousJoinOp):
+            # Each join says who this agent is: a store that was re-homed since (its pod's node lost)
+            # starts empty, and without the identity a later removal of this agent would wait for
+            # its heartbeats to lapse.
+            announce(handler, agent)
             state_handler = _SizedJoin(state_handler, lambda: intended_nodes(store))
         token = _poll.set(poll)
         with lock:
@@ -223,7 +229,6 @@ def _create(params: RendezvousParameters) -> RendezvousHandler:
     if not _torch_has_what_we_use(handler):
         log.warning("rendezvous: this torch's c10d handler lacks what rendezvous_rounds uses: torch's rules")
         return handler
-    announce(handler, os.environ.get(ENV_AGENT_ID))
     return departing(sized(handler))
 
 
