@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import aiohttp
@@ -83,22 +84,34 @@ def login(**_: Any) -> kopf.ConnectionInfo:
 CRD_WAIT_S = 120.0
 
 
+def discovery_lists(groups: Mapping[str, Any] | None, resources: Mapping[str, Any] | None) -> bool:
+    """API discovery lists the SGDJob resource as kopf looks it up: the group list (`/apis`) names
+    GROUP at VERSION, and that version's resource list names PLURAL (pure)."""
+    listed = any(
+        g.get("name") == GROUP and any(v.get("version") == VERSION for v in g.get("versions") or [])
+        for g in (groups or {}).get("groups") or []
+    )
+    return listed and any(r.get("name") == PLURAL for r in (resources or {}).get("resources") or [])
+
+
 async def wait_for_crd(kube: Kube, timeout: float = CRD_WAIT_S) -> None:
     """Return once API discovery lists the SGDJob resource. kopf looks its resources up in discovery
     once, after startup, and only looks again when a CRD changes: an operator that starts while an API
     server just back up does not list the CRD's resources yet serves no SGDJob, for good (seen in the
-    chaos suite after an API server restart: kopf's "Unresolved resources cannot be served"). Past
-    `timeout` the CRD is missing, not late: startup fails saying so, and kopf tries it again a minute
-    later."""
+    chaos suite after an API server restart: kopf's "Unresolved resources cannot be served"). kopf
+    reads the group list first, then each group's versions: a restarted API server served
+    `/apis/GROUP/VERSION` before its `/apis` listed the group again (clean CI, 2026-12-06), so both
+    are asked. Past `timeout` the CRD is missing, not late: startup fails saying so, and kopf tries it
+    again a minute later."""
     deadline = time.monotonic() + timeout
     path = f"/apis/{GROUP}/{VERSION}"
     while True:
         try:
-            found = await kube.get(path)
+            groups, found = await kube.get("/apis"), await kube.get(path)
         except (ApiError, ValueError) as err:  # coming up; an unknown group's 404 is plain text, not JSON
             log.info("waiting for the API server to list %s: %s", path, err)
-            found = None
-        if found and any(r.get("name") == PLURAL for r in found.get("resources") or []):
+            groups, found = None, None
+        if discovery_lists(groups, found):
             return
         if time.monotonic() > deadline:
             raise RuntimeError(
