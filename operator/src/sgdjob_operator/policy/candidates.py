@@ -318,12 +318,24 @@ def straggler_node(ctx: DecisionContext) -> tuple[int, list[int], bool] | None:
     return worst.rank, on_node, all(ctx.health.ranks[r].flagged for r in on_node if r in ctx.health.ranks)
 
 
+def steady_straggler(ctx: DecisionContext, rank: int) -> bool:
+    """`rank` is slower than the median by stragglerThreshold at the steady speeds too (over its last
+    few windows, `state.SpeedEstimate.steady`), not only at speeds a jump restarted from one or two
+    windows. A replacement or a removal restarts the world and is paid for over the rest of the job:
+    on real nodes of equal 0.6-CPU quotas a rank that read 1.85x slower for two windows was removed
+    (and added back 260 steps later), and the job took 1.11x DDP's time."""
+    h = ctx.health.ranks.get(rank)
+    return h is not None and h.steady_ratio >= ctx.view.policy.straggler_threshold
+
+
 def _membership(ctx: DecisionContext) -> list[Candidate]:
     view = ctx.view
     found = straggler_node(ctx)
     if found is None:
         return []
     rank, on_node, node_bound = found
+    if not steady_straggler(ctx, rank):
+        return []
     if all(r in on_node for r in ctx.speeds):
         # The node holds every rank (several pods on one node, or one with nprocPerNode > 1): replacing
         # or removing it predicts a fleet with no rest to take its place, and keeping the job off it

@@ -43,7 +43,8 @@ class RankHealth:
     batch, where its step times at two batches tell (else 0.0; see speeds.py); `error`: its speed's
     relative standard error, where enough windows tell (`state.SpeedEstimate.error`); `windows`: the
     windows its estimate sums (decayed); `noise`: the relative error its speed has by the rank's
-    window-to-window noise (`state.SpeedEstimate.noise`)."""
+    window-to-window noise (`state.SpeedEstimate.noise`); `steady_ratio`: `ratio` at the ranks' steady
+    speeds (`state.SpeedEstimate.steady`), what a membership change rests on."""
 
     rank: int
     node: str | None
@@ -59,6 +60,7 @@ class RankHealth:
     error: float | None = None
     windows: float = 0.0
     noise: float | None = None
+    steady_ratio: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +95,20 @@ class JobHealth:
             h = self.ranks[r]
             out.append({"rank": r, "pod": h.pod, "node": h.node, "slowdown": round(h.ratio, 3)})
         return out
+
+    def rank_line(self) -> str:
+        """Each rank's speed, slowdown and what it rests on, for a debug log: why a rank was flagged."""
+
+        def part(h: RankHealth) -> str:
+            noise = "-" if h.noise is None else f"{h.noise:.3f}"
+            error = "-" if h.error is None else f"{h.error:.3f}"
+            flag = f" flagged {h.streak}" if h.flagged else ""
+            return (
+                f"{h.rank} {h.speed:.4g}/s {h.ratio:.2f}x (steady {h.steady_ratio:.2f}x) noise {noise} "
+                f"error {error} windows {h.windows:.1f}{flag}"
+            )
+
+        return "; ".join(part(h) for h in self.ranks.values())
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -237,6 +253,8 @@ def assess(window: Window, state: PolicyState, p: PolicySpec) -> Assessment:
     known = {r: s.speed for r, s in ranks.items() if s.speed is not None and s.speed > 0}
     center = median(list(known.values())) if known else 0.0
     scores = robust_scores(known)
+    steady = {r: _steady(ranks[r], v) for r, v in known.items()}
+    steady_center = median(list(steady.values())) if steady else 0.0
     table = {
         r: RankHealth(
             rank=r,
@@ -253,6 +271,7 @@ def assess(window: Window, state: PolicyState, p: PolicySpec) -> Assessment:
             error=_error(ranks[r]),
             windows=_windows(ranks[r]),
             noise=_noise(ranks[r]),
+            steady_ratio=steady_center / steady[r],
         )
         for r, v in sorted(known.items())
     }
@@ -279,6 +298,10 @@ def assess(window: Window, state: PolicyState, p: PolicySpec) -> Assessment:
         summary=_summary(shape, raw, table, clusters, spread, streak, p),
     )
     return Assessment(health, ranks, heterogeneous, key, streak)
+
+
+def _steady(state: RankState, speed: float) -> float:
+    return state.estimate.steady if state.estimate is not None else speed
 
 
 def _error(state: RankState) -> float | None:

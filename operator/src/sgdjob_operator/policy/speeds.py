@@ -34,6 +34,12 @@ windows and never shows a spread of its own: a split from it looked +15-53 % bet
 every 1-3 s, 10-16 times in 600 steps. The carried noise (`state.SpeedEstimate.noise`) says what a
 speed from one or two windows of such a rank is worth, and the margin a split needs grows with it
 (`splits.speed_noise`).
+
+Beside the estimate each rank keeps its steady speed (`state.SpeedEstimate.steady`): its work and
+compute over its last few windows in the mode (`STEADY_WINDOWS`), which neither a jump nor a new batch
+starts over. A membership change rests on it (`candidates.steady_straggler`): the estimate follows a
+jump at once, as a split should, but a node removed for one or two slow windows is a restart paid for
+over the rest of the job.
 """
 
 from __future__ import annotations
@@ -71,6 +77,13 @@ NOISE_SIGMAS = 2.0
 # under 3.5 % noise, a split at the lagging speeds, then back to plain sync in the same phase).
 MOVE_SIGMAS = 3.0
 MIN_MOVE = 0.1
+# Windows the steady speed remembers (`state.SpeedEstimate.steady`): each weighs (1 - 1/STEADY_WINDOWS)
+# less than the one after it. Short enough that a rank slowed 3x reads as a straggler on it within
+# about three windows (the default persistenceIntervals); long enough that one slow window does not:
+# on real nodes of equal 0.6-CPU quotas, whose 0.5-s windows read 0.5-4x the median, no rank's
+# steady speed read 1.5x slower in sync over 3 seeds x 600 steps (at most 1.40x), while the 0.27-CPU
+# rank beside two 0.8-CPU ones read 2.0-4.7x from its first windows (bench/README.md).
+STEADY_WINDOWS = 5.0
 
 
 def _from_window(
@@ -78,6 +91,7 @@ def _from_window(
     prior: tuple[int, float] = (0, 0.0),
     weight: float = 1.0,
     spikes: tuple[float, float, float] = (0.0, 0.0, 0.0),
+    steady: tuple[float, float] = (0.0, 0.0),
 ) -> SpeedEstimate:
     work = w.speed * w.compute
     log = math.log(w.speed)
@@ -94,7 +108,20 @@ def _from_window(
         spike_squares=spikes[0],
         spike_windows=spikes[1],
         last_jump=spikes[2],
+        # At full weight: what the steady speed says, that the rank is slow, a window over two batches says too.
+        steady_work=steady[0] + work,
+        steady_compute=steady[1] + w.compute,
     )
+
+
+def _steady(previous: SpeedEstimate) -> tuple[float, float]:
+    """`previous`'s steady sums, decayed by one window, to carry into the next estimate in the same
+    mode: neither a jump nor a new batch starts them over. (A rank's samples per second fall a little
+    with its batch, by the step's fixed part, so a rank whose batch was cut reads a little slower on
+    them, as it does on its estimate; a new split after each slow window would otherwise leave the
+    steady speed one or two windows deep, as the estimate is.)"""
+    keep = 1.0 - 1.0 / STEADY_WINDOWS
+    return previous.steady_work * keep, previous.steady_compute * keep
 
 
 def _spikes(previous: SpeedEstimate | None, w: RankWindow | None = None) -> tuple[float, float, float]:
@@ -209,7 +236,8 @@ def running_speed(
         return fresh.speed, fresh
     if previous.batch != w.batch_size:
         prior = _prior(previous)
-        return w.speed, _from_window(w, prior, MIXED_WEIGHT if _mixed(w) else 1.0, _spikes(previous))
+        weight = MIXED_WEIGHT if _mixed(w) else 1.0
+        return w.speed, _from_window(w, prior, weight, _spikes(previous), _steady(previous))
     ratio = w.speed / previous.speed
     # (Not against a mixed window's seed, which weighs a small fraction of one step: its speed blends
     # two batches; nor is its departure noise.)
@@ -226,9 +254,9 @@ def running_speed(
         # (the randomized no-flapping search: 20 % slower under 3 % noise, a split, then async).
         kept = not departed and _within_noise(previous, ratio)
         prior = (previous.prior_batch, previous.prior_step) if kept else (0, 0.0)
-        fresh = _from_window(w, prior, spikes=spikes)
+        fresh = _from_window(w, prior, spikes=spikes, steady=_steady(previous))
         return fresh.speed, fresh
-    fresh = _from_window(w)
+    fresh = _from_window(w, steady=_steady(previous))
     keep = 1.0 - 1.0 / MEMORY_WINDOWS
     summed = SpeedEstimate(
         previous.work * keep + fresh.work,
@@ -242,5 +270,7 @@ def running_speed(
         previous.log_sum * keep + fresh.log_sum,
         previous.log_squares * keep + fresh.log_squares,
         *spikes,
+        fresh.steady_work,
+        fresh.steady_compute,
     )
     return summed.speed, summed

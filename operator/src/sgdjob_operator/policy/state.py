@@ -33,6 +33,8 @@ _ESTIMATE_COLUMNS = (
     "estSpikeSquares",
     "estSpikeWindows",
     "estLastJump",
+    "estSteadyWork",
+    "estSteadyCompute",
 )
 _ESTIMATE_FIELDS = (
     "work",
@@ -48,6 +50,8 @@ _ESTIMATE_FIELDS = (
     "spike_squares",
     "spike_windows",
     "last_jump",
+    "steady_work",
+    "steady_compute",
 )
 # Windows an estimate must sum (decayed: five windows in a row make 4.1) before the spread of their
 # speeds says how well it is known.
@@ -70,7 +74,10 @@ class SpeedEstimate:
     the squared spikes of the rank's windows (speeds.py: a departure from the estimate before that
     the next window took back, as a log ratio) and the windows they were looked for in (decayed
     alike), carried into every estimate that follows, so the rank's window-to-window noise is known
-    when a new estimate starts (`noise`); `last_jump`: the last window's departure, signed."""
+    when a new estimate starts (`noise`); `last_jump`: the last window's departure, signed.
+    `steady_work`, `steady_compute`: the same sums over the windows since the mode last changed,
+    decayed fast (speeds.STEADY_WINDOWS) and not started over when the speed jumps or the batch changes
+    (`steady`): what a membership change rests on (candidates.steady_straggler)."""
 
     work: float
     compute: float
@@ -85,10 +92,18 @@ class SpeedEstimate:
     spike_squares: float = 0.0
     spike_windows: float = 0.0
     last_jump: float = 0.0
+    steady_work: float = 0.0
+    steady_compute: float = 0.0
 
     @property
     def speed(self) -> float:
         return self.work / self.compute
+
+    @property
+    def steady(self) -> float:
+        """The rank's speed over its last few windows in this mode, whatever they departed by
+        (speeds.STEADY_WINDOWS); its estimate's speed where none is summed (a state from before)."""
+        return self.steady_work / self.steady_compute if self.steady_compute > 0 else self.speed
 
     @property
     def error(self) -> float | None:
@@ -255,11 +270,13 @@ def _estimate(row: tuple[Any, ...]) -> SpeedEstimate | None:
         spike_sq,
         spikes,
         last,
+        steady_work,
+        steady_compute,
     ) = row
     if work is None:
         return None
-    # A state written before the step-time fit (or the window spread, or the departures) lacks those
-    # columns: no prior point (no spread, no noise known yet).
+    # A state written before the step-time fit (or the window spread, the departures, the steady sums)
+    # lacks those columns: no prior point (no spread, no noise, no steady speed known yet).
     out = SpeedEstimate(
         _finite(work),
         _finite(compute),
@@ -274,11 +291,15 @@ def _estimate(row: tuple[Any, ...]) -> SpeedEstimate | None:
         _finite(spike_sq or 0.0),
         _finite(spikes or 0.0),
         _finite(last or 0.0),
+        _finite(steady_work or 0.0),
+        _finite(steady_compute or 0.0),
     )
     if out.compute <= 0 or out.work <= 0:
         raise ValueError("a speed estimate needs positive work and compute")
     if out.prior_batch < 0 or out.prior_step < 0:
         raise ValueError("a speed estimate's prior point needs a non-negative batch and step time")
+    if out.steady_work < 0 or out.steady_compute < 0:
+        raise ValueError("a speed estimate's steady sums must be non-negative")
     if out.windows < 0 or out.log_squares < 0 or out.spike_squares < 0 or out.spike_windows < 0:
         raise ValueError("a speed estimate's window counts and squared sums must be non-negative")
     return out
