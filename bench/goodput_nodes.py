@@ -378,7 +378,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         help=f"CPUs of each node, comma-separated; repeat for more fleets (default {STRAGGLER_FLEET}, {EQUAL_FLEET})",
     )  # fmt: skip
     parser.add_argument("--task", choices=sorted(TASKS), default=DEFAULT_TASK)
-    parser.add_argument("--seeds", type=int, default=3, help="seeds per fleet and system (from 100: held out)")
+    parser.add_argument("--seeds", type=int, default=3, help="seeds per fleet and system")
+    parser.add_argument(
+        "--first-seed", type=int, default=100,
+        help="the first seed (100 and up are held out from the tuning set; a seed a constant was fitted on is not)",
+    )  # fmt: skip
     parser.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset of systems")
     parser.add_argument("--steps", type=int, help="override the task's steps per run")
     parser.add_argument("--target", type=float, help="target validation accuracy (default: the task's)")
@@ -396,7 +400,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = task.config if args.steps is None else replace(task.config, steps=args.steps)
     target = task.target_accuracy if args.target is None else args.target
     budget = task.budget_s if args.budget is None else args.budget
-    seeds = [100 + k for k in range(args.seeds)]
+    seeds = [args.first_seed + k for k in range(args.seeds)]
     if os.geteuid() != 0:
         parser.error("needs root: it starts a real-node cluster (devcluster/realnodes.py)")
     assets = Path(os.environ.get("KUBEBUILDER_ASSETS", ""))
