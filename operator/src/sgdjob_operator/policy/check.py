@@ -15,8 +15,9 @@ speed's measured error needs), its mean useful samples/s is compared with the le
 Below it by more than RESPLIT_SIGMAS standard errors of the difference (from the two tallies' pooled
 window spread: the measured noise, no new tolerance), the job goes back at once, without waiting for
 persistence or the cooldown; above it by as much, the change is confirmed and the trial closes. A
-trial on a fleet whose shape changed meanwhile, or still undecided after the horizon a change must
-repay its pause in, closes without a verdict: the comparison would mean nothing.
+trial on a fleet whose shape changed meanwhile (a shape that held for persistenceIntervals windows,
+`engine.settled_shape`), or still undecided after the horizon a change must repay its pause in,
+closes without a verdict: the comparison would mean nothing.
 
 A fleet can also move without changing its shape's name (a 1.6x spread becomes 2x): a split whose
 trial runs across that move would be blamed (or praised) for it. `fleet_drift` reads the move from

@@ -44,7 +44,7 @@ from sgdjob_operator.policy.decisions import Decision, Keep, ReplaceWorker, Resc
 from sgdjob_operator.policy.efficiency import MIN_STEPS, estimate
 from sgdjob_operator.policy.evidence import removal_persisted, transient_for, unproven_repeat
 from sgdjob_operator.policy.hang import find_hang
-from sgdjob_operator.policy.health import JobHealth, Shape, assess, jitter_coefficient
+from sgdjob_operator.policy.health import Assessment, JobHealth, Shape, assess, jitter_coefficient
 from sgdjob_operator.policy.job import JobView
 from sgdjob_operator.policy.measure import FirstWindow, Window, measure
 from sgdjob_operator.policy.progress import restarted, track
@@ -116,6 +116,7 @@ def evaluate(state: PolicyState, samples: Sequence[WorkerSample], job: JobView, 
         heterogeneous=a.heterogeneous,
         shape=a.shape_key,
         shape_streak=a.shape_streak,
+        settled=settled_shape(a, state, p.persistence_intervals),
         candidate=None,
         candidate_streak=0,
         last_change=state.last_change,
@@ -163,7 +164,7 @@ def evaluate(state: PolicyState, samples: Sequence[WorkerSample], job: JobView, 
     ctx = DecisionContext(health, job, speeds, nodes, pods, ci, measured_stale, async_ok, fixed, hierarchical_ok)
     current = predict_current(ctx)
     useful = window_useful(window, health.throughput, current, efficiency, job.mode, MEASURE_WAIT_STEPS)
-    new_shape = a.shape_key != state.shape
+    new_shape = base.settled != state.settled
     scraped = min((s.time for s in window.latest.values()), default=now)
     progress = track(
         state.progress,
@@ -178,10 +179,10 @@ def evaluate(state: PolicyState, samples: Sequence[WorkerSample], job: JobView, 
     horizon = _horizon(job, None)
     trial = state.trial
     drift = fleet_drift(trial, speeds, {r: h.error for r, h in health.ranks.items()}, job)
-    verdict = judge(trial, progress, a.shape_key, now, horizon, job, health.step, drift)
+    verdict = judge(trial, progress, base.settled, now, horizon, job, health.step, drift)
     base = replace(base, progress=progress, trial=trial if verdict.outcome is Outcome.WAIT else None)
-    candidates = discounted(build(ctx), base.discounts, a.shape_key, now)
-    note = discount_note(base.discounts, a.shape_key, now)
+    candidates = discounted(build(ctx), base.discounts, base.settled, now)
+    note = discount_note(base.discounts, base.settled, now)
     predictions = {"current": current.useful, **{c.prediction.label: c.prediction.useful for c in candidates}}
     left = seconds_left(window, job)
     if verdict.outcome is Outcome.REVERT and trial is not None:
@@ -259,7 +260,7 @@ def evaluate(state: PolicyState, samples: Sequence[WorkerSample], job: JobView, 
         return Evaluation(Keep(f"{health.summary}; {what}; cooldown {left:.0f}s left"), health, waiting, predictions)
     decision = chosen.make(f"{health.summary}; {what}", round(gain, 4))
     # The change is checked by its results against what the configuration it leaves measured.
-    opened = open_trial(chosen, decision, current, job, progress, now, health.step, a.shape_key)
+    opened = open_trial(chosen, decision, current, job, progress, now, health.step, base.settled)
     changed = replace(
         base,
         last_change=now,
@@ -269,6 +270,21 @@ def evaluate(state: PolicyState, samples: Sequence[WorkerSample], job: JobView, 
         trial=opened,
     )
     return Evaluation(decision, health, changed, predictions)
+
+
+def settled_shape(a: Assessment, state: PolicyState, persistence: int) -> str:
+    """The fleet's signature once it has held for `persistence` windows, else the last one that did
+    (the first known one before any has). A change's check, its discount and the progress it is
+    measured by belong to a fleet, and a signature that flickers with the noise is no new fleet: on
+    real nodes of equal 0.6-CPU quotas the name changed nearly every 0.5-s window (homogeneous,
+    single straggler, 2 or 3 speed clusters, a different rank each time), every tally started over
+    and no check ever reached a verdict; a job that went async there and then measured async's
+    worth at 0 stayed 12 s, until the cooldown ended."""
+    if a.health.raw_shape is Shape.UNKNOWN:
+        return state.settled
+    if not state.settled or a.shape_streak >= persistence:
+        return a.shape_key
+    return state.settled
 
 
 def _world_speeds(health: JobHealth, world: int) -> dict[int, float]:

@@ -4,10 +4,11 @@ Each window in which the whole world ran the configuration adds its useful sampl
 samples per second the ranks applied (counted, not modelled) times what one of them is worth in this
 configuration at the statistical efficiency the trainers measure in it now (`policy.efficiency`).
 The sum restarts when the configuration changes and when the fleet's shape does (a window before a
-straggler came describes another fleet), and old windows decay as a speed's do (`stats.MEMORY_WINDOWS`),
-so the tally says what this configuration delivers on this fleet lately, and the spread of its windows
-how well that is known (`pooled_error`). A mode switch or new split is checked against the tally
-of the configuration it left (`policy.check`).
+straggler came describes another fleet; the shape once it has held for persistenceIntervals windows,
+`engine.settled_shape`, since a name that flickers with the ranks' noise is no new fleet), and old
+windows decay as a speed's do (`stats.MEMORY_WINDOWS`), so the tally says what this configuration
+delivers on this fleet lately, and the spread of its windows how well that is known (`pooled_error`). A
+mode switch or new split is checked against the tally of the configuration it left (`policy.check`).
 """
 
 from __future__ import annotations

@@ -154,7 +154,9 @@ class PolicyState:
     `last_pause` of the last one that paused training (not a new split of sync's batch);
     `progress` the measured useful progress of the configuration in force, `trial` the last change
     while it is checked against it, `discounts` the changes taken back for under-delivering
-    (`policy.check`). A state written before the last three reads as none of them."""
+    (`policy.check`). A state written before the last three reads as none of them. `settled`: the
+    last signature that held for persistenceIntervals windows, the fleet that progress is tallied on
+    and a change is checked and discounted on (a state from before it takes the next window's)."""
 
     ranks: Mapping[int, RankState] = field(default_factory=dict)
     heterogeneous: bool = False
@@ -169,6 +171,7 @@ class PolicyState:
     progress: Progress = field(default_factory=Progress)
     trial: Trial | None = None
     discounts: tuple[Discount, ...] = ()
+    settled: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         ordered = sorted(self.ranks.items())
@@ -193,6 +196,7 @@ class PolicyState:
             "heterogeneous": self.heterogeneous,
             "shape": self.shape,
             "shapeStreak": self.shape_streak,
+            "settledShape": self.settled,
             "candidate": self.candidate,
             "candidateStreak": self.candidate_streak,
             "lastChange": self.last_change,
@@ -241,6 +245,7 @@ class PolicyState:
                 heterogeneous=bool(data.get("heterogeneous", False)),
                 shape=str(data.get("shape", "")),
                 shape_streak=int(data.get("shapeStreak", 0)),
+                settled=str(data.get("settledShape", "")),
                 candidate=None if data.get("candidate") is None else str(data["candidate"]),
                 candidate_streak=int(data.get("candidateStreak", 0)),
                 last_change=None if last_change is None else _finite(last_change),
