@@ -252,3 +252,30 @@ def test_a_stale_mode_measured_worse_is_left_as_soon_on_a_fleet_whose_name_flick
     assert there.mode == "hierarchical" and back.mode == "sync"
     assert "back to sync without waiting for the cooldown" in back.reason
     assert (back_at - went) * h.interval < COOLDOWN
+
+
+def test_a_stale_mode_that_measures_its_updates_worthless_is_left_without_the_cooldown() -> None:
+    # The real-node case: one 0.27-CPU node of three, the job went async on a correlation measured in
+    # sync, then measured async's at 0 while the fleet's name went single straggler / 3 speed clusters
+    # every two windows; it stayed the whole 10-s cooldown (20 windows), its check voided.
+    worthless = GradientSignal(0, 1.0, 20.0, 0.0)
+    policy = {
+        "intervalSeconds": 0.5,
+        "persistenceIntervals": 2,
+        "cooldownSeconds": 10,
+        "allowedActions": ["switchMode"],
+    }
+    h = Harness(
+        [1000.0, 1000.0, 300.0],
+        policy=policy,
+        noise=0.02,
+        seed=1,
+        hierarchical_capable=False,
+        mode_gradients={"sync": IN_SYNC, "async": worthless},
+    )
+    for i in range(24):
+        h.step([1000.0, 1000.0, 300.0] if (i // 2) % 2 == 0 else [1500.0, 1000.0, 300.0])
+    (went, there), (back_at, back) = switches(h)[:2]
+    assert there.mode == "async" and back.mode == "sync"
+    assert "async measured its updates worth nothing" in back.reason
+    assert (back_at - went) * h.interval < 10.0 / 4

@@ -41,7 +41,7 @@ from sgdjob_operator.policy.check import (
 )
 from sgdjob_operator.policy.cost import CostInputs, Prediction
 from sgdjob_operator.policy.decisions import Decision, Keep, ReplaceWorker, Rescale
-from sgdjob_operator.policy.efficiency import MIN_STEPS, estimate
+from sgdjob_operator.policy.efficiency import MIN_STEPS, Efficiency, estimate
 from sgdjob_operator.policy.evidence import removal_persisted, transient_for, unproven_repeat
 from sgdjob_operator.policy.hang import find_hang
 from sgdjob_operator.policy.health import Assessment, JobHealth, Shape, assess, jitter_coefficient
@@ -238,7 +238,13 @@ def evaluate(state: PolicyState, samples: Sequence[WorkerSample], job: JobView, 
         held = chosen.make(f"{health.summary}; {what}", round(gain, 4))
         return Evaluation(Keep(f"{health.summary}; {what}; held: {job.in_flight}"), health, base, predictions, held)
     persisted = streak >= p.persistence_intervals or removal_persisted(chosen, health)
-    if not persisted or transient_for(chosen, health):
+    leave = worthless(current, efficiency, job) and chosen.prediction.staleness == 0 and not chosen.restarts
+    if leave:
+        what += (
+            f"; made at once: {job.mode} measured its updates worth nothing over "
+            f"{efficiency.steps} steps in it, and neither persistence nor the cooldown holds a way out of it"
+        )
+    elif not persisted or transient_for(chosen, health):
         if not fast(chosen, gain, health, job.world_size, every, p.switch_margin, state.ranks):
             why = f"{health.summary}; {what}; persisting {streak}/{p.persistence_intervals} intervals"
             return Evaluation(Keep(why), health, waiting, predictions)
@@ -255,7 +261,7 @@ def evaluate(state: PolicyState, samples: Sequence[WorkerSample], job: JobView, 
     # and persistence). Measured on real nodes: a split at step 8 held the rescale that the split's
     # own results called for until step 127-199 (the 10-s cooldown), 2x DDP-without-the-node's time.
     since = state.last_pause if chosen.restarts else state.last_change
-    if cooled and since is not None and now - since < p.cooldown_seconds:
+    if cooled and not leave and since is not None and now - since < p.cooldown_seconds:
         left = p.cooldown_seconds - (now - since)
         return Evaluation(Keep(f"{health.summary}; {what}; cooldown {left:.0f}s left"), health, waiting, predictions)
     decision = chosen.make(f"{health.summary}; {what}", round(gain, 4))
@@ -269,7 +275,26 @@ def evaluate(state: PolicyState, samples: Sequence[WorkerSample], job: JobView, 
         progress=restarted(),
         trial=opened,
     )
+    if leave and base.trial is not None and base.trial.mode == job.mode:
+        # Left as a check would take it back: not made again on the same prediction for a horizon.
+        changed = replace(changed, discounts=remember(base.discounts, base.trial, 0.0, now, horizon))
     return Evaluation(decision, health, changed, predictions)
+
+
+def worthless(current: Prediction, efficiency: Efficiency, job: JobView) -> bool:
+    """The configuration in force is a stale mode whose own gradient statistics, over the steps a
+    stale mode's measurement needs (MEASURE_WAIT_STEPS), say its updates are worth nothing (the
+    correlation of consecutive gradients measured at 0 or below). A fresh configuration is then left
+    at once: on a real node bound by its CPU quota a job went async on a correlation of 0.66 measured
+    in sync, measured async's worth at 0, and stayed 10 s (its cooldown) while its check, on a fleet
+    whose name kept changing, reached no verdict."""
+    return (
+        current.staleness > 0
+        and current.useful <= 0
+        and efficiency.measured
+        and efficiency.measured_in == job.mode
+        and efficiency.steps >= MEASURE_WAIT_STEPS
+    )
 
 
 def settled_shape(a: Assessment, state: PolicyState, persistence: int) -> str:
