@@ -70,7 +70,7 @@ async def monitor(
         metrics.DECISIONS.labels(action=outcome.applied, reason=metrics.reason_label(step.decision.reason)).inc()
     else:
         log.debug("%s/%s: keep: %s", ref.namespace, ref.name, step.decision.reason)
-    if step.health is not None:
+    if step.health is not None and log.isEnabledFor(logging.DEBUG):  # the line is long: built only when logged
         log.debug("%s/%s: ranks at step %d: %s", ref.namespace, ref.name, step.health.step, step.health.rank_line())
     if outcome.held:
         metrics.DEFERRED.labels(action=outcome.held).inc()
