@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import subprocess
 import sys
 import types
 
@@ -36,6 +37,23 @@ def test_digits_ships_with_the_package() -> None:
     x, y = digits_dataset().tensors
     assert x.shape == (1797, 64) and float(x.max()) <= 1.0
     assert y.dtype == torch.long and set(y.tolist()) == set(range(10))
+
+
+def test_digits_load_without_importing_scikit_learn() -> None:
+    """A worker reads the digits at every start and restart; importing scikit-learn for them cost
+    ~1.1 s of CPU, most of a restart on a CPU-limited node. Same table as scikit-learn's loader."""
+    probe = (
+        "import sys; from sgdjob_trainer.data import digits_dataset; x, y = digits_dataset().tensors; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('sklearn', 'scipy')))"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=120)
+    assert done.stdout.strip() == "[]", done.stdout
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    x, y = digits_dataset().tensors
+    assert torch.equal(x, torch.tensor(bunch.data, dtype=torch.float32) / 16.0)
+    assert torch.equal(y, torch.tensor(bunch.target, dtype=torch.long))
 
 
 @pytest.mark.parametrize(
