@@ -88,6 +88,13 @@ class ControlInbox:
             self.applied_epoch = max(self.applied_epoch, epoch)
 
 
+# How often the serving loop looks for a stop. `stop` waits for that look, and every worker stops
+# its server on the way out of a restart (a rescale, a replacement, a lost peer): at socketserver's
+# default of 0.5 s the exit took 0.5 s after the last step (a third of a rescale's pause on 3 real
+# nodes). The loop's wake-ups cost nothing measurable at this rate.
+STOP_POLL_SECONDS = 0.02
+
+
 class _Server(ThreadingHTTPServer):
     def handle_error(self, request: Any, client_address: Any) -> None:
         # A scraper that hangs up before its answer is written (a timeout, the operator restarting)
@@ -114,7 +121,9 @@ class TrainerServer:
             ) from err
         self.httpd.daemon_threads = True
         self.port = int(self.httpd.server_address[1])
-        self._thread = threading.Thread(target=self.httpd.serve_forever, name="sgdjob-http", daemon=True)
+        self._thread = threading.Thread(
+            target=self.httpd.serve_forever, args=(STOP_POLL_SECONDS,), name="sgdjob-http", daemon=True
+        )
 
     def start(self) -> None:
         self._thread.start()

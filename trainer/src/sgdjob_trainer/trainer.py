@@ -70,6 +70,7 @@ log = logging.getLogger("sgdjob_trainer")
 
 class Trainer:
     def __init__(self, config: RunConfig, info: WorldInfo | None = None) -> None:
+        began = time.perf_counter()
         self.config = config
         self.training = t = config.training
         self.info = info or WorldInfo.from_env()
@@ -83,11 +84,13 @@ class Trainer:
         self.server.start()
         self.device = choose_device(self.info)
         init_distributed(self.info, self.device)
+        joined = time.perf_counter()
         # gloo group for small CPU-side agreements, whatever backend the gradients use.
         self.ctl = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
 
         position = DataPosition()
         parts = assemble(t, self.info, self.device, position, self.ctl)
+        assembled = time.perf_counter()
         model, optimizer = parts.model, parts.optimizer
         self.lr_scale = t.lr_scaling.factor(self.info.world_size, config.reference_world_size)
         self.emulator = ComputeEmulator(t.emulation, self.info.rank, self.info.node, t.batch_size, t.seed)
@@ -160,8 +163,12 @@ class Trainer:
         # Checkpoints, resume, emulated faults and SIGTERM; resumes here (collective) when a
         # checkpoint directory holds a good checkpoint.
         self.recovery = Recovery(self.ctx, self.ctl, config.job_name, self.inbox)
+        ready = time.perf_counter()
+        # Every restart (a rescale, a replacement, a lost node) waits for this set-up on every rank:
+        # its parts in the log say where a slow one went.
         log.info(
-            "job %s: world %d (restart %d), mode %s at step %d, %s, %s, lr x %.4g, %d steps, device %s",
+            "job %s: world %d (restart %d), mode %s at step %d, %s, %s, lr x %.4g, %d steps, device %s; set up in "
+            "%.2f s (process group %.2f s, model and data %.2f s, checkpoint and the rest %.2f s)",
             config.job_name,
             self.info.world_size,
             self.info.restart_count,
@@ -172,6 +179,10 @@ class Trainer:
             self.lr_scale,
             t.steps,
             self.device,
+            ready - began,
+            joined - began,
+            assembled - joined,
+            ready - assembled,
         )
 
     def evaluate(self) -> float:
