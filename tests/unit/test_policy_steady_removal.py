@@ -59,3 +59,15 @@ def test_a_node_slow_from_the_start_is_removed_at_the_persistence_interval() -> 
         windows += 1
     assert _membership(h)
     assert windows <= 3, windows
+
+
+def test_the_reason_names_the_steady_speed_when_a_flagged_rank_keeps_its_node() -> None:
+    """`kubectl describe` shows why a rank read 2.4x slower keeps its node: its steady speed."""
+    h = _fleet()
+    h.step([1000.0, 1000.0, 1000.0 / 2.4])
+    reason = h.history[-1].decision.reason
+    assert "no replacement or removal of rank 2 yet" in reason, reason
+    assert "stragglerThreshold 1.5x" in reason, reason
+    for _ in range(8):
+        h.step([1000.0] * 3)
+    assert "no replacement or removal" not in h.history[-1].decision.reason

@@ -328,6 +328,25 @@ def steady_straggler(ctx: DecisionContext, rank: int) -> bool:
     return h is not None and h.steady_ratio >= ctx.view.policy.straggler_threshold
 
 
+def removal_gate_note(ctx: DecisionContext) -> str:
+    """Why no replacement or removal is proposed for the worst flagged rank although the job allows
+    one ('' when one is, or none is allowed, or no rank is flagged): its steady speed does not make
+    it a straggler yet (`steady_straggler`). Said in the reasons (the operator's log of each keep, the
+    Event of a split made meanwhile), which otherwise left a slow rank on its node with no word why."""
+    view = ctx.view
+    if not (view.allows(Action.REPLACE_WORKER) or view.allows(Action.RESCALE)):
+        return ""
+    found = straggler_node(ctx)
+    if found is None or steady_straggler(ctx, found[0]):
+        return ""
+    h = ctx.health.ranks[found[0]]
+    return (
+        f"; no replacement or removal of rank {h.rank} yet: it is {h.steady_ratio:.2f}x slower than the median "
+        f"at its steady speed (its last windows together), and one needs "
+        f"stragglerThreshold {view.policy.straggler_threshold:g}x there"
+    )
+
+
 def _membership(ctx: DecisionContext) -> list[Candidate]:
     view = ctx.view
     found = straggler_node(ctx)

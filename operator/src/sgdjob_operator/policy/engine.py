@@ -22,7 +22,14 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from sgdjob_operator.policy.candidates import Candidate, DecisionContext, build, predict_current, straggler_node
+from sgdjob_operator.policy.candidates import (
+    Candidate,
+    DecisionContext,
+    build,
+    predict_current,
+    removal_gate_note,
+    straggler_node,
+)
 from sgdjob_operator.policy.check import (
     Outcome,
     discount_note,
@@ -182,7 +189,7 @@ def evaluate(state: PolicyState, samples: Sequence[WorkerSample], job: JobView, 
     verdict = judge(trial, progress, base.settled, now, horizon, job, health.step, drift)
     base = replace(base, progress=progress, trial=trial if verdict.outcome is Outcome.WAIT else None)
     candidates = discounted(build(ctx), base.discounts, base.settled, now)
-    note = discount_note(base.discounts, base.settled, now)
+    note = discount_note(base.discounts, base.settled, now) + removal_gate_note(ctx)
     predictions = {"current": current.useful, **{c.prediction.label: c.prediction.useful for c in candidates}}
     left = seconds_left(window, job)
     if verdict.outcome is Outcome.REVERT and trial is not None:
