@@ -253,7 +253,7 @@ def assess(window: Window, state: PolicyState, p: PolicySpec) -> Assessment:
     known = {r: s.speed for r, s in ranks.items() if s.speed is not None and s.speed > 0}
     center = median(list(known.values())) if known else 0.0
     scores = robust_scores(known)
-    steady = {r: _steady(ranks[r], v) for r, v in known.items()}
+    steady = {r: _steady_speed(ranks[r], v) for r, v in known.items()}
     steady_center = median(list(steady.values())) if steady else 0.0
     table = {
         r: RankHealth(
@@ -300,7 +300,7 @@ def assess(window: Window, state: PolicyState, p: PolicySpec) -> Assessment:
     return Assessment(health, ranks, heterogeneous, key, streak)
 
 
-def _steady(state: RankState, speed: float) -> float:
+def _steady_speed(state: RankState, speed: float) -> float:
     return state.estimate.steady if state.estimate is not None else speed
 
 

@@ -114,7 +114,7 @@ def _from_window(
     )
 
 
-def _steady(previous: SpeedEstimate) -> tuple[float, float]:
+def _decayed_steady(previous: SpeedEstimate) -> tuple[float, float]:
     """`previous`'s steady sums, decayed by one window, to carry into the next estimate in the same
     mode: neither a jump nor a new batch starts them over. (A rank's samples per second fall a little
     with its batch, by the step's fixed part, so a rank whose batch was cut reads a little slower on
@@ -237,7 +237,7 @@ def running_speed(
     if previous.batch != w.batch_size:
         prior = _prior(previous)
         weight = MIXED_WEIGHT if _mixed(w) else 1.0
-        return w.speed, _from_window(w, prior, weight, _spikes(previous), _steady(previous))
+        return w.speed, _from_window(w, prior, weight, _spikes(previous), _decayed_steady(previous))
     ratio = w.speed / previous.speed
     # (Not against a mixed window's seed, which weighs a small fraction of one step: its speed blends
     # two batches; nor is its departure noise.)
@@ -254,9 +254,9 @@ def running_speed(
         # (the randomized no-flapping search: 20 % slower under 3 % noise, a split, then async).
         kept = not departed and _within_noise(previous, ratio)
         prior = (previous.prior_batch, previous.prior_step) if kept else (0, 0.0)
-        fresh = _from_window(w, prior, spikes=spikes, steady=_steady(previous))
+        fresh = _from_window(w, prior, spikes=spikes, steady=_decayed_steady(previous))
         return fresh.speed, fresh
-    fresh = _from_window(w, steady=_steady(previous))
+    fresh = _from_window(w, steady=_decayed_steady(previous))
     keep = 1.0 - 1.0 / MEMORY_WINDOWS
     summed = SpeedEstimate(
         previous.work * keep + fresh.work,
