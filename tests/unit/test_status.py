@@ -154,6 +154,30 @@ def test_the_adapting_reason_says_what_the_job_waits_for() -> None:
     assert _adapting(plan.status) == ("True", "PodsTerminating")
     plan = plan_reconcile(_spec(replicas=3), plan.status, [pod(0), pod(1), rdzv()], generation=2, now=T0 + 15)
     assert _adapting(plan.status) == ("True", "PodsMissing") and plan.status.message == "2 of 3 worker pods exist"
+    # The third pod exists but the scheduler finds no node for it: the scheduler's reason is shown.
+    why = "0/3 nodes are available: 3 node(s) didn't match"
+    waiting = dataclasses.replace(pod(2, "Pending", ready=False), unschedulable=why)
+    plan = plan_reconcile(_spec(replicas=3), plan.status, [pod(0), pod(1), waiting, rdzv()], generation=2, now=T0 + 20)
+    assert _adapting(plan.status) == ("True", "WorkersUnschedulable")
+    assert plan.status.message == (
+        "2 of 3 workers ready; j-worker-2 unschedulable: 0/3 nodes are available: 3 node(s) didn't match"
+    )
+
+
+def test_a_pods_unschedulable_condition_is_read() -> None:
+    obj = {
+        "metadata": {"name": "j-worker-2", "uid": "u", "labels": {}},
+        "spec": {},
+        "status": {
+            "phase": "Pending",
+            "conditions": [
+                {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": "0/3 nodes fit"}
+            ],
+        },
+    }
+    assert PodView.from_obj(obj).unschedulable == "0/3 nodes fit"
+    obj["status"]["conditions"] = [{"type": "PodScheduled", "status": "True"}]
+    assert PodView.from_obj(obj).unschedulable == ""
 
 
 def test_scale_and_excluded_nodes_change_membership() -> None:

@@ -3,7 +3,8 @@ conditions, the printer fields and the bounded decision history. No I/O and no c
 
 Phases: Pending (never had minReplicas workers ready) -> Running <-> Adapting (a mode switch or a
 membership change is in flight, or workers are not ready; the Adapting condition's reason says
-which: SwitchingMode, PodsTerminating, PodsMissing, WorkersNotReady) -> Succeeded | Failed;
+which: SwitchingMode, PodsTerminating, PodsMissing, WorkersUnschedulable, WorkersNotReady) ->
+Succeeded | Failed;
 Suspended while spec.runPolicy.suspend.
 """
 
@@ -81,6 +82,7 @@ class PodView:
     message: str = ""
     excluded: tuple[str, ...] = ()  # nodes it was created to stay off
     created: float | None = None  # metadata.creationTimestamp (whole seconds)
+    unschedulable: str = ""  # the scheduler's word while it finds no node for the pod (PodScheduled False)
 
     @property
     def active(self) -> bool:
@@ -95,7 +97,16 @@ class PodView:
             index = int(labels[LABEL_INDEX]) if LABEL_INDEX in labels else None
         except ValueError:
             index = None
-        ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in st.get("conditions") or [])
+        conditions = st.get("conditions") or []
+        ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+        unschedulable = next(
+            (
+                str(c.get("message") or "no node fits")
+                for c in conditions
+                if c.get("type") == "PodScheduled" and c.get("status") == "False" and c.get("reason") == "Unschedulable"
+            ),
+            "",
+        )
         exit_code: int | None = None
         reason, message = str(st.get("reason") or ""), str(st.get("message") or "")
         for cs in st.get("containerStatuses") or []:
@@ -119,6 +130,7 @@ class PodView:
             message=message[:512],
             excluded=tuple(n for n in excluded.split(",") if n),
             created=parse_time(meta.get("creationTimestamp")),
+            unschedulable=unschedulable[:512],
         )
 
 
@@ -331,6 +343,16 @@ def in_flight_reason(status: SGDJobStatus, spec: SGDJobSpec, pods: Sequence[PodV
         return "PodsMissing", f"{len(live)} of {spec.replicas} worker pods exist"
     ready = sum(1 for p in live if p.phase == "Running" and p.ready)
     if ready != spec.replicas:
+        # The scheduler's own reason, so `kubectl get`/`describe` say why a worker never starts (no
+        # node left that the job may use: every other one excluded, taken or without capacity).
+        stuck = [p for p in live if p.unschedulable and p.node is None]
+        if stuck:
+            first = stuck[0]
+            more = f" (and {len(stuck) - 1} more)" if len(stuck) > 1 else ""
+            return (
+                "WorkersUnschedulable",
+                f"{ready} of {spec.replicas} workers ready; {first.name}{more} unschedulable: {first.unschedulable}",
+            )
         return "WorkersNotReady", f"{ready} of {spec.replicas} workers ready"
     return "", ""
 
