@@ -210,6 +210,13 @@ class Cluster:
         }
         self.core.patch_namespaced_pod_status(pod, self.ns, {"status": status})
 
+    def refuse_pod(self, pod: str, message: str) -> None:
+        """What kube-scheduler reports on a pod that no node fits."""
+        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        refused = {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": message}
+        status = {"phase": "Pending", "conditions": [{**refused, "lastTransitionTime": now}]}
+        self.core.patch_namespaced_pod_status(pod, self.ns, {"status": status})
+
     def end_pod(self, pod: str, exit_code: int) -> None:
         now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         term = {

@@ -335,6 +335,28 @@ def test_rescale_removes_the_slow_ranks_pod_and_a_healthy_job_grows_back(cluster
             "growth event", lambda: [e for e in cluster.events("mid") if "growing back" in (e.message or "")]
         )
         assert "rescaling 3 -> 4 workers" in grow[0].message
+
+        # The scheduler finds no node for it (node-1 is excluded, the other nodes are taken): after a
+        # cooldown (5 s) the growth is given back, and the job grows no more while node-1 is excluded.
+        # Waiting instead held every later change of the policy for excludeNodeSeconds (an hour).
+        why = "0/4 nodes are available: 3 node(s) were taken, 1 node(s) didn't match Pod's node affinity"
+        cluster.refuse_pod("mid-worker-1", why)
+        back = wait_for(
+            "growth given back",
+            lambda: [e for e in cluster.events("mid") if e.reason == "GrowthUnschedulable"],
+            timeout=60,
+        )
+        assert "rescaling 4 -> 3 workers (giving back mid-worker-1)" in back[0].message and why in back[0].message
+        wait_for("spec.replicas 3 again", lambda: cluster.job("mid")["spec"]["replicas"] == 3, timeout=15)
+        wait_for("the unplaced pod removed", lambda: set(cluster.pods("mid")) == set(kept))
+        status = cluster.status("mid")
+        assert status["controller"]["workerIndices"] == [0, 2, 3]
+        held = status["controller"]["growthHeldUntil"]
+        assert held == status["controller"]["excludedNodes"][0]["until"], "held while node-1 is excluded"
+        now_shared = workers[0].shared  # rank 0 of the world of three counts the passes now
+        reads = now_shared.get("status_reads", 0)
+        wait_for("more passes", lambda: now_shared.get("status_reads", 0) >= reads + 10, timeout=30)
+        assert cluster.job("mid")["spec"]["replicas"] == 3 and cluster.status("mid")["phase"] == "Running"
     finally:
         for w in workers:
             w.stop()

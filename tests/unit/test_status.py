@@ -171,11 +171,18 @@ def test_a_pods_unschedulable_condition_is_read() -> None:
         "status": {
             "phase": "Pending",
             "conditions": [
-                {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": "0/3 nodes fit"}
+                {
+                    "type": "PodScheduled",
+                    "status": "False",
+                    "reason": "Unschedulable",
+                    "message": "0/3 nodes fit",
+                    "lastTransitionTime": rfc3339(T0),
+                }
             ],
         },
     }
     assert PodView.from_obj(obj).unschedulable == "0/3 nodes fit"
+    assert PodView.from_obj(obj).unschedulable_since == T0
     obj["status"]["conditions"] = [{"type": "PodScheduled", "status": "True"}]
     assert PodView.from_obj(obj).unschedulable == ""
 

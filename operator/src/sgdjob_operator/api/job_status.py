@@ -161,6 +161,16 @@ class ControllerState(CamelModel):
             description="spec.replicas as the policy last set it (another value means a person scaled the job since).",
         ),
     ] = None
+    growth_held_until: Annotated[
+        str | None,
+        Field(
+            max_length=64,
+            description=(
+                "Until when (RFC 3339) the policy does not grow the job back: a growth whose pods the scheduler "
+                "could not place was given back. Ends earlier when an exclusion ends or a lost node returns."
+            ),
+        ),
+    ] = None
     progress: Annotated[
         list[Annotated[list[float], Field(min_length=2, max_length=2)]],
         Field(max_length=16, description="Recent [time, step] points, for the ETA's pace (policy.eta)."),

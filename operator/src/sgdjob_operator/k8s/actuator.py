@@ -15,6 +15,7 @@ exists, which is newer) and then writes status without it.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,8 +23,10 @@ from typing import Any
 from sgdjob_operator.api.models import SGDJobSpec, SGDJobStatus
 from sgdjob_operator.k8s.builders import POLICY_STATE_KEY
 from sgdjob_operator.k8s.membership import (
+    GiveBack,
     exclude,
-    goal_replicas,
+    hold_growth,
+    policy_goal,
     record_scale,
     rescaled_indices,
     store_indices,
@@ -97,7 +100,7 @@ def evaluate_job(
     job's creation time, from which its first start is measured (restart_cost)."""
     state, problem = driver_state(st)
     ctl = controller(st)
-    goal = goal_replicas(spec, ctl)
+    goal = policy_goal(spec, ctl, now)
     observed = Observed(
         obs.samples, applied_epoch=obs.control_epoch, in_flight=busy, goal_replicas=goal, step=st.step or None
     )
@@ -124,6 +127,32 @@ def apply_step(st: SGDJobStatus, step: Step, now: float, spec: SGDJobSpec, pods:
         indices = {p.name: p.index for p in pods if p.index is not None}
         act(step.action, StatusActuator(st, now, out, spec, indices))
         out.applied = step.action.decision.action
+    return out
+
+
+def give_back(st: SGDJobStatus, spec: SGDJobSpec, back: GiveBack, now: float) -> Outcome:
+    """Record in `st` that the job runs only its placed workers (`membership.unplaced_growth`) and
+    grows no more for a while; the pass then scales the job to `back.replicas`. The running world
+    is not changed (the pods that go never joined it), so no restart is measured and the cooldown
+    runs on from the growth; the policy's measurements start over, as the growth had told it of a
+    larger world."""
+    ctl = controller(st)
+    out = Outcome(scale_to=back.replicas, applied="rescale")
+    current = wanted_indices(ctl, spec.replicas)
+    store_indices(ctl, rescaled_indices(current, back.replicas, back.indices))
+    record_scale(spec, ctl, back.replicas)
+    ctl.restart_from, ctl.restart_shrinks = None, None
+    until = hold_growth(ctl, now, spec.policy.interval_seconds)
+    state, _ = driver_state(st)
+    fresh, _ = restarted(state, now, back.replicas * spec.nproc_per_node, spec.training.batch_size, None)
+    kept = dataclasses.replace(fresh.policy, last_change=state.policy.last_change, last_pause=state.policy.last_pause)
+    store(st, dataclasses.replace(fresh, policy=kept))
+    record_decision(st, now, "rescale", f"growth given back: {back.reason}", replicas=back.replicas)
+    message = (
+        f"rescaling {spec.replicas} -> {back.replicas} workers (giving back {', '.join(back.pods)}): {back.reason}; "
+        f"no growth until {until}"
+    )
+    out.events.append(Event("Warning", "GrowthUnschedulable", message))
     return out
 
 

@@ -6,6 +6,15 @@ a count that differs from spec.replicas (a `kubectl scale`, an operator restart 
 is mended by dropping the highest indices or adding the lowest free ones, so every pass computes the
 same set from the same object and a restarted operator neither duplicates nor picks another pod.
 
+A growth the scheduler cannot place: the policy grows a job it shrank back to the user's replicas once
+the fleet is healthy, but the node it left may be the only one there is (still excluded), or another
+job may have taken the capacity. A worker pod of a job the policy sized that the scheduler has
+refused for a cooldown is given back (`unplaced_growth`): the job runs the pods it has, and the
+policy grows it again only after `growth_held_until` (the first exclusion's end, else
+GROWTH_RETRY_SECONDS), or sooner when an exclusion ends or a lost node returns. Kept waiting, the
+pod held every later change of the policy (a change in flight) until the exclusion ended, an hour
+at the default excludeNodeSeconds.
+
 Node exclusions: a node the policy took a worker off because the node was slow is excluded until
 `policy.excludeNodeSeconds` after the decision (0: for the job's lifetime). An exclusion without an
 end (stored by an older operator, or while excludeNodeSeconds was 0) gets one from its start and the
@@ -15,11 +24,15 @@ current excludeNodeSeconds; one without a start is dated at the first pass that 
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass
 
-from sgdjob_operator.api.models import ControllerState, ExcludedNode, SGDJobSpec
-from sgdjob_operator.k8s.status import parse_time, rfc3339
+from sgdjob_operator.api.models import Action, ControllerState, ExcludedNode, SGDJobSpec
+from sgdjob_operator.k8s.status import PodView, parse_time, rfc3339, workers
 
 MAX_EXCLUDED = 256
+# Seconds before the policy grows again after a given-back growth when no exclusion's end is known
+# (the scheduler's refusal was for capacity, or nodes are excluded for the job's lifetime).
+GROWTH_RETRY_SECONDS = 600.0
 
 
 def normalise(indices: Iterable[int], replicas: int) -> list[int]:
@@ -58,6 +71,64 @@ def goal_replicas(spec: SGDJobSpec, ctl: ControllerState) -> int:
     return max(spec.min_workers, min(spec.max_workers, ctl.goal_replicas))
 
 
+def policy_goal(spec: SGDJobSpec, ctl: ControllerState, now: float) -> int:
+    """The replicas the policy may grow the job to now: `goal_replicas`, but no more than it runs
+    while a given-back growth holds (`growth_held`)."""
+    goal = goal_replicas(spec, ctl)
+    return min(goal, spec.replicas) if growth_held(ctl, now) else goal
+
+
+def growth_held(ctl: ControllerState, now: float) -> bool:
+    until = parse_time(ctl.growth_held_until)
+    return until is not None and now < until
+
+
+@dataclass(frozen=True, slots=True)
+class GiveBack:
+    """Run `replicas` workers: the pods the scheduler has not placed (`pods`, `indices`) go."""
+
+    replicas: int
+    pods: tuple[str, ...]
+    indices: tuple[int, ...]
+    reason: str
+
+
+def unplaced_growth(spec: SGDJobSpec, ctl: ControllerState, pods: Sequence[PodView], now: float) -> GiveBack | None:
+    """The worker pods to give back: those the scheduler has refused (PodScheduled False,
+    Unschedulable) for policy.cooldownSeconds (at least an interval), in a job whose replicas the
+    policy set (rescale allowed, spec.replicas as the policy left it: a size a person chose is
+    theirs to wait for), when the pods it keeps are still at least minReplicas. None otherwise."""
+    if Action.RESCALE not in spec.policy.allowed_actions or ctl.scaled_replicas != spec.replicas:
+        return None
+    grace = max(spec.policy.cooldown_seconds, spec.policy.interval_seconds)
+    stuck = [
+        p
+        for p in workers(pods)
+        if p.active
+        and p.node is None
+        and p.unschedulable
+        and p.index is not None
+        and now - (p.unschedulable_since or p.created or now) >= grace
+    ]
+    keep = spec.replicas - len(stuck)
+    if not stuck or keep < spec.min_workers:
+        return None
+    names = ", ".join(p.name for p in stuck)
+    reason = (
+        f"{names} unschedulable for {grace:g} s or more ({stuck[0].unschedulable}); running the {keep} placed workers"
+    )
+    return GiveBack(keep, tuple(p.name for p in stuck), tuple(p.index for p in stuck if p.index is not None), reason)
+
+
+def hold_growth(ctl: ControllerState, now: float, least: float) -> str:
+    """No growth by the policy until the first exclusion ends (the node the growth could not have),
+    else for GROWTH_RETRY_SECONDS; at least `least` seconds. Returns the end (RFC 3339)."""
+    ends = [t for e in ctl.excluded_nodes if (t := parse_time(e.until)) is not None]
+    until = max(now + least, min(ends) if ends else now + GROWTH_RETRY_SECONDS)
+    ctl.growth_held_until = rfc3339(until)
+    return ctl.growth_held_until
+
+
 def record_scale(spec: SGDJobSpec, ctl: ControllerState, replicas: int) -> None:
     """Remember the user's replicas across the policy's own scaling."""
     ctl.goal_replicas = goal_replicas(spec, ctl)
@@ -93,6 +164,8 @@ def expire(ctl: ControllerState, now: float, seconds: float) -> list[ExcludedNod
         until = parse_time(e.until)
         (gone if until is not None and now >= until else kept).append(e)
     ctl.excluded_nodes = kept
+    if gone:
+        ctl.growth_held_until = None  # a node the job may use again: growing may succeed now
     return gone
 
 
@@ -101,6 +174,8 @@ def readmit(ctl: ControllerState, ready: Collection[str]) -> list[ExcludedNode]:
     excluded for being slow stays excluded for its time: being Ready says nothing of its speed."""
     back = [e for e in ctl.excluded_nodes if e.lost and e.node in ready]
     ctl.excluded_nodes = [e for e in ctl.excluded_nodes if e not in back]
+    if back:
+        ctl.growth_held_until = None
     return back
 
 

@@ -8,9 +8,10 @@ import time
 
 from sgdjob_operator.api.models import SGDJobSpec, SGDJobStatus
 from sgdjob_operator.k8s import metrics
-from sgdjob_operator.k8s.actuator import Outcome, apply_step, evaluate_job, first_pass_wait
+from sgdjob_operator.k8s.actuator import Outcome, apply_step, evaluate_job, first_pass_wait, give_back
 from sgdjob_operator.k8s.builders import JobRef
 from sgdjob_operator.k8s.children import ensure_children, job_token
+from sgdjob_operator.k8s.membership import unplaced_growth
 from sgdjob_operator.k8s.observe import (
     Observation,
     command_to_push,
@@ -22,7 +23,7 @@ from sgdjob_operator.k8s.observe import (
 )
 from sgdjob_operator.k8s.publish import event_once
 from sgdjob_operator.k8s.runtime import Runtime
-from sgdjob_operator.k8s.status import Event, PodView, dump_status, in_flight
+from sgdjob_operator.k8s.status import Event, PodView, controller, dump_status, in_flight
 from sgdjob_operator.workers.scrape import post_control
 
 log = logging.getLogger("sgdjob_operator")
@@ -33,6 +34,13 @@ async def monitor(
 ) -> tuple[Outcome | None, list[Event], SGDJobSpec]:
     """Scrape, evaluate, apply the decision to `st`, push the desired command. Returns the outcome,
     Events, and the spec as it now stands (a rescale changes replicas)."""
+    back = unplaced_growth(spec, controller(st), pods, now)
+    if back is not None:
+        # Before any scrape: a pod that waits for a node would hold every change of the policy.
+        outcome = give_back(st, spec, back, now)
+        metrics.DECISIONS.labels(action="rescale", reason="growth given back").inc()
+        spec = await _scale(rt, ref, spec, st, back.replicas)
+        return outcome, outcome.events, spec
     eps = endpoints(spec, pods, host=rt.settings.scrape_host, scheme=rt.settings.scrape_scheme)
     if not eps:
         rt.failing_since.pop(ref.uid, None)
@@ -77,11 +85,7 @@ async def monitor(
         why = busy or "control command not applied yet"
         log.info("%s/%s: %s held back (%s)", ref.namespace, ref.name, outcome.held, why)
     if outcome.scale_to is not None:
-        # Status first: it names the pods that go (workerIndices); a restart between the two writes
-        # then finds either no change at all or both, never replicas lowered without the names.
-        await rt.kube.patch_job_status(ref, dump_status(st))
-        if await rt.kube.scale_job(ref, outcome.scale_to) is not None:
-            spec = spec.model_copy(update={"replicas": outcome.scale_to})
+        spec = await _scale(rt, ref, spec, st, outcome.scale_to)
     command = command_to_push(st, obs)
     if command is not None and obs.control is not None:
         token = await job_token(rt, ref)
@@ -101,3 +105,12 @@ async def monitor(
     if outcome.config_changed:
         await ensure_children(rt, ref, spec, st)
     return outcome, events + outcome.events, spec
+
+
+async def _scale(rt: Runtime, ref: JobRef, spec: SGDJobSpec, st: SGDJobStatus, replicas: int) -> SGDJobSpec:
+    """Status first: it names the pods that go (workerIndices); a restart between the two writes
+    then finds either no change at all or both, never replicas lowered without the names."""
+    await rt.kube.patch_job_status(ref, dump_status(st))
+    if await rt.kube.scale_job(ref, replicas) is not None:
+        return spec.model_copy(update={"replicas": replicas})
+    return spec

@@ -83,6 +83,7 @@ class PodView:
     excluded: tuple[str, ...] = ()  # nodes it was created to stay off
     created: float | None = None  # metadata.creationTimestamp (whole seconds)
     unschedulable: str = ""  # the scheduler's word while it finds no node for the pod (PodScheduled False)
+    unschedulable_since: float | None = None  # since when (the condition's lastTransitionTime)
 
     @property
     def active(self) -> bool:
@@ -99,14 +100,15 @@ class PodView:
             index = None
         conditions = st.get("conditions") or []
         ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
-        unschedulable = next(
+        refused = next(
             (
-                str(c.get("message") or "no node fits")
+                c
                 for c in conditions
                 if c.get("type") == "PodScheduled" and c.get("status") == "False" and c.get("reason") == "Unschedulable"
             ),
-            "",
+            None,
         )
+        unschedulable = str(refused.get("message") or "no node fits") if refused is not None else ""
         exit_code: int | None = None
         reason, message = str(st.get("reason") or ""), str(st.get("message") or "")
         for cs in st.get("containerStatuses") or []:
@@ -131,6 +133,7 @@ class PodView:
             excluded=tuple(n for n in excluded.split(",") if n),
             created=parse_time(meta.get("creationTimestamp")),
             unschedulable=unschedulable[:512],
+            unschedulable_since=parse_time(refused.get("lastTransitionTime")) if refused is not None else None,
         )
 
 
