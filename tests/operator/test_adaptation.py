@@ -261,6 +261,38 @@ def test_node_bound_straggler_is_replaced_off_its_node(cluster: Cluster, operato
             w.stop()
 
 
+def test_the_policy_goes_on_while_a_worker_waits_for_a_node(cluster: Cluster, operator: Operator) -> None:
+    """A job of 4 (minReplicas 3) whose fourth pod no node fits (say its node was lost and is
+    excluded): the three placed workers train, and the policy still rebalances their straggler.
+    Held as a change in flight, it decided nothing until a node came."""
+    policy = {"intervalSeconds": 1, "persistenceIntervals": 2, "cooldownSeconds": 2, "allowedActions": ["rebalance"]}
+    speeds = [0.02, 0.02, 0.06]  # rank 2 three times slower
+    hosts = [f"127.0.25.{i + 2}" for i in range(3)]
+    port = _free_port(hosts)
+    training = {"steps": 1_000_000, "metricsPort": port, "batchSize": BATCH}
+    cluster.apply("wait", {"replicas": 4, "minReplicas": 3, "policy": policy, "training": training})
+    token = base64.b64decode(
+        wait_for("token", lambda: cluster.core.read_namespaced_secret("wait-control", cluster.ns).data)["token"]
+    ).decode()
+    shared: dict[str, Any] = {"mode": "sync", "epoch": 0, "posts": [], "token": token, "speeds": speeds}
+    workers = [FakeWorker(r, 3, hosts[r], port, speeds[r], shared) for r in range(3)]
+    try:
+        wait_for("4 pods", lambda: len(cluster.pods("wait")) == 4)
+        for i, host in enumerate(hosts):
+            cluster.run_pod(f"wait-worker-{i}", host, node=f"node-{i}")
+        why = "0/3 nodes are available: 3 node(s) were taken, 1 node(s) not ready"
+        cluster.refuse_pod("wait-worker-3", why)
+        status = wait_for("a rebalance", lambda: (s := cluster.status("wait")).get("decisions") and s, timeout=60)
+        decision = status["decisions"][-1]
+        assert decision["action"] == "rebalance" and "rank 2" in decision["reason"], decision
+        assert cluster.job("wait")["spec"]["replicas"] == 4, "a size a person set is not given back"
+        adapting = next(c for c in status["conditions"] if c["type"] == "Adapting")
+        assert adapting["reason"] == "WorkersUnschedulable" and why in adapting["message"]
+    finally:
+        for w in workers:
+            w.stop()
+
+
 def test_straggler_removed_by_rescale_within_bounds(cluster: Cluster, operator: Operator) -> None:
     policy = {"intervalSeconds": 1, "persistenceIntervals": 2, "cooldownSeconds": 120, "allowedActions": ["rescale"]}
     _, workers = _start(

@@ -93,14 +93,21 @@ def store(st: SGDJobStatus, state: DriverState) -> None:
 
 
 def evaluate_job(
-    spec: SGDJobSpec, st: SGDJobStatus, obs: Observation, now: float, busy: str, created: float | None = None
+    spec: SGDJobSpec,
+    st: SGDJobStatus,
+    obs: Observation,
+    now: float,
+    busy: str,
+    created: float | None = None,
+    refused: int = 0,
 ) -> tuple[Step, str]:
     """The driver's step for this scrape (`busy`: why a change is in flight, from the pods), with
     its state already kept in `st`, and any problem loading or evaluating to report. `created`: the
-    job's creation time, from which its first start is measured (restart_cost)."""
+    job's creation time, from which its first start is measured (restart_cost); `refused`: worker
+    pods the scheduler has refused for a while (`status.refused_pods`)."""
     state, problem = driver_state(st)
     ctl = controller(st)
-    goal = policy_goal(spec, ctl, now)
+    goal = policy_goal(spec, ctl, now, refused)
     observed = Observed(
         obs.samples, applied_epoch=obs.control_epoch, in_flight=busy, goal_replicas=goal, step=st.step or None
     )

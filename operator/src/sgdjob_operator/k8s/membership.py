@@ -27,7 +27,7 @@ from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 from sgdjob_operator.api.models import Action, ControllerState, ExcludedNode, SGDJobSpec
-from sgdjob_operator.k8s.status import PodView, parse_time, rfc3339, workers
+from sgdjob_operator.k8s.status import PodView, parse_time, refused_pods, rfc3339
 
 MAX_EXCLUDED = 256
 # Seconds before the policy grows again after a given-back growth when no exclusion's end is known
@@ -71,10 +71,13 @@ def goal_replicas(spec: SGDJobSpec, ctl: ControllerState) -> int:
     return max(spec.min_workers, min(spec.max_workers, ctl.goal_replicas))
 
 
-def policy_goal(spec: SGDJobSpec, ctl: ControllerState, now: float) -> int:
+def policy_goal(spec: SGDJobSpec, ctl: ControllerState, now: float, refused: int = 0) -> int:
     """The replicas the policy may grow the job to now: `goal_replicas`, but no more than it runs
-    while a given-back growth holds (`growth_held`)."""
+    while a given-back growth holds (`growth_held`), nor than the pods the scheduler placed while
+    `refused` of them wait for a node (growing then would only ask for more of what it lacks)."""
     goal = goal_replicas(spec, ctl)
+    if refused:
+        goal = min(goal, spec.replicas - refused)
     return min(goal, spec.replicas) if growth_held(ctl, now) else goal
 
 
@@ -101,15 +104,7 @@ def unplaced_growth(spec: SGDJobSpec, ctl: ControllerState, pods: Sequence[PodVi
     if Action.RESCALE not in spec.policy.allowed_actions or ctl.scaled_replicas != spec.replicas:
         return None
     grace = max(spec.policy.cooldown_seconds, spec.policy.interval_seconds)
-    stuck = [
-        p
-        for p in workers(pods)
-        if p.active
-        and p.node is None
-        and p.unschedulable
-        and p.index is not None
-        and now - (p.unschedulable_since or p.created or now) >= grace
-    ]
+    stuck = [p for p in refused_pods(spec, pods, now) if p.index is not None]
     keep = spec.replicas - len(stuck)
     if not stuck or keep < spec.min_workers:
         return None

@@ -23,7 +23,7 @@ from sgdjob_operator.k8s.observe import (
 )
 from sgdjob_operator.k8s.publish import event_once
 from sgdjob_operator.k8s.runtime import Runtime
-from sgdjob_operator.k8s.status import Event, PodView, controller, dump_status, in_flight
+from sgdjob_operator.k8s.status import Event, PodView, controller, dump_status, policy_in_flight, refused_pods
 from sgdjob_operator.workers.scrape import post_control
 
 log = logging.getLogger("sgdjob_operator")
@@ -69,8 +69,9 @@ async def monitor(
         # baseline and their first rate an interval later; a pass at the right time gives it at once.
         rt.next_monitor[ref.uid] = time.monotonic() + wait
         return None, events, spec
-    busy = in_flight(st, spec, pods)
-    step, problem = evaluate_job(spec, st, obs, now, busy, created)
+    busy = policy_in_flight(st, spec, pods, now)
+    refused = len(refused_pods(spec, pods, now))
+    step, problem = evaluate_job(spec, st, obs, now, busy, created, refused)
     events += await event_once(rt, ref, "PolicyError", problem)
     events += record_observation(st, obs, step.health, spec)
     outcome = apply_step(st, step, now, spec, pods)

@@ -360,6 +360,28 @@ def in_flight_reason(status: SGDJobStatus, spec: SGDJobSpec, pods: Sequence[PodV
     return "", ""
 
 
+def refused_pods(spec: SGDJobSpec, pods: Sequence[PodView], now: float) -> list[PodView]:
+    """Worker pods the scheduler has refused (PodScheduled False, Unschedulable) for
+    policy.cooldownSeconds, at least an interval: capacity the job does not have (the node they need
+    is excluded or lost, or taken), no longer a change that is about to land."""
+    grace = max(spec.policy.cooldown_seconds, spec.policy.interval_seconds)
+    refused = [p for p in workers(pods) if p.active and p.node is None and p.unschedulable]
+    return [p for p in refused if now - (p.unschedulable_since or p.created or now) >= grace]
+
+
+def policy_in_flight(status: SGDJobStatus, spec: SGDJobSpec, pods: Sequence[PodView], now: float) -> str:
+    """`in_flight` as the policy's gate reads it: when the only workers not ready are `refused_pods`,
+    nothing is in flight for the world the placed workers form (the policy sizes its view from the
+    workers' own reports), so the policy goes on deciding for it. Held instead, a job that lost a
+    node it could not replace made no change (no rebalance, no switch) until the node came back."""
+    reason, why = in_flight_reason(status, spec, pods)
+    if reason != "WorkersUnschedulable":
+        return why
+    refused = {p.name for p in refused_pods(spec, pods, now)}
+    waiting = [p for p in workers(pods) if p.active and not (p.phase == "Running" and p.ready)]
+    return "" if all(p.name in refused for p in waiting) else why
+
+
 def in_flight(status: SGDJobStatus, spec: SGDJobSpec, pods: Sequence[PodView]) -> str:
     """Why a change is still in flight ('' when none): the one-change-at-a-time gate and the
     Adapting phase both read this, from observed state only."""

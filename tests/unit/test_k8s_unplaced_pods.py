@@ -1,7 +1,9 @@
-"""A growth the scheduler cannot place is given back: the policy shrank a job off a slow node, grew
-it back once the fleet was healthy, and the only node left for the new pod is the excluded one. The
-job then runs its placed workers, the pending pod goes, and the policy grows again only once an
-exclusion ends (before: the pod held every later change of the policy for excludeNodeSeconds)."""
+"""Worker pods the scheduler cannot place. A growth is given back: the policy shrank a job off a slow
+node, grew it back once the fleet was healthy, and the only node left for the new pod is the excluded
+one; the job then runs its placed workers, the pending pod goes, and the policy grows again only
+once an exclusion ends (before: the pod held every later change of the policy for
+excludeNodeSeconds). A pod a person's size asks for waits, but the policy goes on deciding for the
+world the placed workers form (before: a lost node's unplaceable replacement froze the policy)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from sgdjob_operator.api.models import SGDJobStatus
 from sgdjob_operator.k8s.actuator import apply_step, driver_state, give_back, store
 from sgdjob_operator.k8s.membership import goal_replicas, policy_goal, unplaced_growth
 from sgdjob_operator.k8s.plan import plan_reconcile
-from sgdjob_operator.k8s.status import PodView, controller, rfc3339
+from sgdjob_operator.k8s.status import PodView, controller, in_flight, policy_in_flight, rfc3339
 from sgdjob_operator.policy import Rescale, job_view
 from sgdjob_operator.policy.driver import Observed, Step, action_for
 from tests.unit.test_k8s_membership import rescale_decision, restarted
@@ -105,3 +107,19 @@ def test_without_an_exclusion_to_wait_for_growth_is_retried_after_ten_minutes() 
     assert ctl.growth_held_until == rfc3339(T0 + 800)
     spec3 = _spec(replicas=3, policy=POLICY)
     assert policy_goal(spec3, ctl, T0 + 799) == 3 and policy_goal(spec3, ctl, T0 + 800) == 4
+
+
+def test_the_policy_goes_on_for_the_placed_world_while_a_replacement_waits_for_a_node() -> None:
+    """A job a person sized (3 workers, minReplicas 2) lost a node; its replacement finds none."""
+    spec = _spec(replicas=3, minReplicas=2, policy={"allowedActions": ["rebalance", "rescale"], "cooldownSeconds": 60})
+    st = running()
+    pods = [pod(0, node="n0"), pod(1, node="n1"), dataclasses.replace(refused(T0 + 100), name="j-worker-2", index=2)]
+    assert "unschedulable" in in_flight(st, spec, pods)  # what status shows: the job waits for a worker
+    assert policy_in_flight(st, spec, pods, T0 + 159) == in_flight(st, spec, pods)  # refused for 59 s: may land
+    assert policy_in_flight(st, spec, pods, T0 + 160) == ""  # capacity it lacks: the policy decides for two
+    assert unplaced_growth(spec, controller(st), pods, T0 + 160) is None, "a person's size is not given back"
+    # Its goal is what is placed: no growth proposed towards the pod that waits.
+    assert policy_goal(spec, controller(st), T0 + 160, refused=1) == 2
+    # A worker still starting (placed, not ready) is a change landing: the policy waits for it.
+    starting = [pod(0, node="n0"), pod(1, "Pending", ready=False, node="n1"), pods[2]]
+    assert policy_in_flight(st, spec, starting, T0 + 160) != ""
