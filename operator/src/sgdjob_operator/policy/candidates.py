@@ -328,33 +328,38 @@ def steady_straggler(ctx: DecisionContext, rank: int) -> bool:
     return h is not None and h.steady_ratio >= ctx.view.policy.straggler_threshold
 
 
+def removal_target(ctx: DecisionContext) -> tuple[tuple[int, list[int], bool] | None, str]:
+    """The worst flagged rank a replacement or removal may take, as `straggler_node` gives it (None
+    when there is none), and, when a rank is flagged but its steady speed does not make it a
+    straggler yet (`steady_straggler`), why not. The one gate both the candidates and the reasons read."""
+    found = straggler_node(ctx)
+    if found is None or steady_straggler(ctx, found[0]):
+        return found, ""
+    h = ctx.health.ranks[found[0]]
+    return None, (
+        f"; no replacement or removal of rank {h.rank} yet: it is {h.steady_ratio:.2f}x slower than the median "
+        f"at its steady speed (its last windows together), and one needs "
+        f"stragglerThreshold {ctx.view.policy.straggler_threshold:g}x there"
+    )
+
+
 def removal_gate_note(ctx: DecisionContext) -> str:
     """Why no replacement or removal is proposed for the worst flagged rank although the job allows
-    one ('' when one is, or none is allowed, or no rank is flagged): its steady speed does not make
-    it a straggler yet (`steady_straggler`). Said in the reasons (the operator's log of each keep, the
-    Event of a split made meanwhile), which otherwise left a slow rank on its node with no word why."""
+    one ('' when one is, or none is allowed, or no rank is flagged). Said in the reasons (the
+    operator's log of each keep, the Event of a split made meanwhile), which otherwise left a slow
+    rank on its node with no word why."""
     view = ctx.view
     if not (view.allows(Action.REPLACE_WORKER) or view.allows(Action.RESCALE)):
         return ""
-    found = straggler_node(ctx)
-    if found is None or steady_straggler(ctx, found[0]):
-        return ""
-    h = ctx.health.ranks[found[0]]
-    return (
-        f"; no replacement or removal of rank {h.rank} yet: it is {h.steady_ratio:.2f}x slower than the median "
-        f"at its steady speed (its last windows together), and one needs "
-        f"stragglerThreshold {view.policy.straggler_threshold:g}x there"
-    )
+    return removal_target(ctx)[1]
 
 
 def _membership(ctx: DecisionContext) -> list[Candidate]:
     view = ctx.view
-    found = straggler_node(ctx)
+    found, _ = removal_target(ctx)
     if found is None:
         return []
     rank, on_node, node_bound = found
-    if not steady_straggler(ctx, rank):
-        return []
     if all(r in on_node for r in ctx.speeds):
         # The node holds every rank (several pods on one node, or one with nprocPerNode > 1): replacing
         # or removing it predicts a fleet with no rest to take its place, and keeping the job off it
