@@ -15,9 +15,10 @@ from bench.pass_cost_workers import BATCH, JOB_STEPS
 from sgdjob_operator.api.models import Phase, SGDJobSpec, SGDJobStatus
 from sgdjob_operator.k8s.actuator import apply_step, evaluate_job, first_pass_wait, take_policy_state
 from sgdjob_operator.k8s.builders import ROLE_WORKER
+from sgdjob_operator.k8s.in_flight import in_flight
 from sgdjob_operator.k8s.observe import command_to_push, observe, quiet_reason, record_observation, unanswered
 from sgdjob_operator.k8s.publish import pruned
-from sgdjob_operator.k8s.status import PodView, controller, dump_status, in_flight, load_status, rfc3339
+from sgdjob_operator.k8s.status import PodView, controller, dump_status, load_status, rfc3339
 from sgdjob_operator.workers.scrape import Endpoint, post_control
 
 # The operator's defaults (k8s.settings.Settings, k8s.handlers.startup).

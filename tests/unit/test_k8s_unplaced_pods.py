@@ -11,9 +11,10 @@ import dataclasses
 
 from sgdjob_operator.api.models import SGDJobStatus
 from sgdjob_operator.k8s.actuator import apply_step, driver_state, give_back, store
+from sgdjob_operator.k8s.in_flight import in_flight, policy_in_flight
 from sgdjob_operator.k8s.membership import goal_replicas, policy_goal, unplaced_growth
 from sgdjob_operator.k8s.plan import plan_reconcile
-from sgdjob_operator.k8s.status import PodView, controller, in_flight, policy_in_flight, rfc3339
+from sgdjob_operator.k8s.status import PodView, controller, rfc3339
 from sgdjob_operator.policy import Rescale, job_view
 from sgdjob_operator.policy.driver import Observed, Step, action_for
 from tests.unit.test_k8s_membership import rescale_decision, restarted

@@ -104,7 +104,7 @@ def evaluate_job(
     """The driver's step for this scrape (`busy`: why a change is in flight, from the pods), with
     its state already kept in `st`, and any problem loading or evaluating to report. `created`: the
     job's creation time, from which its first start is measured (restart_cost); `refused`: worker
-    pods the scheduler has refused for a while (`status.refused_pods`)."""
+    pods the scheduler has refused for a while (`in_flight.refused_pods`)."""
     state, problem = driver_state(st)
     ctl = controller(st)
     goal = policy_goal(spec, ctl, now, refused)

@@ -27,7 +27,8 @@ from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 from sgdjob_operator.api.models import Action, ControllerState, ExcludedNode, SGDJobSpec
-from sgdjob_operator.k8s.status import PodView, parse_time, refused_pods, rfc3339
+from sgdjob_operator.k8s.in_flight import refused_pods
+from sgdjob_operator.k8s.status import PodView, parse_time, rfc3339
 
 MAX_EXCLUDED = 256
 # Seconds before the policy grows again after a given-back growth when no exclusion's end is known

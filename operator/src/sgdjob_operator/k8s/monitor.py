@@ -11,6 +11,7 @@ from sgdjob_operator.k8s import metrics
 from sgdjob_operator.k8s.actuator import Outcome, apply_step, evaluate_job, first_pass_wait, give_back
 from sgdjob_operator.k8s.builders import JobRef
 from sgdjob_operator.k8s.children import ensure_children, job_token
+from sgdjob_operator.k8s.in_flight import policy_in_flight, refused_pods
 from sgdjob_operator.k8s.membership import unplaced_growth
 from sgdjob_operator.k8s.observe import (
     Observation,
@@ -23,7 +24,7 @@ from sgdjob_operator.k8s.observe import (
 )
 from sgdjob_operator.k8s.publish import event_once
 from sgdjob_operator.k8s.runtime import Runtime
-from sgdjob_operator.k8s.status import Event, PodView, controller, dump_status, policy_in_flight, refused_pods
+from sgdjob_operator.k8s.status import Event, PodView, controller, dump_status
 from sgdjob_operator.workers.scrape import post_control
 
 log = logging.getLogger("sgdjob_operator")

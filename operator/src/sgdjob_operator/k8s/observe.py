@@ -16,7 +16,8 @@ from typing import Any
 import aiohttp
 
 from sgdjob_operator.api.models import LOSS_BOUND, SGDJobSpec, SGDJobStatus, Straggler
-from sgdjob_operator.k8s.status import FINISHED, Event, PodView, controller, in_flight, workers
+from sgdjob_operator.k8s.in_flight import in_flight
+from sgdjob_operator.k8s.status import FINISHED, Event, PodView, controller, workers
 from sgdjob_operator.policy.driver import load_state, pending, unanimous_mode
 from sgdjob_operator.policy.eta import goal, keep_point, keep_validation, predict
 from sgdjob_operator.policy.samples import WorkerSample

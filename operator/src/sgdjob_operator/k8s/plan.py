@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from sgdjob_operator.api.models import CleanPodPolicy, JobMode, Phase, SGDJobSpec, SGDJobStatus
 from sgdjob_operator.k8s.failures import classify
+from sgdjob_operator.k8s.in_flight import phase_for
 from sgdjob_operator.k8s.membership import (
     exclude,
     excluded_names,
@@ -33,7 +34,6 @@ from sgdjob_operator.k8s.status import (
     merge_conditions,
     new_command,
     parse_time,
-    phase_for,
     rdzv_pods,
     record_decision,
     rfc3339,
