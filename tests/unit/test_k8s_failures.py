@@ -92,3 +92,48 @@ def test_a_timed_out_rendezvous_is_free_but_the_crashing_peer_it_waited_for_coun
     assert status.phase is Phase.FAILED and status.restarts == 2
     message = {c.type: c for c in status.conditions}["Failed"].message
     assert message.endswith("last: worker pod j-worker-0 failed (exit code 1, Error); see its log"), message
+
+
+def test_a_closed_rendezvous_gets_a_new_store_so_backoff_limit_can_end_a_crash_loop() -> None:
+    """The agents of a script that crashed over and over spent their restarts and closed the rendezvous;
+    every new pod then exits 3 (not counted) at once. The store goes, so the next world forms on a
+    fresh one and backoffLimit counts the crashes (before: new pods every few seconds, forever)."""
+    spec = _spec(runPolicy={"backoffLimit": 3})
+    old_store = dataclasses.replace(store(), created=T0)
+    turned_away = dataclasses.replace(failed(3), uid="u-closed", created=T0 + 30)
+    plan = plan_reconcile(spec, running(), [turned_away, pod(0, node="n2"), old_store], generation=1, now=T0 + 40)
+    assert ("j-rdzv", "rendezvous closed; recreated") in plan.delete_pods
+    assert plan.status.restarts == 0 and plan.status.phase is not Phase.FAILED
+    (event,) = [e for e in plan.events if e.reason == "RendezvousClosed"]
+    assert event.type == "Warning" and "j-worker-1 exited with code 3" in event.message
+    move = plan.status.controller.store_move if plan.status.controller else None
+    assert move is not None and move.node is None, "the store's node is healthy: nothing to stay off"
+
+    # The pods of the closed world fail next: the store's doing, not counted; the new store is kept.
+    new_store = dataclasses.replace(store(), uid="u-new-store", created=T0 + 42)
+    stale = dataclasses.replace(pod(0, "Failed", node="n2", reason="Error", uid="u-stale"), exit_code=3, created=T0)
+    again = plan_reconcile(spec, plan.status, [stale, new_store], generation=1, now=T0 + 45)
+    assert not [name for name, _ in again.delete_pods if name == "j-rdzv"] and again.status.restarts == 0
+
+    # In the new world the script crashes again: counted, until backoffLimit fails the job.
+    status = again.status
+    for life in range(1, 5):
+        crash = dataclasses.replace(failed(), uid=f"u-crash-{life}", created=T0 + 50 + life)
+        status = plan_reconcile(spec, status, [crash, new_store], generation=1, now=T0 + 60 + life).status
+    assert status.phase is Phase.FAILED and status.restarts == 4
+
+
+def test_a_closed_rendezvous_after_training_ended_or_an_older_store_changes_nothing() -> None:
+    spec = _spec()
+    late = dataclasses.replace(failed(3), uid="u-late", created=T0 + 30)
+    done = dataclasses.replace(pod(0, "Succeeded", node="n2"), exit_code=0)
+    plan = plan_reconcile(
+        spec, running(), [late, done, dataclasses.replace(store(), created=T0)], generation=1, now=T0 + 40
+    )
+    assert not [e for e in plan.events if e.reason == "RendezvousClosed"], "the world ended because training did"
+    # A pod created before the store was: it joined the old store, which was replaced already.
+    older = dataclasses.replace(failed(3), uid="u-old", created=T0)
+    plan = plan_reconcile(
+        spec, running(), [older, dataclasses.replace(store(), created=T0 + 5)], generation=1, now=T0 + 40
+    )
+    assert not [e for e in plan.events if e.reason == "RendezvousClosed"]

@@ -40,6 +40,7 @@ from sgdjob_operator.k8s.status import (
     workers,
 )
 from sgdjob_operator.k8s.storeloss import (
+    closed_store,
     follow_store,
     moved,
     store_failure_cause,
@@ -133,6 +134,16 @@ def _watch_store(plan: Plan, spec: SGDJobSpec, pods: Sequence[PodView], answered
     plan.force_delete.add(rehome.pod)
     avoid = f", off node {rehome.node}" if rehome.node else ""
     plan.events.append(Event("Warning", "StoreLost", f"{rehome.why}; recreating it{avoid}"))
+
+
+def _reopen_closed(plan: Plan, pods: Sequence[PodView], now: float) -> None:
+    """A store whose rendezvous its agents closed: deleted (gracefully), recreated with a fresh one.
+    After `_count_failures`: the failures seen in this pass are judged against the store they had."""
+    rehome = closed_store(controller(plan.status), pods, step=plan.status.step, now=now)
+    if rehome is None or rehome.pod in {name for name, _ in plan.delete_pods}:
+        return
+    plan.delete_pods.append((rehome.pod, "rendezvous closed; recreated"))
+    plan.events.append(Event("Warning", "RendezvousClosed", f"{rehome.why}; recreating it"))
 
 
 def _restart_stranded(plan: Plan, spec: SGDJobSpec, pods: Sequence[PodView], now: float) -> None:
@@ -231,6 +242,8 @@ def plan_reconcile(
             _replace_lost(plan, spec, pods, lost_nodes or {}, now, answering)
             _restart_stranded(plan, spec, pods, now)
             _count_failures(plan, spec, pods, lost_nodes or {}, now)
+            if st.phase not in FINISHED:
+                _reopen_closed(plan, pods, now)
 
     if st.phase in FINISHED:
         _cleanup(plan, spec, pods)

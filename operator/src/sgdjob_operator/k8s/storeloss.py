@@ -35,7 +35,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from sgdjob_operator.api.models import ControllerState, StoreMove, StoreSilence
-from sgdjob_operator.k8s.status import PodView, parse_time, rdzv_pods, rfc3339
+from sgdjob_operator.k8s.status import PodView, parse_time, rdzv_pods, rfc3339, workers
+from sgdjob_trainer.wire.launch_contract import EXIT_RENDEZVOUS_CLOSED
 
 # How long after a move (in storeLostGraceSeconds) workers that kept their old agents may take to
 # train again before they are taken for stranded: a power cut's survivors, whose connections fail at
@@ -85,6 +86,38 @@ def follow_store(
     ctl.store_silence = None
     ctl.store_move = StoreMove(time=rfc3339(now), node=store.node, reason=why, step=step)
     return Rehome(store.name, store.node, why)
+
+
+def closed_store(ctl: ControllerState, pods: Sequence[PodView], *, step: int, now: float) -> Rehome | None:
+    """The store to replace because its rendezvous is closed for good, or None. torchrun's agents close
+    the rendezvous when they end for lack of restarts (a script that crashed over and over spends
+    every agent's --max-restarts in seconds); every later agent then exits EXIT_RENDEZVOUS_CLOSED at
+    once, which spends no backoffLimit (failures.py, rule 4). Kept, the store turned the job into a
+    loop of pods that could never train and never failed the job (measured on real nodes: a script
+    that crashed at import, two crashes counted, then new pods every few seconds for minutes). So a
+    worker that found the store it could have joined closed (the store's pod created before the
+    worker's), in a job none of whose workers succeeded, gets the store replaced: the next world
+    forms on a fresh one, and backoffLimit counts the crashes until the job runs or fails."""
+    if any(p.phase == "Succeeded" for p in workers(pods)):
+        return None  # the world ended because training did: a late pod's closed store is no fault
+    store = next((p for p in rdzv_pods(pods) if not p.deleting), None)
+    if store is None or store.created is None:
+        return None
+    turned_away = [
+        p
+        for p in workers(pods)
+        if p.phase == "Failed" and p.exit_code == EXIT_RENDEZVOUS_CLOSED and (p.created or 0.0) >= store.created
+    ]
+    if not turned_away:
+        return None
+    why = (
+        f"rendezvous store {store.name} has closed its rendezvous ({turned_away[0].name} exited with code "
+        f"{EXIT_RENDEZVOUS_CLOSED} on joining): the agents ended their world, so no worker can join it again"
+    )
+    ctl.store_silence = None
+    # No node to avoid: the store's node is healthy, only its rendezvous is spent.
+    ctl.store_move = StoreMove(time=rfc3339(now), node=None, reason=why, step=step)
+    return Rehome(store.name, None, why)
 
 
 def moved(ctl: ControllerState, store: PodView, now: float, why: str, step: int) -> None:
