@@ -46,7 +46,7 @@ from bench.goodput_scoring import aggregate, markdown_table
 from bench.goodput_targets import Check, accuracy_kept, as_json, time_ratio
 from bench.goodput_targets import markdown as targets_markdown
 from bench.scenarios import BenchConfig, Scenario, ddp_run_config, training
-from bench.systems import REPO_ROOT, RunRecord
+from bench.systems import REPO_ROOT, RunRecord, code_paths
 
 STRAGGLER_FLEET = (0.8, 0.8, 0.27)  # one node at a third of the others' CPU
 EQUAL_FLEET = (0.6, 0.6, 0.6)
@@ -95,17 +95,18 @@ def lb_split(cfg: BenchConfig, fleet: Fleet) -> list[int]:
     return [split[r] for r in range(len(fleet.cpus))]
 
 
-def _template(name: str, run_dir: Path, avoid: str | None, code: bool) -> dict[str, Any]:
+def _template(name: str, run_dir: Path, avoid: str | None, paths: Sequence[str]) -> dict[str, Any]:
     """One worker per node (required pod anti-affinity among the job's workers), `avoid` kept off by
-    node affinity, the run folder mounted at its host path (rank files), the repository too for code
-    that is not in the trainer image (the DDP script)."""
+    node affinity, the run folder mounted at its host path (rank files), the repository too when
+    `paths` (the PYTHONPATH of code that is not in the trainer image: the DDP script, a task's own
+    folder such as charlm's) name any."""
     mounts: list[dict[str, Any]] = [{"name": "run", "mountPath": str(run_dir)}]
     volumes: list[dict[str, Any]] = [{"name": "run", "hostPath": {"path": str(run_dir), "type": "Directory"}}]
     env = [{"name": "SGDJOB_REPORT_DIR", "value": str(run_dir / "report")}]
-    if code:
+    if paths:
         mounts.append({"name": "code", "mountPath": str(REPO_ROOT), "readOnly": True})
         volumes.append({"name": "code", "hostPath": {"path": str(REPO_ROOT), "type": "Directory"}})
-        env.append({"name": "PYTHONPATH", "value": str(REPO_ROOT)})
+        env.append({"name": "PYTHONPATH", "value": ":".join(paths)})
     workers = {"matchLabels": {LABEL_JOB: name, LABEL_ROLE: "worker"}}
     affinity: dict[str, Any] = {
         "podAntiAffinity": {
@@ -121,6 +122,12 @@ def _template(name: str, run_dir: Path, avoid: str | None, code: bool) -> dict[s
     return {"spec": {"containers": [container], "volumes": volumes, "affinity": affinity}}
 
 
+def pythonpath(cfg: BenchConfig, system: str) -> tuple[str, ...]:
+    """The workers' PYTHONPATH beyond the trainer image: the task's own folders (as every system of the
+    local benchmark has them), and the repository for the DDP script (`bench.ddp_baseline`)."""
+    return (*code_paths(cfg), *([str(REPO_ROOT)] if system.startswith("ddp") else []))
+
+
 def job_manifest(cfg: BenchConfig, fleet: Fleet, system: str, name: str, run_dir: Path) -> dict[str, Any]:
     """The SGDJob of one run (pure). `run_dir` holds the DDP script's run-config (ddp systems) and gets
     the rank files under report/."""
@@ -131,7 +138,7 @@ def job_manifest(cfg: BenchConfig, fleet: Fleet, system: str, name: str, run_dir
         "minReplicas": workers,
         "maxReplicas": workers,
         "nprocPerNode": 1,
-        "template": _template(name, run_dir, fleet.nodes[fleet.slowest] if drop else None, system.startswith("ddp")),
+        "template": _template(name, run_dir, fleet.nodes[fleet.slowest] if drop else None, pythonpath(cfg, system)),
     }
     if system in ("ddp", "ddp-drop"):
         spec |= {

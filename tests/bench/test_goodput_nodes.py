@@ -161,3 +161,18 @@ def test_the_operators_lines_about_the_run_are_kept_beside_its_pods_logs(tmp_pat
         "2026-12-06T03:00:01Z [INFO] goodput/auto-s100 rescale to 2: single straggler",
         "2026-12-06T03:00:02Z [DEBUG] goodput/auto-s100: keep: persisting 1/2 intervals",
     ]
+
+
+def test_a_task_with_its_own_code_has_it_on_every_systems_workers(tmp_path: Path) -> None:
+    """charlm's code lives in examples/custom-task, not in the trainer image: without its folder on the
+    workers' PYTHONPATH the DDP script crashed at import (every system of the local benchmark has it)."""
+    charlm = TASKS["charlm"].config
+    for system in SYSTEMS:
+        pod = job_manifest(charlm, SLOW, system, f"{system}-s100", tmp_path)["spec"]["template"]["spec"]
+        env = {e["name"]: e["value"] for e in pod["containers"][0]["env"]}
+        paths = env["PYTHONPATH"].split(":")
+        assert paths[0].endswith("examples/custom-task"), system
+        mounted = {v["hostPath"]["path"] for v in pod["volumes"]}
+        assert all(any(p.startswith(m) for m in mounted) for p in paths), system
+    digits = job_manifest(CFG, SLOW, "auto", "a", tmp_path)["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert "PYTHONPATH" not in {e["name"] for e in digits}, "the digits task is in the trainer image"
