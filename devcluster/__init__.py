@@ -1,1 +1,1 @@
-"""A local Kubernetes cluster whose pods are processes: the real control plane plus a node agent (README.md)."""
+"""A local Kubernetes cluster: the real control plane plus real kubelet nodes with containerd (README.md)."""

@@ -1,10 +1,10 @@
-"""A small raw-JSON Kubernetes API client for the node agent and the tests on the local cluster.
+"""A small raw-JSON Kubernetes API client for the tests on the local cluster and the benchmarks.
 
 Credentials come from the official client's kubeconfig loader; requests go straight through urllib3
 (thread-safe pools). Why not the generated API classes: the installed client (v37) validates every
-call with pydantic models and defaults PATCH to JSON-patch, while a kubelet stand-in wants exactly
-the wire JSON (camelCase dicts, as `kubectl get -o json` shows) and strategic-merge patches, cheaply,
-on a 2-core machine.
+call with pydantic models and defaults PATCH to JSON-patch, while the tests want exactly the wire
+JSON (camelCase dicts, as `kubectl get -o json` shows) and strategic-merge patches, cheaply, on a
+2-core machine.
 """
 
 from __future__ import annotations

@@ -1,11 +1,10 @@
-"""Find and kill every process the node agent started (and a test harness's control plane), by an
-environment tag.
+"""Find and kill every process a test harness started (its control planes), by an environment tag.
 
-Process groups are not enough: torchrun starts its workers in new sessions, and anything orphaned is
-reparented away from us. Every container process gets `SGDJOB_DEVCLUSTER_TAG=<agent>/<pod uid>/<container>/`
-in its environment, which children inherit, so /proc/<pid>/environ names the owner of each process
-like a cgroup would. Tags end in "/" so a prefix never matches a longer sibling name; the agent part
-starts with the agent's pid, so the processes of an agent that died without cleaning up are found.
+Process groups are not enough: anything orphaned is reparented away from us. Every such process gets
+`SGDJOB_DEVCLUSTER_TAG=<owner>/...` in its environment, which children inherit, so /proc/<pid>/environ
+names the owner of each process like a cgroup would. Tags end in "/" so a prefix never matches a
+longer sibling name; the owner part starts with the owner's pid, so the processes of a run that died
+without cleaning up are found.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Pytest fixtures for tiers that need a real API server (`k8s`, `k8s_assets`), the whole local cluster
-(`cluster`), or real kubelet nodes (`real_cluster`, root only); a plugin, loaded by the root conftest.py
+"""Pytest fixtures for tiers that need a real API server (`k8s`, `k8s_assets`) or a cluster of real
+kubelet nodes (`real_cluster`, root only); a plugin, loaded by the root conftest.py
 (`pytest_plugins = ["devcluster.pytest_plugin"]`).
 
 Without KUBEBUILDER_ASSETS these tiers skip with the reason; with SGDJOB_REQUIRE_K8S=1 (CI) a
@@ -23,12 +23,10 @@ import pytest
 from devcluster.controlplane import AssetsMissing, ControlPlane, assets_dir
 
 if TYPE_CHECKING:  # imported in the fixture: unit-test runs need not load the Kubernetes client
-    from devcluster.cluster import LocalCluster
     from devcluster.realnodes import RealCluster
 
 REAL_PREFIX = "sgdjtest"  # not the CLI's "sgdjob": a real cluster a person started is left alone
-# Four, as the process cluster has four GPU nodes: a 3-worker job spread one per node still leaves a
-# node to replace a worker on.
+# Four: a 3-worker job spread one per node (one GPU each) still leaves a node to replace a worker on.
 REAL_NODES = 4
 
 
@@ -64,42 +62,6 @@ def k8s_assets() -> Path:
 
 def _interrupt(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
-
-
-@pytest.fixture(scope="session")
-def cluster() -> Iterator[LocalCluster]:
-    """Control plane with controllers + the node agent: node-0..node-3 with one `nvidia.com/gpu` each
-    (label nvidia.com/gpu.present=true) and node-4 without GPUs. Restart backoff and the deletion
-    grace are capped low so tests stay fast. Teardown fails if any pod process outlived the agent.
-    """
-    require_assets()
-    from devcluster.cluster import LocalCluster, default_nodes
-    from devcluster.proctree import new_agent_tag, reap_orphans
-
-    reap_orphans()  # pods and control planes of an earlier run that was SIGKILLed (their owner is gone)
-
-    # SIGTERM (CI cancelling a run) becomes KeyboardInterrupt, so pytest still tears this down.
-    restore = None
-    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
-        restore = signal.signal(signal.SIGTERM, _interrupt)
-    # Pods run this checkout's packages (the test run's PYTHONPATH), not the ones the venv was installed from.
-    pythonpath = {"PYTHONPATH": os.environ["PYTHONPATH"]} if os.environ.get("PYTHONPATH") else {}
-    local = LocalCluster(
-        default_nodes(gpu_nodes=4, cpu_nodes=1),
-        plane_tag=new_agent_tag(),
-        backoff_base=0.5,
-        backoff_cap=4.0,
-        grace_cap=5.0,
-        extra_env=pythonpath,
-    )
-    try:
-        yield local.start()
-    finally:
-        local.stop()
-        if restore is not None:
-            signal.signal(signal.SIGTERM, restore)
-    leftovers = local.agent.leftover_pids()
-    assert not leftovers, f"pod processes outlived the node agent: {leftovers}"
 
 
 def _real_unavailable(reason: str) -> None:

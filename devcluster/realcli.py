@@ -6,8 +6,8 @@
     python -m devcluster status
     python -m devcluster down                                            # stops everything it started
 
-Unlike the process cluster there is no daemon: the cluster's processes run on their own, and
-the state file points at the cluster's folder, whose state.json lists them.
+There is no daemon: the cluster's processes run on their own, and the state file points at the
+cluster's folder, whose state.json lists them.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from devcluster.realnodes import RealCluster
 
 DEFAULT_WORKDIR = default_cache().parent / "realnodes"
 BASE_IMAGES = ("pause", "python")  # every node: the pod sandbox, and a small image for tests and people
+OLD_STATE = "stop its daemon (the pid in the file) and remove the file"
 
 
 def _names(csv: str) -> list[str]:
@@ -55,7 +56,7 @@ def up(args: argparse.Namespace, info: dict[str, Any] | None) -> int:
         print("cleaning up a real cluster that is no longer complete", file=sys.stderr)
         RealCluster.load(Path(info["workdir"])).stop()
     elif info:
-        print("a process cluster is up with this state file: python -m devcluster down first", file=sys.stderr)
+        print(f"{args.state} records a process-node cluster of an older devcluster: {OLD_STATE}", file=sys.stderr)
         return 1
     t0 = time.monotonic()
     builder = ImageBuilder()

@@ -98,6 +98,11 @@ class Layout:
         return self.workdir / "logs"
 
     @property
+    def audit_log(self) -> Path:
+        """The API server's audit log (AUDIT_POLICY): one JSON event per line."""
+        return self.logs / "audit.log"
+
+    @property
     def plane_dir(self) -> Path:
         return self.workdir / "plane"
 
@@ -221,6 +226,24 @@ def etcd_argv(bin_dir: Path, layout: Layout) -> list[str]:
     ]  # fmt: skip
 
 
+# What the API server writes to its audit log: every request a service account outside kube-system
+# makes (the operator's, a workload's), once, when it is answered (verb, object, user, status code).
+# The controllers' own accounts (kube-system) and the kubelets, scheduler and admin are left out. The
+# real-node Helm tier derives the operator's permissions from it and holds them against the chart's
+# RBAC (e2e/test_helm_operator.py); a `devcluster up` user reads it the same way.
+AUDIT_POLICY = """\
+apiVersion: audit.k8s.io/v1
+kind: Policy
+omitStages: [RequestReceived]
+rules:
+  - level: None
+    userGroups: ["system:serviceaccounts:kube-system"]
+  - level: Metadata
+    userGroups: ["system:serviceaccounts"]
+  - level: None
+"""
+
+
 def apiserver_argv(bin_dir: Path, layout: Layout) -> list[str]:
     etc, plane = layout.etc, layout.plane_dir
     return [
@@ -241,6 +264,9 @@ def apiserver_argv(bin_dir: Path, layout: Layout) -> list[str]:
         "--insecure-port=0",
         "--kubelet-preferred-address-types=InternalIP",
         "--endpoint-reconciler-type=lease",
+        f"--audit-policy-file={etc / 'audit-policy.yaml'}",
+        f"--audit-log-path={layout.audit_log}",
+        "--audit-log-maxsize=2048",  # MB before a rotation: a whole CI session stays in one file
         "--v=1",
     ]
 

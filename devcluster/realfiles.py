@@ -38,6 +38,7 @@ def write_files(lay: Layout, kubeconfig: Path) -> tuple[int, list[str]]:
     _private(lay.incluster_kubeconfig, kubeconfig_text(lay.api_server, "admin", tokens["admin"]))
     # The node's resolver, for dnsPolicy Default pods: a query to their own loopback fails at
     # once instead of waiting for a server that is not there.
+    (etc / "audit-policy.yaml").write_text(realconf.AUDIT_POLICY)
     (etc / "resolv.conf").write_text("nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")
     made = [p for p in (Path("/var/lib/cni"), *realhost.DEVICE_PLUGINS_PATHS) if realhost.ensure_mountpoint(p)]
     created = [str(p) for p in reversed(made)]  # a child before its parent: removed with rmdir

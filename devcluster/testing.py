@@ -1,18 +1,14 @@
-"""Helpers for tests against the local cluster (devcluster/cluster.py): waiting, namespaces, applying
-manifests, reading pods."""
+"""Helpers for tests against a local cluster (devcluster/realnodes.py, or a bare control plane):
+waiting, namespaces, reading pods."""
 
 from __future__ import annotations
 
-import json
 import secrets
-import textwrap
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from devcluster.cluster import LocalCluster
 from devcluster.kube import KubeApi, pod_path
-from devcluster.pod_runner import CONTAINER_ID_SCHEME
 
 T = TypeVar("T")
 Obj = dict[str, Any]
@@ -46,22 +42,7 @@ def new_namespace(kube: KubeApi, prefix: str) -> str:
     return name
 
 
-def apply(cluster: LocalCluster, ns: str, manifest: str) -> None:
-    """`kubectl apply -n ns -f -` of a (dedented) YAML manifest."""
-    cluster.plane.kubectl("apply", "-n", ns, "-f", "-", input_text=textwrap.dedent(manifest))
-
-
 def phase_in(kube: KubeApi, ns: str, name: str, *phases: str) -> Obj | None:
     """The pod when its phase is one of `phases`, else None."""
     pod = kube.get_or_none(pod_path(ns, name))
     return pod if pod and pod.get("status", {}).get("phase") in phases else None
-
-
-def container_pid(pod: Obj, index: int = 0) -> int:
-    """The host pid of a container's main process (the agent's containerID is `devcluster://<pid>`)."""
-    return int(pod["status"]["containerStatuses"][index]["containerID"].removeprefix(CONTAINER_ID_SCHEME))
-
-
-def script(body: str) -> str:
-    """A Python script as one YAML-safe JSON string (for `command: [python, -c, ...]`)."""
-    return json.dumps(textwrap.dedent(body))

@@ -29,8 +29,8 @@ from devcluster.kube import KubeApi, KubeError
 from devcluster.realnodes import RealCluster
 from devcluster.testing import Obj, new_namespace, wait_for
 from e2e.helpers import Env, sgdjob_manifest
+from tests.packaging.helm import helm_kc
 from tests.packaging.test_chart import CHART
-from tests.packaging.test_helm_install import _helm_kc
 from tests.packaging.test_webhook import make_certs
 
 RELEASE, OPERATOR_NS = "sgdjob-operator", "sgdjob-system"  # fullname = the release name
@@ -64,6 +64,12 @@ class RealOperator:
     cluster: RealCluster
     kube: KubeApi
     timings: dict[str, float]
+    values: Path  # the values this install added to DEV_VALUES
+    release: str = RELEASE
+
+    def helm_values(self) -> tuple[str, ...]:
+        """The `helm` options of the release's values (install, upgrade, template)."""
+        return ("-f", str(DEV_VALUES), "-f", str(self.values))
 
     def pods(self) -> list[Obj]:
         """The release's running, ready operator pods (leader and standbys)."""
@@ -160,7 +166,7 @@ def install_operator(
     t2 = time.monotonic()
     # On top of the README's values for this cluster (the images `up` imports).
     values = {
-        # A short resync, as the process-node scenarios run the operator: the tests wait less.
+        # A short resync: the tests wait less.
         "extraArgs": ["--resync", str(resync_s), *extra_args],
         # High availability as an admin runs it: a leader and a hot standby on another node, so that
         # losing any one node (the leader's too, e2e/test_chaos.py) leaves an operator.
@@ -172,17 +178,45 @@ def install_operator(
         },
     }
     (workdir / "values.json").write_text(json.dumps(values))
-    _helm_kc(
-        cluster, "install", RELEASE, str(CHART), "-n", OPERATOR_NS,
-        "-f", str(DEV_VALUES), "-f", str(workdir / "values.json"),
+    op = RealOperator(cluster, kube, timings, workdir / "values.json")
+    helm_kc(
+        cluster, "install", RELEASE, str(CHART), "-n", OPERATOR_NS, *op.helm_values(),
         "--wait", "--timeout", "5m", timeout=400,
     )  # fmt: skip
-    op = RealOperator(cluster, kube, timings)
-    wait_for(lambda: len(op.pods()) == OPERATOR_REPLICAS and op.pod(), 120, "the operator pods ready, one leading")
-    # Ready is the liveness port; the webhook's Service may trail it by a moment (endpoints, kube-proxy).
-    wait_for(lambda: _webhook_answers(cluster), 120, "the webhook answering through its Service")
+    _serving(op)
     timings["helm install to ready"] = round(time.monotonic() - t2, 1)
     return op
+
+
+def upgrade_operator(op: RealOperator, *options: str) -> None:
+    """`helm upgrade` of the release with its values and `options`; returns once the new pods are ready,
+    one leading, and the webhook answers again."""
+    helm_kc(
+        op.cluster, "upgrade", RELEASE, str(CHART), "-n", OPERATOR_NS, *op.helm_values(), *options,
+        "--wait", "--timeout", "5m", timeout=400,
+    )  # fmt: skip
+    _serving(op)
+
+
+def uninstall_operator(op: RealOperator) -> None:
+    """`helm uninstall`: the release's pods, Deployment, ServiceAccount, Services and RBAC go; the CRD
+    stays (Helm never deletes what a chart's crds/ folder installed)."""
+    helm_kc(op.cluster, "uninstall", RELEASE, "-n", OPERATOR_NS, "--wait", "--timeout", "2m", timeout=200)
+    kubectl = op.cluster.kubectl
+    wait_for(lambda: not op.kube.get(f"/api/v1/namespaces/{OPERATOR_NS}/pods", labelSelector=OPERATOR_LABELS)["items"],
+             120, "the operator pods gone")  # fmt: skip
+    left = kubectl("get", "clusterrole,clusterrolebinding", "-l", OPERATOR_LABELS, "-o", "name").stdout.strip()
+    left += kubectl(
+        "-n", OPERATOR_NS, "get", "deploy,sa,svc,role,rolebinding", "-l", OPERATOR_LABELS, "-o", "name"
+    ).stdout
+    assert not left.strip(), f"left after helm uninstall: {left}"
+    assert kubectl("get", "crd", "sgdjobs.sgdjob.dev", "-o", "name", check=False).returncode == 0, "the CRD is kept"
+
+
+def _serving(op: RealOperator) -> None:
+    wait_for(lambda: len(op.pods()) == OPERATOR_REPLICAS and op.pod(), 120, "the operator pods ready, one leading")
+    # Ready is the liveness port; the webhook's Service may trail it by a moment (endpoints, kube-proxy).
+    wait_for(lambda: _webhook_answers(op.cluster), 120, "the webhook answering through its Service")
 
 
 def _webhook_answers(cluster: RealCluster) -> bool:

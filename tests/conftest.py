@@ -1,19 +1,15 @@
 """Fixtures for the tiers under tests/: the SGDJob CRD installed on the local cluster plugin's control
-plane (`k8s_crd`, `cluster_crd`; the plugin itself is loaded by the repository's root conftest.py)."""
+plane (`k8s_crd`; the plugin itself is loaded by the repository's root conftest.py)."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import pytest
 from hypothesis import settings
 
 from devcluster.controlplane import ControlPlane
-
-if TYPE_CHECKING:  # the plugin imports it in the fixture: unit-test runs need not load the Kubernetes client
-    from devcluster.cluster import LocalCluster
 
 # Under CI=true hypothesis loads its `ci` profile, which derandomizes: every CI run searched the same
 # examples, and a flapping bug that other seeds find (issue #37, f5eeaaa) stayed hidden from CI. CI
@@ -36,10 +32,3 @@ def k8s_crd(k8s: ControlPlane) -> ControlPlane:
     """The control plane with the SGDJob CRD installed and established."""
     install_crd(k8s)
     return k8s
-
-
-@pytest.fixture(scope="session")
-def cluster_crd(cluster: LocalCluster) -> LocalCluster:
-    """The local cluster with the SGDJob CRD installed and established."""
-    install_crd(cluster.plane)
-    return cluster

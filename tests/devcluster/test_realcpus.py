@@ -152,7 +152,6 @@ def test_up_summary_lists_each_nodes_limit(fake_host: CpuHierarchy, tmp_path: Pa
 @pytest.mark.parametrize(
     ("argv", "words"),
     [
-        (["--process-nodes", "--node-cpus", "0.5"], "--node-cpus limits real nodes' cgroups; process nodes have none"),
         (["--real-nodes", "2", "--node-cpus", "0.5"], "--node-cpus: 1 values for 2 nodes"),
         (["--node-cpus", "0.8,x,1"], "--node-cpus: 'x' is not a number of CPUs"),
         (["--node-cpus", "0.8,0.001,1"], "--node-cpus: 0.001 CPUs for node-1"),

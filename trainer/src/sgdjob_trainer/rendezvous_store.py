@@ -247,7 +247,7 @@ def serve(host: str, port: int, stop: threading.Event, health_port: int | None =
     from torch.distributed import TCPStore  # type: ignore[attr-defined]  # torch only where the store runs
 
     # TCPStore alone listens on every interface; binding the socket ourselves keeps it to the pod IP,
-    # so several jobs' stores can share a machine whose pods are loopback addresses (the devcluster node agent).
+    # so several stores can share one machine whose addresses are loopback ones (as `sgdjob run` has them).
     sock = socket.create_server((host, port), backlog=1024, reuse_port=False)
     health = StoreHealth(
         lambda: TCPStore(_client_host(host), port, is_master=False, timeout=timedelta(seconds=ROUND_TRIP_TIMEOUT_S))
