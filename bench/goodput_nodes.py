@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -377,7 +378,15 @@ def _cpus(text: str) -> tuple[float, ...]:
     return values
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    # SIGTERM, and SIGINT where a background shell set it to be ignored, end the run through its
+    # clean-up: each fleet's cluster is stopped (killed outright, the cluster's daemons ran on).
+    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)
     parser = argparse.ArgumentParser(prog="python -m bench.goodput_nodes", description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="output directory")
     parser.add_argument(
