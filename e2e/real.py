@@ -65,7 +65,6 @@ class RealOperator:
     kube: KubeApi
     timings: dict[str, float]
     values: Path  # the values this install added to DEV_VALUES
-    release: str = RELEASE
 
     def helm_values(self) -> tuple[str, ...]:
         """The `helm` options of the release's values (install, upgrade, template)."""

@@ -20,7 +20,7 @@ from devcluster.kube import KubeApi, KubeError
 from devcluster.realnodes import RealCluster
 from devcluster.testing import wait_for
 from e2e import rbac
-from e2e.real import OPERATOR_IMAGES, OPERATOR_NS, RealEnv, RealOperator, real_scenario_env, upgrade_operator
+from e2e.real import OPERATOR_IMAGES, OPERATOR_NS, RELEASE, RealEnv, RealOperator, real_scenario_env, upgrade_operator
 from tests.packaging.helm import chart_permissions
 
 pytestmark = [pytest.mark.k8s, pytest.mark.multiproc, pytest.mark.realnode(images=OPERATOR_IMAGES)]
@@ -121,7 +121,7 @@ def test_a_job_an_upgrade_and_a_hand_over_stay_inside_the_charts_rbac(env: RealE
     leader = wait_for(op.pod, 120, "a leader")
     standby = next(p for p in op.pods() if p["metadata"]["name"] != leader["metadata"]["name"])
     holder = str(
-        kube.get(f"/apis/coordination.k8s.io/v1/namespaces/{OPERATOR_NS}/leases/{op.release}")["spec"]["holderIdentity"]
+        kube.get(f"/apis/coordination.k8s.io/v1/namespaces/{OPERATOR_NS}/leases/{RELEASE}")["spec"]["holderIdentity"]
     )
     expected = {"role": "standby", "leader": holder}
     wait_for(lambda: _health(kube, standby["metadata"]["name"]) == expected, 60, "the standby's liveness answer")

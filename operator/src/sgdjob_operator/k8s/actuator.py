@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sgdjob_operator.api.models import SGDJobSpec, SGDJobStatus
+from sgdjob_operator.api.models import ControllerState, SGDJobSpec, SGDJobStatus
 from sgdjob_operator.k8s.builders import POLICY_STATE_KEY
 from sgdjob_operator.k8s.membership import (
     GiveBack,
@@ -145,15 +145,10 @@ def give_back(st: SGDJobStatus, spec: SGDJobSpec, back: GiveBack, now: float) ->
     larger world."""
     ctl = controller(st)
     out = Outcome(scale_to=back.replicas, applied="rescale")
-    current = wanted_indices(ctl, spec.replicas)
-    store_indices(ctl, rescaled_indices(current, back.replicas, back.indices))
-    record_scale(spec, ctl, back.replicas)
+    rescale_indices(ctl, spec, back.replicas, back.indices)
     ctl.restart_from, ctl.restart_shrinks = None, None
     until = hold_growth(ctl, now, spec.policy.interval_seconds)
-    state, _ = driver_state(st)
-    fresh, _ = restarted(state, now, back.replicas * spec.nproc_per_node, spec.training.batch_size, None)
-    kept = dataclasses.replace(fresh.policy, last_change=state.policy.last_change, last_pause=state.policy.last_pause)
-    store(st, dataclasses.replace(fresh, policy=kept))
+    ranks_anew(st, spec, now, back.replicas, keep_clock=True)
     record_decision(st, now, "rescale", f"growth given back: {back.reason}", replicas=back.replicas)
     message = (
         f"rescaling {spec.replicas} -> {back.replicas} workers (giving back {', '.join(back.pods)}): {back.reason}; "
@@ -194,7 +189,7 @@ class StatusActuator:
         elif action.pod:
             self.out.delete_pod = action.pod
         restart_began(ctl, self.now)
-        self._ranks_anew(len(wanted_indices(ctl, self.spec.replicas)))
+        ranks_anew(self.st, self.spec, self.now, len(wanted_indices(ctl, self.spec.replicas)))
         d = action.decision
         record = record_decision(self.st, self.now, d.action, d.reason, rank=action.rank, pod=action.pod, hung=d.hung)
         where = f"; node {node} excluded for this job" if node else ""
@@ -214,11 +209,9 @@ class StatusActuator:
         ctl, reason = controller(self.st), action.decision.reason
         self.out.scale_to = action.replicas
         removed = [self.indices[p] for p in action.remove_pods if p in self.indices]
-        current = wanted_indices(ctl, self.spec.replicas)
-        store_indices(ctl, rescaled_indices(current, action.replicas, removed))
-        restart_began(ctl, self.now, shrink=action.replicas < len(current))
-        self._ranks_anew(action.replicas)
-        record_scale(self.spec, ctl, action.replicas)
+        current = rescale_indices(ctl, self.spec, action.replicas, removed)
+        restart_began(ctl, self.now, shrink=action.replicas < current)
+        ranks_anew(self.st, self.spec, self.now, action.replicas)
         if action.exclude_node:
             why = f"ranks {list(action.remove_ranks)} slow on it; removed by a rescale"
             exclude(ctl, action.exclude_node, self.now, self.spec.policy.exclude_node_seconds, why)
@@ -232,13 +225,27 @@ class StatusActuator:
         self.out.events.append(Event("Normal", "Rescale", message))
         ctl.last_change_time = record.time
 
-    def _ranks_anew(self, replicas: int) -> None:
-        """A membership change hands the ranks out anew: per-rank batch sizes and groups, which name
-        the old world's ranks, are dropped, the new world is told the job's batch on every rank, and
-        the policy starts over from the change (`driver.restarted`, as the local runner does). Kept,
-        a rescale from 3 to 2 ran the survivors on their shares of the old world's split until a later
-        pass restored plain sync (measured on real nodes)."""
-        state, _ = driver_state(self.st)
-        world = replicas * self.spec.nproc_per_node
-        fresh, _ = restarted(state, self.now, world, self.spec.training.batch_size, None)
-        store(self.st, fresh)
+
+def rescale_indices(ctl: ControllerState, spec: SGDJobSpec, replicas: int, removed: Sequence[int]) -> int:
+    """The wanted worker indices after a rescale to `replicas` without `removed`, recorded with the
+    scale itself; returns how many were wanted before."""
+    current = wanted_indices(ctl, spec.replicas)
+    store_indices(ctl, rescaled_indices(current, replicas, removed))
+    record_scale(spec, ctl, replicas)
+    return len(current)
+
+
+def ranks_anew(st: SGDJobStatus, spec: SGDJobSpec, now: float, replicas: int, *, keep_clock: bool = False) -> None:
+    """A membership change hands the ranks out anew: per-rank batch sizes and groups, which name
+    the old world's ranks, are dropped, the new world is told the job's batch on every rank, and
+    the policy starts over from the change (`driver.restarted`, as the local runner does). Kept,
+    a rescale from 3 to 2 ran the survivors on their shares of the old world's split until a later
+    pass restored plain sync (measured on real nodes). `keep_clock`: the change restarted nothing
+    (a growth given back), so the cooldown runs on from the last change."""
+    state, _ = driver_state(st)
+    fresh, _ = restarted(state, now, replicas * spec.nproc_per_node, spec.training.batch_size, None)
+    if keep_clock:
+        was = state.policy
+        kept = dataclasses.replace(fresh.policy, last_change=was.last_change, last_pause=was.last_pause)
+        fresh = dataclasses.replace(fresh, policy=kept)
+    store(st, fresh)

@@ -38,11 +38,17 @@ def in_flight_reason(status: SGDJobStatus, spec: SGDJobSpec, pods: Sequence[PodV
     return "", ""
 
 
+def refused_grace(spec: SGDJobSpec) -> float:
+    """How long the scheduler must refuse a pod before it counts as refused: policy.cooldownSeconds,
+    at least an interval."""
+    return max(spec.policy.cooldown_seconds, spec.policy.interval_seconds)
+
+
 def refused_pods(spec: SGDJobSpec, pods: Sequence[PodView], now: float) -> list[PodView]:
-    """Worker pods the scheduler has refused (PodScheduled False, Unschedulable) for
-    policy.cooldownSeconds, at least an interval: capacity the job does not have (the node they need
-    is excluded or lost, or taken), no longer a change that is about to land."""
-    grace = max(spec.policy.cooldown_seconds, spec.policy.interval_seconds)
+    """Worker pods the scheduler has refused (PodScheduled False, Unschedulable) for `refused_grace`:
+    capacity the job does not have (the node they need is excluded or lost, or taken), no longer a
+    change that is about to land."""
+    grace = refused_grace(spec)
     refused = [p for p in workers(pods) if p.active and p.node is None and p.unschedulable]
     return [p for p in refused if now - (p.unschedulable_since or p.created or now) >= grace]
 

@@ -27,7 +27,7 @@ from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 from sgdjob_operator.api.models import Action, ControllerState, ExcludedNode, SGDJobSpec
-from sgdjob_operator.k8s.in_flight import refused_pods
+from sgdjob_operator.k8s.in_flight import refused_grace, refused_pods
 from sgdjob_operator.k8s.status import PodView, parse_time, rfc3339
 
 MAX_EXCLUDED = 256
@@ -104,7 +104,7 @@ def unplaced_growth(spec: SGDJobSpec, ctl: ControllerState, pods: Sequence[PodVi
     theirs to wait for), when the pods it keeps are still at least minReplicas. None otherwise."""
     if Action.RESCALE not in spec.policy.allowed_actions or ctl.scaled_replicas != spec.replicas:
         return None
-    grace = max(spec.policy.cooldown_seconds, spec.policy.interval_seconds)
+    grace = refused_grace(spec)
     stuck = [p for p in refused_pods(spec, pods, now) if p.index is not None]
     keep = spec.replicas - len(stuck)
     if not stuck or keep < spec.min_workers:

@@ -114,16 +114,16 @@ def closed_store(ctl: ControllerState, pods: Sequence[PodView], *, step: int, no
         f"rendezvous store {store.name} has closed its rendezvous ({turned_away[0].name} exited with code "
         f"{EXIT_RENDEZVOUS_CLOSED} on joining): the agents ended their world, so no worker can join it again"
     )
-    ctl.store_silence = None
     # No node to avoid: the store's node is healthy, only its rendezvous is spent.
-    ctl.store_move = StoreMove(time=rfc3339(now), node=None, reason=why, step=step)
+    moved(ctl, store, now, why, step, avoid=False)
     return Rehome(store.name, None, why)
 
 
-def moved(ctl: ControllerState, store: PodView, now: float, why: str, step: int) -> None:
-    """Record a store replaced by another path (its node lost, nodeloss.py) for the failure rules."""
+def moved(ctl: ControllerState, store: PodView, now: float, why: str, step: int, *, avoid: bool = True) -> None:
+    """Record a store replaced (its node lost, nodeloss.py; its rendezvous closed) for the failure
+    rules; `avoid`: the next store stays off the old one's node."""
     ctl.store_silence = None
-    ctl.store_move = StoreMove(time=rfc3339(now), node=store.node, reason=why, step=step)
+    ctl.store_move = StoreMove(time=rfc3339(now), node=store.node if avoid else None, reason=why, step=step)
 
 
 def stranded_workers(
