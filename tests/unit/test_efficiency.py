@@ -65,7 +65,7 @@ def test_an_adaptive_optimizers_smaller_updates_count_less_by_the_measured_noise
     assert lost.batch_worth(32) == pytest.approx(0.5), "noise-dominated: sqrt(b/B)"
     sgd = Efficiency(0.02, noise_scale=128.0, correlation=0.99, reference_batch=128)
     assert sgd.batch_worth(32) == 1.0, "SGD's step scales with its learning rate per sample"
-    assert adam.async_update(1.0, 4, 32) == pytest.approx(0.99**0.75 * math.sqrt(2 / 5))
+    assert adam.async_update(1.0, 4) == pytest.approx(0.99**0.75), "staleness only: the shared damping is apart"
     # The ranks' flag reaches the estimate, with sync's global batch as the reference.
     samples = [
         dataclasses.replace(_sample(r, GradientSignal(40, 1.0, 128.0, 0.99)), adaptive_optimizer=r == 0)
@@ -179,3 +179,20 @@ def test_where_the_gradient_turns_fast_the_same_job_rebalances_sync() -> None:
 def test_without_gradient_statistics_the_decision_says_it_assumed_the_prior() -> None:
     d = _first_change(_straggler_job(None))
     assert "assumed (stalenessPenalty 0.02" in d.reason
+
+
+def test_async_pushes_sharing_an_adaptive_optimizer_are_damped_by_their_noisiest() -> None:
+    """The parameter server's Adam divides every push by the pushes' common RMS: a worker left a batch
+    of 1 that pushes often damps the large batches' pushes too, where their own figure says ~1."""
+    adam = Efficiency(0.02, noise_scale=4.0, correlation=0.9, adaptive=True, reference_batch=96)
+    assert adam.shared_worth([(72, 8.0)]) == pytest.approx(adam.batch_worth(72))
+    assert adam.batch_worth(72) > 0.97
+    mixed = adam.shared_worth([(72, 8.0), (23, 7.0), (1, 35.0)])
+    spread = (8 * (1 + 4 / 72) + 7 * (1 + 4 / 23) + 35 * (1 + 4)) / 50
+    assert mixed == pytest.approx(math.sqrt((1 + 4 / 96) / spread)) and mixed < 0.6
+    lost = Efficiency(0.02, noise_scale=math.inf, adaptive=True, reference_batch=96)
+    assert lost.shared_worth([(48, 1.0), (48, 1.0)]) == pytest.approx(math.sqrt(0.5))
+    assert lost.shared_worth([(96, 1.0), (1, 1.0)]) == pytest.approx(math.sqrt(2 / 97))
+    assert adam.shared_worth([(192, 1.0)]) == 1.0, "never a promised gain"
+    sgd = Efficiency(0.02, noise_scale=4.0, correlation=0.9, reference_batch=96)
+    assert sgd.shared_worth([(72, 8.0), (1, 35.0)]) == 1.0, "SGD's steps are not divided by an RMS"

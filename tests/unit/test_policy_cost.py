@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 from hypothesis import example, given
@@ -187,3 +188,19 @@ def test_decisions_serialise_for_status_and_logs() -> None:
     ):
         doc = json.loads(json.dumps(d.to_dict()))
         assert doc["action"] == d.action and doc["reason"]
+
+
+def test_async_under_an_adaptive_optimizer_counts_the_small_batches_noise_in_every_push() -> None:
+    """A rebalanced split's batch of 1 on the slow worker: in async it pushes most often, and the servers'
+    Adam divides the fast workers' pushes by its noise too, so async predicts far less than it would
+    with each push's own batch."""
+    adam = Efficiency(0.02, noise_scale=4.0, correlation=0.9, adaptive=True, reference_batch=96)
+    ci = CostInputs(FREE, 0.0, adam, 4, 2, None, 1)
+    speeds, batches = {0: 600.0, 1: 180.0, 2: 35.0}, {0: 72, 1: 23, 2: 1}
+    got = predict_async(speeds, batches, ci)
+    stale_only = predict_async(speeds, batches, CostInputs(FREE, 0.0, replace(adam, adaptive=False), 4, 2, None, 1))
+    assert got.throughput == pytest.approx(sum(speeds.values()))
+    assert got.efficiency < 0.6 * stale_only.efficiency, (got, stale_only)
+    # The same split at equal batches shares nothing noisier than its own pushes.
+    even = predict_async(speeds, {r: 32 for r in speeds}, ci)
+    assert even.efficiency > got.efficiency

@@ -179,6 +179,7 @@ def predict_async(
     applied = 0.0
     weighted = 0.0
     worth = 0.0
+    pushes: list[tuple[float, float]] = []
     known = measured_staleness if measured_staleness is not None and measured_staleness > 0 else None
     for r, rate in rates.items():
         # Updates the other workers make during one of this worker's steps, per other worker.
@@ -187,8 +188,11 @@ def predict_async(
             continue
         applied += batches[r] * rate
         weighted += batches[r] * rate * stale
-        # Each update is over one worker's batch, at its own staleness (or what the workers report).
+        pushes.append((batches[r], rate))
+        # Each update is at its own staleness (or what the workers report).
         age = known if known is not None else stale
-        worth += batches[r] * rate * ci.efficiency.async_update(age, n, batches[r])
+        worth += batches[r] * rate * ci.efficiency.async_update(age, n)
     staleness = known if known is not None else (weighted / applied if applied > 0 else 0.0)
-    return Prediction(label, applied, staleness, worth / applied if applied > 0 else 1.0)
+    # The applied pushes share the servers' optimizer state (an adaptive one's RMS is theirs together).
+    shared = ci.efficiency.shared_worth(pushes)
+    return Prediction(label, applied, staleness, shared * worth / applied if applied > 0 else 1.0)

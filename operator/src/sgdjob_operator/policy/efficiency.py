@@ -35,7 +35,13 @@ worker's consecutive gradients in async and where a hierarchical group is one ra
   of one over sync's global batch B per sample, at the same learning rate per sample: 1 while the
   noise is small against b, down to sqrt(b/B) when it dominates (async on 4 equal workers: 1/2).
   Here Bn does change the worth. Capped at 1: the first-order model is not trusted to promise a
-  gain from a larger batch.
+  gain from a larger batch. Async's pushes share one optimizer state (the parameter server's), so
+  the RMS that divides every push is the pushes' common one, which the noisiest (smallest) batches
+  dominate: each push is worth sqrt((1 + Bn/B) / mean(1 + Bn/b)), the mean over pushes (weighted
+  by how often each worker pushes), not its own batch's figure. A rebalanced split left a slow
+  worker a batch of 1 to 3 samples: in async it pushes most often, and its noise damped the fast
+  workers' steps too (real-node charlm under AdamW, seed 117 at f075fca: async predicted +130 % from
+  the own-batch figure, measured -98 %; bench/README).
 
 Until the trainers have averaged MIN_STEPS steps in their current mode, or when they do not say, the prior
 applies: a gradient s steps stale is worth 1 - stalenessPenalty x s, and nothing else changes the
@@ -89,14 +95,23 @@ class Efficiency:
     def batch_worth(self, batch: float) -> float:
         """Per-sample worth of an update over `batch` samples relative to one over `reference_batch`:
         below 1 only for an adaptive optimizer with a measured noise scale (module doc)."""
-        if not self.adaptive or not self.measured or batch <= 0 or self.reference_batch <= 0:
+        return self.shared_worth(((batch, 1.0),))
+
+    def shared_worth(self, pushes: Iterable[tuple[float, float]]) -> float:
+        """Per-sample worth of updates that share one adaptive optimizer's state, relative to one
+        over `reference_batch`: `pushes` are (batch, updates per second) of each source; every update
+        is divided by their common gradient RMS (module doc). 1 for a plain optimizer or unmeasured."""
+        pushes = [(b, r) for b, r in pushes if b > 0 and r > 0]
+        if not self.adaptive or not self.measured or not pushes or self.reference_batch <= 0:
             return 1.0
-        if batch >= self.reference_batch:
-            return 1.0
+        rate = sum(r for _, r in pushes)
         noise = self.noise_scale or 0.0
         if math.isinf(noise):
-            return math.sqrt(batch / self.reference_batch)
-        return math.sqrt((1.0 + noise / self.reference_batch) / (1.0 + noise / batch))
+            # The RMS is the noise alone: tr(S)/b on average over the pushes, against sync's tr(S)/B.
+            inverse = sum(r / b for b, r in pushes) / rate
+            return min(1.0, math.sqrt(1.0 / (self.reference_batch * inverse)))
+        spread = sum(r * (1.0 + noise / b) for b, r in pushes) / rate
+        return min(1.0, math.sqrt((1.0 + noise / self.reference_batch) / spread))
 
     def sync_batch_worth(self, batch: float) -> float:
         """Per-sample worth of a synchronous update over `batch` samples relative to one over
@@ -115,16 +130,16 @@ class Efficiency:
             return max(0.0, 1.0 - self.penalty * age)
         return float(max(0.0, self.correlation) ** max(0.0, age))
 
-    def async_update(self, staleness: float, world: int, batch: float = 0.0) -> float:
-        """Worth per sample of one async update over `batch` samples whose gradient is
-        `staleness` steps old in the trainer's unit (the steps the average other worker took
-        meanwhile: about staleness x (N-1)/N synchronous steps of movement, since each update
-        weighs b/B), at the learning-rate damping the trainer applies to it."""
+    def async_update(self, staleness: float, world: int) -> float:
+        """Worth per sample of one async update whose gradient is `staleness` steps old in the
+        trainer's unit (the steps the average other worker took meanwhile: about staleness x (N-1)/N
+        synchronous steps of movement, since each update weighs b/B), at the learning-rate damping the
+        trainer applies to it; an adaptive optimizer's shared damping (`shared_worth`) comes on top."""
         if not self.measured:
             return max(0.0, 1.0 - self.penalty * staleness)
         age = staleness * (world - 1) / world if world > 1 else 0.0
         damped = self.per_sample(StalenessLr(self.damping).factor(staleness))
-        return self.stale(age) * damped * self.batch_worth(batch)
+        return self.stale(age) * damped
 
     def describe(self) -> str:
         if not self.measured:
