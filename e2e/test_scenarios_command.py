@@ -4,7 +4,8 @@ three kubelet nodes, loses worker-0's pod mid-run (the pod with rank 0, which wr
 is scaled from 3 workers to 2 with `kubectl scale`, and ends Succeeded, each new world resuming from the
 script's own checkpoint. SGDJob does nothing to the script: it restarts the world (torchrun's elastic
 agent in every pod: SGDJob's, which the image holds), replaces the pod, and re-forms the world at the
-new size without waiting torch's last call.
+new size without waiting torch's last call. A script that crashes at import on every worker fails
+the job at its backoffLimit instead of looping on a closed rendezvous.
 
 The script and its checkpoint live on the host, mounted into every pod (hostPath: the nodes share the
 host's filesystem), as the real-node goodput benchmark runs its DDP baseline."""
@@ -21,7 +22,7 @@ import pytest
 
 from devcluster.realnodes import RealCluster
 from devcluster.testing import Obj, wait_for
-from e2e.helpers import job_status, worker_pods
+from e2e.helpers import job_events, job_status, worker_pods
 from e2e.real import OPERATOR_IMAGES, RealEnv, RealOperator, real_scenario_env
 from tests.local.example_runs import REPO
 
@@ -141,3 +142,26 @@ def test_11_an_unmodified_ddp_script_survives_losing_worker_0_and_a_rescale(env:
     # is still on a node: the lost worker-0's first life took its log with its pod).
     saved = {ep for ep, _ in epochs_saved(env)}
     assert saved == set(range(min(saved), EPOCHS)), sorted(saved)
+
+
+def test_12_a_script_that_crashes_at_import_on_every_worker_fails_the_job(env: RealEnv) -> None:
+    """Every worker's script exits 1 at once (a module the image lacks). Each pod's agent spends its
+    restarts in seconds and, ending, closes the rendezvous, so the pods made next find it closed and
+    exit 3, which counts against nothing: the job must get a fresh store (a RendezvousClosed Warning),
+    count the new world's crashes and end Failed at its backoffLimit, not make pods for ever (before
+    51be0fb it did, for minutes, on real nodes)."""
+    job = "importerror"
+    doc = manifest(env.tmp / job)
+    doc["metadata"]["name"] = job
+    spec = doc["spec"]
+    spec |= {"replicas": 2, "minReplicas": 2, "maxReplicas": 2, "runPolicy": {"backoffLimit": 3}}
+    spec["training"] = {"command": ["python", "-c", "import sgdjob_e2e_no_such_module"]}
+    container = {"name": "trainer", "resources": {"limits": {"nvidia.com/gpu": 1}}}
+    spec["template"] = {"spec": {"containers": [container]}}
+    env.apply(json.dumps(doc))
+    st = wait_for(lambda: (s := job_status(env.kube, env.ns, job)).get("phase") == "Failed" and s, 300, f"{job} Failed")
+    failed = next(c for c in st["conditions"] if c["type"] == "Failed")
+    assert failed["reason"] == "BackoffLimitExceeded" and "backoffLimit 3" in failed["message"], failed
+    reasons = [e.get("reason") for e in job_events(env.kube, env.ns, job)]
+    assert "RendezvousClosed" in reasons, reasons
+    env.kubectl("delete", "sgdjob", job, "-n", env.ns, "--wait=false")
