@@ -36,6 +36,41 @@ def arguments() -> argparse.Namespace:
     return parser.parse_args()
 
 
+def regression_data() -> tuple[torch.Tensor, torch.Tensor]:
+    """The run's data (every script's the same): 4096 noisy samples of one linear map."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(4096, 8, generator=g)
+    return x, x @ torch.randn(8, 1, generator=g) + 0.1 * torch.randn(4096, 1, generator=g)
+
+
+def write_final(out: Path, rank: int, model: nn.Module) -> None:
+    params = torch.cat([p.detach().flatten() for p in model.parameters()]).tolist()
+    (out / f"final{rank}.json").write_text(json.dumps(params))
+
+
+class StepLog:
+    """OUT/rank<R>.jsonl, one line a step: the step, the session's mode, the wall clock, the parameters and
+    momentum. `record` says when to stop: `after_sync` steps after the session came back to sync from
+    hierarchical (every rank sees the switch at the same step). The three scripts of the test share it."""
+
+    def __init__(self, out: Path, rank: int, after_sync: int) -> None:
+        self.file = (out / f"rank{rank}.jsonl").open("w")
+        self.after_sync = after_sync
+        self.was_hierarchical = False
+        self.back_at: int | None = None
+
+    def record(self, step: int, mode: str, params: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> bool:
+        momentum = [optimizer.state[p]["momentum_buffer"].flatten().tolist() for p in params]
+        flat = torch.cat([p.detach().flatten() for p in params]).tolist()
+        doc = {"step": step, "mode": mode, "t": time.time(), "params": flat, "momentum": momentum}
+        self.file.write(json.dumps(doc) + "\n")
+        self.file.flush()
+        self.was_hierarchical = self.was_hierarchical or mode == "hierarchical"
+        if self.back_at is None and self.was_hierarchical and mode == "sync":
+            self.back_at = step
+        return self.back_at is not None and step >= self.back_at + self.after_sync
+
+
 def main() -> None:
     args = arguments()
     dist.init_process_group("gloo")
@@ -53,38 +88,27 @@ def main() -> None:
         optimizer.load_state_dict(state["optimizer"])
 
     session = adapt.start(model, optimizer=optimizer, save=save, load=load)
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(4096, 8, generator=g)
-    y = x @ torch.randn(8, 1, generator=g) + 0.1 * torch.randn(4096, 1, generator=g)
+    x, y = regression_data()
     loader = session.loader(TensorDataset(x, y), batch_size=8, shuffle=True, seed=0)
     pause = args.slow_seconds if rank == args.slow_rank else args.step_seconds
     loss_fn = nn.MSELoss()
-    was_hierarchical, back_at = False, None
-    with (args.out / f"rank{rank}.jsonl").open("w") as out:
-        while back_at is None or session.step_count < back_at + args.after_sync:
-            for xb, yb in loader:
-                optimizer.zero_grad()
-                loss = loss_fn(model(xb), yb)
-                time.sleep(pause)
-                loss.backward()
-                optimizer.step()
-                session.step(loss)
-                mode = session.telemetry.mode.value
-                momentum = [optimizer.state[p]["momentum_buffer"].flatten().tolist() for p in model.parameters()]
-                params = torch.cat([p.detach().flatten() for p in model.parameters()]).tolist()
-                doc = {"step": session.step_count, "mode": mode, "t": time.time(), "params": params}
-                out.write(json.dumps({**doc, "momentum": momentum}) + "\n")
-                was_hierarchical = was_hierarchical or mode == "hierarchical"
-                if back_at is None and was_hierarchical and mode == "sync":
-                    back_at = session.step_count
-                done = back_at is not None and session.step_count >= back_at + args.after_sync
-                if done or session.step_count >= args.max_steps:
-                    break
-            if session.step_count >= args.max_steps:
+    log = StepLog(args.out, rank, args.after_sync)
+    done = False
+    while not done:
+        for xb, yb in loader:
+            optimizer.zero_grad()
+            loss = loss_fn(model(xb), yb)
+            time.sleep(pause)
+            loss.backward()
+            optimizer.step()
+            session.step(loss)
+            mode = session.telemetry.mode.value
+            done = log.record(session.step_count, mode, list(model.parameters()), optimizer)
+            done = done or session.step_count >= args.max_steps
+            if done:
                 break
     session.finish()
-    params = torch.cat([p.detach().flatten() for p in model.parameters()]).tolist()
-    (args.out / f"final{rank}.json").write_text(json.dumps(params))
+    write_final(args.out, rank, model)
     dist.destroy_process_group()
 
 

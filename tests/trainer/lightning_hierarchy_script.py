@@ -7,7 +7,6 @@ session came back to sync from hierarchical (every rank sees the switch at the s
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
@@ -15,7 +14,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from hierarchy_script import arguments  # beside this file: the same arguments and node names
+from hierarchy_script import StepLog, arguments, regression_data, write_final  # beside this file
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -41,35 +40,21 @@ class Regression(L.LightningModule):
 
 class Record(L.Callback):
     def __init__(self, out: Path, rank: int, after_sync: int) -> None:
-        self.file = (out / f"rank{rank}.jsonl").open("w")
-        self.after_sync = after_sync
-        self.was_hierarchical, self.back_at = False, None
+        self.steps = StepLog(out, rank, after_sync)
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int) -> None:
         session = SGDJobCallback.session_of(trainer)
-        step, mode = session.step_count, session.telemetry.mode.value
-        if step == 0:
+        if session.step_count == 0:
             return
-        optimizer = trainer.optimizers[0]
         params = list(pl_module.parameters())
-        momentum = [optimizer.state[p]["momentum_buffer"].flatten().tolist() for p in params]
-        flat = torch.cat([p.detach().flatten() for p in params]).tolist()
-        doc = {"step": step, "mode": mode, "t": time.time(), "params": flat, "momentum": momentum}
-        self.file.write(json.dumps(doc) + "\n")
-        self.file.flush()
-        self.was_hierarchical = self.was_hierarchical or mode == "hierarchical"
-        if self.back_at is None and self.was_hierarchical and mode == "sync":
-            self.back_at = step
-        if self.back_at is not None and step >= self.back_at + self.after_sync:
+        if self.steps.record(session.step_count, session.telemetry.mode.value, params, trainer.optimizers[0]):
             trainer.should_stop = True  # every rank at the same step: the switch back is agreed
 
 
 def main() -> None:
     args = arguments()
     rank = int(os.environ["RANK"])
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(4096, 8, generator=g)
-    y = x @ torch.randn(8, 1, generator=g) + 0.1 * torch.randn(4096, 1, generator=g)
+    x, y = regression_data()
     model = Regression(args.slow_seconds if rank == args.slow_rank else args.step_seconds)
     trainer = SGDJobTrainer(
         accelerator="cpu", max_steps=args.max_steps, logger=False, enable_checkpointing=False,
@@ -77,8 +62,7 @@ def main() -> None:
         callbacks=[Record(args.out, rank, args.after_sync)],
     )  # fmt: skip
     trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=8, shuffle=True))
-    params = torch.cat([p.detach().flatten() for p in model.parameters()]).tolist()
-    (args.out / f"final{rank}.json").write_text(json.dumps(params))
+    write_final(args.out, rank, model)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,11 @@
 """A script on the adaptation API follows `mode: hierarchical` and back to sync, on 4 real torchrun
 ranks (gloo, loopback) that claim two nodes of two ranks each, rank 3 an EMULATED straggler (it
 sleeps 16x longer a step). The commands go to rank 0's /control, as a controller sends them. The same
-run twice: a plain DDP script that hands `adapt.start` its optimizer (hierarchy_script.py), and a
+run three times: a plain DDP script that hands `adapt.start` its optimizer (hierarchy_script.py), a
 Lightning module under SGDJobTrainer, whose callback hands the session Lightning's optimizer
-(lightning_hierarchy_script.py; skipped only without the `lightning` extra).
+(lightning_hierarchy_script.py; skipped only without the `lightning` extra), and a Hugging Face Trainer
+under SGDJobTrainer whose loss Trainer divides by its item count over the world, in hierarchical the
+group's (hf_hierarchy_script.py; skipped only without the `hf` extra).
 
 Checked from the JSON line each rank writes a step (hierarchy_script.py): inside a node's group the
 ranks hold the same parameters at every step while the groups drift apart between the averaging
@@ -45,6 +47,11 @@ def _plain_params(saved: dict[str, Any]) -> list[float]:
     return torch.cat([model["weight"].flatten(), model["bias"].flatten()]).tolist()
 
 
+def _hf_params(saved: dict[str, Any]) -> list[float]:
+    model = saved["model"]
+    return torch.cat([model["net.weight"].flatten(), model["net.bias"].flatten()]).tolist()
+
+
 def _lightning_params(saved: dict[str, Any]) -> list[float]:
     model = saved["state_dict"]
     return torch.cat([model["net.weight"].flatten(), model["net.bias"].flatten()]).tolist()
@@ -64,6 +71,7 @@ SCRIPTS = {
     "lightning": Script(
         Path(__file__).with_name("lightning_hierarchy_script.py"), 0.15, 150, _lightning_params, "lightning"
     ),
+    "hf": Script(Path(__file__).with_name("hf_hierarchy_script.py"), 0.15, 150, _hf_params, "transformers"),
 }
 
 

@@ -28,6 +28,10 @@ What it gives, as `adapt.start`/`session.loader`/`session.step` give a plain DDP
   the rank's token sum / the world's token count x world size); then `training_step` sets the
   hook's factor to 1 for that batch, so the weighting is not applied twice. Either way the averaged
   gradient is the global batch's mean. The reported loss is the rank's own mean in both cases.
+- Hierarchical: the callback hands the session Trainer's optimizer at `on_train_begin`, so a
+  `mode: hierarchical` command is followed as for a plain script; in it Trainer's count of the
+  loss's items is the rank's group's, not the world's (`_get_num_items_in_batch`), so no world
+  collective runs between the cross-group rounds.
 - Checkpoints: the session's, through `save`/`load` functions of this module, not Trainer's
   `save_strategy`/`resume_from_checkpoint`. Why: the agreed stop happens inside `session.step()` at a
   step every rank agreed on, and the checkpoint written there must carry the session's state with the
@@ -133,7 +137,10 @@ class SGDJobCallback(TrainerCallback):  # type: ignore[misc]
         model = trainer.model_wrapped
         if session.exchange is None:
             if isinstance(model, DistributedDataParallel):
-                session.attach(model)
+                # Trainer made its optimizer by now (accelerate wraps it): with it the session can run
+                # hierarchical, whose merge averages the optimizer's state over the ranks.
+                optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+                session.attach(model, optimizer=optimizer if isinstance(optimizer, torch.optim.Optimizer) else None)
             elif session.info.world_size > 1:
                 raise TypeError(
                     f"SGDJobTrainer: the trainer's model is a {type(model).__name__}, not accelerate's "
@@ -221,6 +228,28 @@ class SGDJobTrainerMixin(_TrainerBase):  # type: ignore[misc,valid-type]
         loss = super().training_step(model, inputs, *args, **kwargs)
         self._sgdjob_loss = float(loss) / share
         return loss
+
+    def _get_num_items_in_batch(self, batch_samples: list[Any], device: Any) -> Any:
+        """Trainer's count of the items its loss is divided by. In hierarchical it is the rank's group's,
+        summed over the group's own exchange and scaled by world / group size: Trainer multiplies the
+        loss by the world size and the group's exchange averages over its ranks, so the group's gradient
+        is its own items' mean. Trainer's count over the world (`average_tokens_across_devices`) would
+        be a world collective a step, which holds the fast group to the slowest rank."""
+        hierarchy, exchange = self.sgdjob.modes.hierarchy, self.sgdjob.exchange
+        if hierarchy is None or exchange is None or not self.args.average_tokens_across_devices:
+            return super()._get_num_items_in_batch(batch_samples, device)
+        self.args.average_tokens_across_devices = False  # Trainer's own count, without its world gather
+        try:
+            count = super()._get_num_items_in_batch(batch_samples, device)
+        finally:
+            self.args.average_tokens_across_devices = True
+        if not torch.is_tensor(count):
+            return count
+        total = count.detach().to(torch.float64).reshape(1)  # on the device the group's backend serves
+        if exchange.group is not None:
+            torch.distributed.all_reduce(total, group=exchange.group)
+        scale = self.args.world_size / len(hierarchy.my_group)
+        return (total[0] * scale).to(torch.float32)
 
     def _sgdjob_loss_is_global(self, items: Any) -> bool:
         """Trainer's own test (compute_loss): the loss is the rank's sum over the world's item count."""
