@@ -33,7 +33,7 @@ from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 from sgdjob_operator.local.procs import free_port_blocks
 from sgdjob_operator.workers.store_probe import store_answers
 from sgdjob_trainer import rendezvous_rounds
-from sgdjob_trainer.rendezvous_rounds import complete_at, expire_departed, poll_seconds
+from sgdjob_trainer.rendezvous_rounds import complete_at, expire_departed, method_name, poll_seconds, register
 from sgdjob_trainer.wire.launch_contract import AGENT_KEY_PREFIX, ENV_AGENT_ID
 
 pytestmark = pytest.mark.multiproc
@@ -233,3 +233,19 @@ def test_worlds_form_at_the_intended_size_and_a_removed_node_costs_seconds(tmp_p
         for name in ("a", "b", "c", "store"):
             if (tmp_path / f"{name}.txt").exists():
                 print(f"--- {name}\n" + (tmp_path / f"{name}.txt").read_text()[-2500:])
+
+
+def test_the_rendezvous_events_name_their_method_without_reading_every_frames_source() -> None:
+    """torch's event names come from `inspect.stack()` (the source of every frame, twice an event);
+    the agent's registered backend names them from the frame alone, with the same name."""
+    register()
+    assert dyn.get_method_name is method_name
+
+    def operation() -> tuple[str, str]:
+        def record() -> tuple[str, str]:
+            return dyn.get_method_name(), method_name(1)
+
+        return record()
+
+    assert operation() == ("operation", "record")
+    assert method_name(10_000) == "no_method_name"
