@@ -26,7 +26,7 @@ def test_ranks_average_into_one_estimate_once_enough_steps_are_measured() -> Non
     assert not estimate([_sample(0, few), _sample(1, None)], 0.02).measured, "too few steps: the prior"
     signals = [GradientSignal(40, 1.0, 80.0, 0.8), GradientSignal(30, 3.0, 320.0, 2.6)]
     eff = estimate([_sample(r, g) for r, g in enumerate(signals)], 0.02, "sqrt")
-    assert eff.measured and eff.steps == 30 and eff.ranks == 2
+    assert eff.measured and eff.steps == 40 and eff.ranks == 2, "the figures rest on the best-measured rank's steps"
     assert eff.noise_scale == pytest.approx(100.0) and eff.correlation == pytest.approx(0.85)
     # Near the noise floor (noise scale far above the step's batch) the correlation is noise: not read.
     floor = estimate([_sample(0, GradientSignal(40, 0.01, 80.0, -0.004))], 0.02, global_batch=128)
@@ -36,6 +36,25 @@ def test_ranks_average_into_one_estimate_once_enough_steps_are_measured() -> Non
     assert estimate([_sample(0, GradientSignal(40, 1.0, 200.0, 0.9))], 0.02, global_batch=128).correlation == 0.9
     lost = estimate([_sample(0, GradientSignal(40, -0.5, 80.0, 0.1))], 0.02)
     assert lost.noise_scale == math.inf and lost.correlation is None, "the true gradient is lost in the noise"
+
+
+def test_an_async_stay_stays_measured_when_its_slow_rank_starts_to_report() -> None:
+    """In async a 4x slower rank reaches MIN_STEPS when the fast ranks have ~40 steps: its figures join
+    the average, and the stay still counts as measured over the fast ranks' steps (before, the fewest
+    steps ruled, the stay fell back below MEASURE_WAIT_STEPS and its check stopped counting windows)."""
+
+    def ranks(slow_steps: int) -> list[WorkerSample]:
+        fast = [
+            dataclasses.replace(_sample(r, GradientSignal(4 * MIN_STEPS, 1.0, 20.0, 0.9)), mode="async")
+            for r in range(3)
+        ]
+        slow = GradientSignal(slow_steps, 1.0, 40.0, 0.8)
+        return [*fast, dataclasses.replace(_sample(3, slow), mode="async")]
+
+    before, after = estimate(ranks(MIN_STEPS - 1), 0.02), estimate(ranks(MIN_STEPS), 0.02)
+    assert before.ranks == 3 and after.ranks == 4, "the slow rank's figures count once it has MIN_STEPS"
+    assert before.steps == after.steps == 4 * MIN_STEPS >= MEASURE_WAIT_STEPS
+    assert after.measured_in == "async" and after.noise_scale == pytest.approx(25.0)
 
 
 def test_a_stale_gradient_is_worth_the_measured_correlation_per_step_of_age() -> None:

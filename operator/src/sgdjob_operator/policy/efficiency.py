@@ -74,6 +74,7 @@ class Efficiency:
     damping: str = "none"
     noise_scale: float | None = None
     correlation: float | None = None
+    # The steps the figures rest on: the best-measured rank's (`estimate`).
     steps: int = 0
     ranks: int = 0
     adaptive: bool = False
@@ -182,7 +183,12 @@ def estimate(
     sq = sum(g.sq_norm for g in measured) / n
     var = max(0.0, sum(g.variance for g in measured) / n)
     lags = [g.lag_dot for g in measured if g.lag_dot is not None]
-    steps = min(g.steps for g in measured)
+    # The evidence is the best-measured rank's steps, not the fewest: in async a slow rank crosses
+    # MIN_STEPS long after the fast ones, and the fewest would then fall back to MIN_STEPS, so a stay
+    # that had rested on 30 steps of the ranks pushing most of its updates would count as unmeasured
+    # again (its check's windows stop counting) until the slow rank had 30 too. In sync every rank
+    # has the same steps, in hierarchical within a few rounds of each other.
+    steps = max(g.steps for g in measured)
     if not math.isfinite(sq) or not math.isfinite(var):
         return prior
     if sq <= 0.0:
