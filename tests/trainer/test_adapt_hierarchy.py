@@ -119,6 +119,33 @@ def _lead(fast: list[dict[str, Any]], slow: list[dict[str, Any]], steps: range) 
     return [r["step"] - sum(t <= r["t"] for t in times) for r in fast if r["step"] in steps]
 
 
+def script_env(tmp_path: Path, training: TrainingConfig) -> tuple[int, dict[str, str]]:
+    """The environment of 4 ranks that SGDJob runs `training` for, and the port rank 0 serves: each
+    rank serves base + its local rank, four free ports below the ephemeral range."""
+    config = tmp_path / "run-config.json"
+    config.write_text(RunConfig(job_name="script-test", training=training).model_dump_json(by_alias=True))
+    [base] = free_port_blocks(1, size=4)
+    path = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
+    env = {**os.environ, "SGDJOB_RUN_CONFIG": str(config), "SGDJOB_METRICS_PORT": str(base)}
+    env |= {"SGDJOB_CONTROL_TOKEN": TOKEN, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+    return base, env
+
+
+def there_and_back(
+    proc: subprocess.Popen[str], base: int, deadline: float, mode: str, steps: int
+) -> list[dict[str, Any]]:
+    """After 6 steps, `mode` by a command (epoch 1) to rank 0's /control, as a controller sends it, and
+    once the straggler (rank 3) is `steps` steps further, back to sync (epoch 2); every rank's /status
+    once all were in `mode`."""
+    _until(proc, deadline, lambda: (s := _get(base)) is not None and s["step"] >= 6)
+    _post(base, {"epoch": 1, "mode": mode, "reason": f"test: {mode}"})
+    statuses: list[dict[str, Any]] = _until(proc, deadline, lambda: _all_in(base, mode))
+    entered = max(s["step"] for s in statuses)
+    _until(proc, deadline, lambda: (s := _get(base + 3)) is not None and s["step"] >= entered + steps)
+    _post(base, {"epoch": 2, "mode": "sync", "reason": "test: back"})
+    return statuses
+
+
 @pytest.mark.parametrize("which", sorted(SCRIPTS))
 def test_a_script_runs_hierarchical_in_node_groups_and_comes_back_to_one_model(tmp_path: Path, which: str) -> None:
     script = SCRIPTS[which]
@@ -131,13 +158,7 @@ def test_a_script_runs_hierarchical_in_node_groups_and_comes_back_to_one_model(t
         hierarchical=HierarchicalConfig(average_every=EVERY, staleness=STALENESS),
         checkpoint=Checkpoint(dir=str(tmp_path / "ckpt"), interval_steps=CHECKPOINT_EVERY, keep=100),
     )
-    config = tmp_path / "run-config.json"
-    config.write_text(RunConfig(job_name="hier-test", training=training).model_dump_json(by_alias=True))
-    # Each rank serves base + its local rank: four free ports below the ephemeral range.
-    [base] = free_port_blocks(1, size=4)
-    path = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
-    env = {**os.environ, "SGDJOB_RUN_CONFIG": str(config), "SGDJOB_METRICS_PORT": str(base)}
-    env |= {"SGDJOB_CONTROL_TOKEN": TOKEN, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+    base, env = script_env(tmp_path, training)
     args = ["--out", str(tmp_path), "--slow-rank", "3", "--slow-seconds", str(script.slow), "--step-seconds", str(FAST)]
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", str(script.path)]
     proc = subprocess.Popen(
@@ -145,12 +166,7 @@ def test_a_script_runs_hierarchical_in_node_groups_and_comes_back_to_one_model(t
     )
     try:
         deadline = time.monotonic() + script.within_s
-        _until(proc, deadline, lambda: (s := _get(base)) is not None and s["step"] >= 6)
-        _post(base, {"epoch": 1, "mode": "hierarchical", "reason": "test: by node"})
-        statuses = _until(proc, deadline, lambda: _all_in(base, "hierarchical"))
-        entered = max(s["step"] for s in statuses)
-        _until(proc, deadline, lambda: (s := _get(base + 3)) is not None and s["step"] >= entered + 24)
-        _post(base, {"epoch": 2, "mode": "sync", "reason": "test: back"})
+        statuses = there_and_back(proc, base, deadline, "hierarchical", 24)
         output, _ = proc.communicate(timeout=max(deadline - time.monotonic(), 1))
     finally:
         if proc.poll() is None:

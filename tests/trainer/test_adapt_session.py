@@ -130,13 +130,13 @@ def test_a_mode_switch_is_refused_in_status_counted_as_applied_and_not_taken_aga
         "mode hierarchical refused" in status["controlError"] and "no DistributedDataParallel" in status["controlError"]
     )
     assert not session.inbox.offer(command), "a controller's re-send of the epoch changes nothing"
-    assert status["asyncCapable"] is False, "the policy never proposes async to a script"
+    assert status["asyncCapable"] is False, "the policy never proposes async to a script without a model"
     assert status["hierarchicalCapable"] is False, "nor hierarchical to one without a model to regroup"
     assert session.inbox.offer(ControlCommand(epoch=3, mode="async", reason="try async"))
     _train(session, loader, 2)
     status = _status(session)
     assert status["controlEpoch"] == 3 and status["mode"] == "sync"
-    assert "mode async refused" in status["controlError"] and "parameter server" in status["controlError"]
+    assert "mode async refused" in status["controlError"] and "DistributedDataParallel" in status["controlError"]
 
 
 def test_checkpoints_go_through_the_scripts_save_and_a_new_life_resumes_mid_epoch(

@@ -8,9 +8,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sgdjob_trainer.adapt.split import (
+    Dispenser,
     Position,
     Schedule,
     Split,
+    Ticket,
     apply_command,
     batches_left,
     next_epoch,
@@ -97,26 +99,28 @@ def _command(**fields: object) -> ControlCommand:
 
 
 def test_batch_sizes_are_applied() -> None:
-    applied = apply_command(Split.of(2, 32), _command(batchSizes={"0": 40, "1": 24}), samples=2048, hierarchical=None)
+    applied = apply_command(
+        Split.of(2, 32), _command(batchSizes={"0": 40, "1": 24}), samples=2048, hierarchical=None, asynchronous=None
+    )
     assert applied.split == Split((40, 24)) and applied.refused is None
 
 
 def test_a_mode_the_api_cannot_run_is_refused_and_the_rest_still_applies() -> None:
     cannot = "adapt.start(optimizer=...) was not given"
-    for mode, why in ((SyncMode.HIERARCHICAL, cannot), (SyncMode.ASYNC, "parameter server"), (SyncMode.ASYNC, "")):
+    for mode in (SyncMode.HIERARCHICAL, SyncMode.ASYNC):
         command = _command(mode=mode.value, batchSizes={"1": 20})
-        applied = apply_command(Split.of(2, 32), command, samples=2048, hierarchical=why or None)
+        applied = apply_command(Split.of(2, 32), command, samples=2048, hierarchical=cannot, asynchronous=cannot)
         assert applied.split == Split((32, 20)) and applied.mode is None
-        assert applied.refused is not None and f"mode {mode.value} refused" in applied.refused
-        assert (why or "optimizer.step() is its own") in applied.refused
-    back = apply_command(Split.of(2, 32), _command(mode="sync"), samples=2048, hierarchical=cannot)
+        assert applied.refused is not None and f"mode {mode.value} refused: {cannot}" in applied.refused
+    back = apply_command(Split.of(2, 32), _command(mode="sync"), 2048, hierarchical=cannot, asynchronous=cannot)
     assert back.refused is None and back.mode == SyncMode.SYNC
 
 
-def test_hierarchical_is_applied_where_the_script_can_run_it() -> None:
-    applied = apply_command(Split.of(4, 32), _command(mode="hierarchical", groups=[[0, 1], [2, 3]]), 2048, None)
+def test_hierarchical_and_async_are_applied_where_the_script_can_run_them() -> None:
+    applied = apply_command(Split.of(4, 32), _command(mode="hierarchical", groups=[[0, 1], [2, 3]]), 2048, None, None)
     assert applied.mode == SyncMode.HIERARCHICAL and applied.refused is None and applied.split == Split.of(4, 32)
-    assert apply_command(Split.of(4, 32), _command(batchSizes={"0": 8}), 2048, None).mode is None
+    assert apply_command(Split.of(4, 32), _command(mode="async"), 2048, "no", None).mode == SyncMode.ASYNC
+    assert apply_command(Split.of(4, 32), _command(batchSizes={"0": 8}), 2048, None, None).mode is None
 
 
 @given(st.lists(st.integers(1, 64), min_size=2, max_size=8), st.data())
@@ -134,9 +138,29 @@ def test_weighted_ranks_average_to_their_groups_mean_over_its_samples(sizes: lis
 
 def test_batch_sizes_that_cannot_be_cut_are_refused_naming_why() -> None:
     plain = Split.of(2, 32)
-    unknown = apply_command(plain, _command(batchSizes={"1": 20, "5": 8, "0": 0}), samples=2048, hierarchical=None)
+    unknown = apply_command(
+        plain, _command(batchSizes={"1": 20, "5": 8, "0": 0}), samples=2048, hierarchical=None, asynchronous=None
+    )
     assert unknown.split == Split((32, 20)) and "unknown ranks or below 1" in (unknown.refused or "")
-    too_big = apply_command(plain, _command(batchSizes={"0": 3000}), samples=2048, hierarchical=None)
+    too_big = apply_command(plain, _command(batchSizes={"0": 3000}), samples=2048, hierarchical=None, asynchronous=None)
     assert too_big.split == plain and "exceeds the 2048 samples of an epoch" in (too_big.refused or "")
-    no_loader = apply_command(plain, _command(batchSizes={"0": 40}), samples=None, hierarchical=None)
+    no_loader = apply_command(plain, _command(batchSizes={"0": 40}), samples=None, hierarchical=None, asynchronous=None)
     assert no_loader.split == plain and "without session.loader()" in (no_loader.refused or "")
+
+
+def test_async_ranks_draw_from_one_queue_and_end_an_epoch_together() -> None:
+    """A fast rank takes more batches; every sample once an epoch; the epoch ends for the asker when no
+    batch of its size is left, the first rank to ask for the next epoch begins it, and a late rank
+    asking for the old one is told it is over; `batch` counts the world's whole global batches."""
+    queue = Dispenser(Position(0, 8, 1), samples=40, total=8)  # 4 ranks of 2: one global batch taken
+    fast = [queue.take(0, 2) for _ in range(12)]
+    assert [t.indices for t in fast[:3]] == [range(8, 10), range(10, 12), range(12, 14)]
+    assert sum(len(t.indices) for t in fast) == 24 and fast[-1].world == Position(0, 32, 4)
+    assert queue.take(0, 6).indices == range(32, 38) and queue.position == Position(0, 38, 4)
+    over = queue.take(0, 3)
+    assert not over.indices and over.world == Position(0, 38, 4), "3 samples are not left: this epoch is over"
+    assert queue.take(0, 2).indices == range(38, 40), "a smaller batch still fits"
+    begun = queue.take(1, 2)
+    assert begun.indices == range(0, 2) and begun.world == Position(1, 2, 5)
+    assert not queue.take(0, 1).indices, "a late rank in the left epoch is told it is over"
+    assert Dispenser.ticket(queue.words(1, 4)) == Ticket(1, range(2, 6), Position(1, 6, 5)), "as shard 0 sends it"

@@ -265,8 +265,9 @@ class TrainingConfig(CamelModel):
             description=(
                 "With command: `api` when the script uses SGDJob's adaptation API (sgdjob_trainer.adapt): it "
                 "reports its steps and follows the per-rank batch split, agreed stops and checkpoints, so the "
-                "policy may rebalance it, and switch it between sync and hierarchical where the script gives "
-                "adapt.start its optimizer (never async); batchSize is its per-rank batch. "
+                "policy may rebalance it, and switch it among sync, hierarchical and async where the script gives "
+                "adapt.start its optimizer (async: and reads its data through session.loader); batchSize is its "
+                "per-rank batch. "
                 "`none` (the default) runs it as written."
             )
         ),

@@ -146,9 +146,9 @@ def job_view(
     policy = spec.policy
     if spec.training.on_adaptation_api:
         # A script on the adaptation API keeps its own learning rate: no trimmed batch (which the
-        # trainer pairs with a learning rate scaled to it). It may switch between sync and hierarchical
-        # where its ranks say they can (sgdjob_hierarchical_capable), never to async (its ranks report
-        # sgdjob_async_capable 0): the candidates read both.
+        # trainer pairs with a learning rate scaled to it). It may switch among sync, hierarchical and
+        # async where its ranks say they can (sgdjob_hierarchical_capable, sgdjob_async_capable): the
+        # candidates read both.
         kept = [a for a in policy.allowed_actions if a != Action.TRIM_BATCH]
         policy = policy.model_copy(update={"allowed_actions": kept})
     # A command's own arguments decide how long it trains: training.steps says nothing of it.

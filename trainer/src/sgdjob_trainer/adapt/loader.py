@@ -5,6 +5,11 @@ It keeps the world's data position (the last batch it handed out), so a checkpoi
 sample where the world stood, and a new split starts at a batch index every rank agrees on: the
 next batch not yet cut on any rank (`split.prefetch_lag`). Iterating it again after a `break`
 continues where the loop left off; batches cut ahead and never handed out are cut again.
+
+In async (asynchronous.py) the rank's batches come from the world's queue instead (`dispense`), and
+leaving async moves every rank to the queue's position (`relocate`): a rank whose loop is still in
+an epoch the world has left ends that loop, so every rank's epoch loop stays the world's. Once the
+world's training is over (`ending`, another rank finished in async) it hands out no more batches.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from sgdjob_trainer.adapt.split import Position, Schedule, Split, batches_left, next_epoch, take
+from sgdjob_trainer.adapt.split import Position, Schedule, Split, Ticket, batches_left, next_epoch, take
 
 # DataLoader arguments the loader sets itself: the batches are its to cut.
 OWN_ARGUMENTS = frozenset({"batch_size", "shuffle", "sampler", "batch_sampler", "drop_last"})
@@ -60,6 +65,11 @@ class AdaptiveLoader:
         # The ranks whose gradients this rank's is averaged with (None: the world; hierarchical: its
         # group). Read at hand-out, not at the cut: a batch cut ahead may be trained after a switch.
         self.among: tuple[int, ...] | None = None
+        # In async: (epoch, size) -> this rank's next samples from the world's queue (asynchronous.py).
+        self.dispense: Callable[[int, int], Ticket] | None = None
+        self.ending: Callable[[], bool] = lambda: False
+        self.on_epoch_end: Callable[[], None] = lambda: None  # before the loop's end (async: a meeting)
+        self._relocated = False
         self._loader: DataLoader[Any] = DataLoader(dataset, batch_sampler=_Slices(self), **loader_args)
 
     @property
@@ -85,6 +95,13 @@ class AdaptiveLoader:
         batch left is over, so a resumed script's epoch loop does not enter it again."""
         return next_epoch(self.position) if batches_left(self.position, self.samples, split) == 0 else self.position
 
+    def relocate(self, position: Position, split: Split) -> None:
+        """Every rank to `position` with `split` from it (an agreed step boundary, leaving or entering
+        async): batches cut ahead are dropped; a loop in an epoch before `position`'s ends."""
+        self.position = position
+        self._schedule = Schedule.starting(split, position.batch)
+        self._relocated = True
+
     def resplit(self, split: Split) -> None:
         """`split` from the first batch no rank has cut yet (called at a step boundary, where every
         rank has handed out the same number of batches)."""
@@ -104,21 +121,38 @@ class AdaptiveLoader:
         order = self._order(pos.epoch)
         while True:
             split = self._schedule.at(pos.batch)
-            got = take(pos, self.samples, split, self.rank)
-            if got is None:
-                return
-            indices, pos = got
+            if self.dispense is not None:
+                ticket = self.dispense(pos.epoch, split.size(self.rank))
+                if not ticket.indices:
+                    return
+                indices, pos = ticket.indices, ticket.world
+            else:
+                got = take(pos, self.samples, split, self.rank)
+                if got is None:
+                    return
+                indices, pos = got
             self._cut_ahead.append((pos, split))
             yield [order[i] for i in indices]
 
     def __iter__(self) -> Iterator[Any]:
+        epoch = self.position.epoch
         self._cut_ahead.clear()
+        self._relocated = False
         batches = iter(self._loader)
         while True:
+            if self.ending():
+                return
+            if self._relocated:
+                self._relocated = False
+                if self.position.epoch > epoch:
+                    return  # the world has left this loop's epoch; the next loop starts at `position`
+                self._cut_ahead.clear()
+                batches = iter(self._loader)
             self._on_fetch()
             try:
                 batch = next(batches)
             except StopIteration:
+                self.on_epoch_end()
                 self.position = next_epoch(self.position)
                 return
             self.position, split = self._cut_ahead.popleft()

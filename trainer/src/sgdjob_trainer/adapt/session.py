@@ -15,6 +15,11 @@ SGDJob runs the script, agrees with the other ranks on what happens at this step
   rank writes its report and the process exits 143, as the trainer does, so torchrun restarts
   the world from the checkpoint instead of counting the stop as success.
 - Every `intervalSteps` steps rank 0 writes a checkpoint (in sync every rank passes every step).
+- A `mode: async` command (modes.py, asynchronous.py): the script's optimizer step pushes to the
+  parameter servers, the batches come from one queue, and the agreement rides the servers' replies:
+  a rank that reads a newer epoch, a stop, another rank's end or a checkpoint's call in a reply meets
+  the others at its step boundary (`_meet`), where the world does it in sync's terms and goes on in
+  async. The ranks take different numbers of steps there; a meeting agrees on the most.
 - A `mode: hierarchical` command (modes.py, hierarchy.py): the hook allreduces within the rank's
   group, the model is averaged across groups every averageEvery steps, and the agreement above
   rides those rounds instead of running every step; leaving it, a checkpoint, the stop and
@@ -47,7 +52,7 @@ from sgdjob_trainer.adapt.comm import Comm
 from sgdjob_trainer.adapt.ddp import Exchange
 from sgdjob_trainer.adapt.hierarchy import RoundOutcome
 from sgdjob_trainer.adapt.loader import OWN_ARGUMENTS, AdaptiveLoader
-from sgdjob_trainer.adapt.modes import Modes
+from sgdjob_trainer.adapt.modes import AsyncHooks, Modes
 from sgdjob_trainer.adapt.settings import Settings
 from sgdjob_trainer.adapt.split import Position, Split, apply_command, prefetch_lag
 from sgdjob_trainer.checkpoint import check_shared, claim_dir, remove_stale
@@ -83,11 +88,20 @@ class Session:
         self.save_fn, self.load_fn = save, load
         training = settings.training
         self.telemetry = Telemetry(info, SyncMode.SYNC, training.batch_size)
-        self.telemetry.async_capable = False  # a script cannot run async mode: the policy never proposes it
-        self.modes = Modes(info, comm, self.telemetry, training.hierarchical, optimizer)
-        self._resumed_groups: list[list[int]] | None = None  # a checkpoint taken in hierarchical
-        self.telemetry.restart_count = info.restart_count
         self.inbox = ControlInbox() if info.rank == 0 and settings.managed else None
+        self.stopping = threading.Event()
+        hooks = AsyncHooks(
+            lambda: self.step_count,
+            self.stopping.is_set,
+            self.inbox.pending_epoch if self.inbox is not None else (lambda: 0),
+            lambda: self.split,
+        )
+        self.modes = Modes(info, comm, self.telemetry, training.hierarchical, optimizer, training.async_, hooks)
+        self._resumed_groups: list[list[int]] | None = None  # a checkpoint taken in hierarchical
+        self._resumed_async = False  # a checkpoint taken in async
+        self._met = 0  # in async: the newest call to meet every rank has met for (ps.MEET)
+        self.ending = False  # in async: another rank's training is over; the loader hands out no more
+        self.telemetry.restart_count = info.restart_count
         self.server: TrainerServer | None = None
         if port is not None:
             try:
@@ -103,7 +117,6 @@ class Session:
         self.position = Position()
         self.step_count = 0
         self.applied_epoch = 0
-        self.stopping = threading.Event()
         self.loader_made: AdaptiveLoader | None = None
         self.exchange: Exchange | None = None
         self.finishing = False
@@ -133,6 +146,13 @@ class Session:
         if self._resumed_groups is not None and self.modes.obstacle() is None:
             # The stored command's epoch counts as applied: no controller re-sends it.
             self.modes.switch(SyncMode.HIERARCHICAL, self._resumed_groups, "resumed in hierarchical", self.step_count)
+        self._resume_async()
+
+    def refuse_async(self, reason: str) -> None:
+        """A framework integration whose training loop async is not checked with: the policy never
+        proposes async (sgdjob_async_capable 0) and a command for it is refused with `reason`."""
+        self.modes.async_refusal = reason
+        self.modes.note_async()
 
     def loader(
         self, dataset: Dataset[Any], batch_size: int, *, shuffle: bool = True, seed: int = 0, **loader_args: Any
@@ -173,6 +193,9 @@ class Session:
         )
         self.telemetry.set_batch_size(self.split.size(self.info.rank))
         self.modes.set_loader(self.loader_made)
+        self.loader_made.ending = lambda: self.ending
+        self.loader_made.on_epoch_end = self._epoch_end
+        self._resume_async()
         return self.loader_made
 
     def step(self, loss: Any = None, samples: int | None = None) -> None:
@@ -185,7 +208,10 @@ class Session:
         now = time.perf_counter()
         wall = now - (self._step_start if self._step_start is not None else self._last_end)
         wait = (self.exchange.take_wait() if self.exchange is not None else 0.0) + rounds.waited
+        wait += self.modes.take_wait()
         taken = samples if samples is not None else self._taken or self.split.size(self.info.rank)
+        if self.modes.discarded():
+            taken = 0  # not useful work: the shards threw the gradient away
         value = float(loss.detach() if isinstance(loss, torch.Tensor) else loss) if loss is not None else math.nan
         if math.isnan(self.telemetry.initial_loss):
             self.telemetry.initial_loss = value  # this life's first: the report's loss from -> to
@@ -212,10 +238,14 @@ class Session:
         if self._round is not None:
             self._round()  # every rank started it at its last step
             self._round = None
+        if self.modes.stay is not None:  # the others stop at their next push, and meet here
+            self.modes.stay.server.end()
+            self._meet(0, False, finishing=True)
         self.modes.leave("training finished", self.step_count)  # the script's model after training is one
         if self.settings.training.checkpoint.on_stop:
             self._checkpoint()
         self._end()
+        self.modes.close()
 
     def __enter__(self) -> Session:
         return self
@@ -226,6 +256,21 @@ class Session:
 
     # -- step boundaries ----------------------------------------------------------------------------
     def _boundary(self, rounds: RoundOutcome) -> None:
+        if self.modes.asynchronous:
+            self._async_boundary()
+        else:
+            self._sync_boundary(rounds)
+        self._start_round()
+
+    def _start_round(self) -> None:
+        """In sync, the next step's agreement. Every rank starts one at every step boundary in sync, and
+        one at a meeting that ends in sync (a rank may meet at its epoch's end, outside a step), so
+        every rank has started the same rounds at every step."""
+        if self.settings.managed and self.modes.mode == SyncMode.SYNC and not self.ending and self._round is None:
+            offer = self.inbox.pending_epoch() if self.inbox is not None else 0
+            self._round = self.comm.start_round([offer, int(self.stopping.is_set())])
+
+    def _sync_boundary(self, rounds: RoundOutcome) -> None:
         if self.settings.managed:
             if self.modes.hierarchical or self._round is None:
                 seen, stop = rounds.epoch, int(rounds.stop)
@@ -238,9 +283,53 @@ class Session:
                 self._receive()
         if self.step_count - self._last_checkpoint >= self.settings.checkpoint_every:
             self._checkpoint()
-        if self.settings.managed and not self.modes.hierarchical:
-            offer = self.inbox.pending_epoch() if self.inbox is not None else 0
-            self._round = self.comm.start_round([offer, int(self.stopping.is_set())])
+
+    def _async_boundary(self) -> None:
+        """In async: meet the other ranks here if the shards' reply, or this rank, asks for it."""
+        stay = self.modes.stay
+        if stay is None:
+            return
+        reply = stay.reply
+        if reply.stop and not reply.interrupted:  # another rank is done: meet it in its finish() now
+            self._meet(0, False, finishing=True)
+            return
+        due = self.step_count - self._last_checkpoint >= self.settings.checkpoint_every
+        if due and self.checkpoint_dir is not None and reply.checkpoint <= self._met:
+            stay.server.meet(self._met + 1)
+        called = reply.checkpoint > self._met or (due and self.checkpoint_dir is not None)
+        if reply.epoch > self.applied_epoch or reply.interrupted or self.stopping.is_set() or called:
+            self._meet(reply.epoch, reply.interrupted or self.stopping.is_set())
+
+    def _epoch_end(self) -> None:
+        """The loader's epoch is over: in async every rank meets there (the queue ends every rank's epoch
+        within a batch), so what a script does between epochs, its collectives among it, finds every
+        rank there with one model, the server's."""
+        stay = self.modes.stay
+        if stay is not None and not self.ending:
+            self._meet(stay.reply.epoch, stay.reply.interrupted or self.stopping.is_set())
+            self._step_start = None  # the next step's clock starts at its own fetch, after the meeting
+
+    def _meet(self, epoch: int, stop: bool, finishing: bool = False) -> None:
+        """Collective in async, each rank at its own step boundary (or its epoch's end, or finish()): the
+        stay pauses (every rank holds the server's model at the queue's position, at the most steps any
+        rank took), the world does what the meeting is for as sync does, and a new stay begins if the
+        mode is still async. A rank that finished ends every rank's training here."""
+        steps, stopped, _, done = self.comm.all_max([self.step_count, int(stop), epoch, int(finishing)])
+        self.modes.pause()
+        self.step_count = steps
+        self._met += 1
+        if done:  # at the most steps, the loader handing out no more: every rank's loop ends
+            self.ending = True
+            self.modes.leave("training finished", self.step_count)
+            return
+        if stopped:
+            self._stop_here()
+        if self.settings.managed:
+            self._receive()  # an epoch any rank saw is rank 0's pending one (nothing new: a no-op)
+        if self.step_count - self._last_checkpoint >= self.settings.checkpoint_every:
+            self._checkpoint()
+        self.modes.resume()
+        self._start_round()
 
     def _receive(self) -> None:
         """Collective: rank 0's newest command, applied on every rank."""
@@ -252,10 +341,11 @@ class Session:
         loader = self.loader_made
         samples = loader.samples if loader is not None else None
         why = self.modes.obstacle() if command.mode == SyncMode.HIERARCHICAL else None
-        applied = apply_command(self.split, command, samples, why)
+        unasync = self.modes.async_obstacle() if command.mode == SyncMode.ASYNC else None
+        applied = apply_command(self.split, command, samples, why, unasync)
         if applied.split != self.split:
             self.split = applied.split
-            if loader is not None:
+            if loader is not None:  # in async: the stay paused at this meeting resumes with it
                 loader.resplit(applied.split)
         if applied.mode is not None:
             reason = command.reason or f"control epoch {command.epoch}"
@@ -294,6 +384,7 @@ class Session:
             return
         state = {"control_epoch": self.applied_epoch, "batch_sizes": self.split.as_dict(), "position": self._at()}
         state["groups"] = self.modes.groups
+        state["async"] = self.modes.asynchronous
         start = time.perf_counter()
         checkpoints.write(
             self.checkpoint_dir,
@@ -334,6 +425,7 @@ class Session:
         self.split = Split.of(info.world_size, self.settings.training.batch_size, given)
         self.position = Position.from_dict(state["position"])
         self._resumed_groups = state.get("groups")  # entered again at attach(), where the model is
+        self._resumed_async = bool(state.get("async", False))  # once attach() and loader() are done
         worlds = f"world {meta['world_size']} -> {info.world_size}"
         reason = f"resumed from the checkpoint of step {self.step_count} ({worlds})"
         self.telemetry.resumed(self.step_count, SyncMode.SYNC, reason)
@@ -342,6 +434,14 @@ class Session:
         if self.inbox is not None:
             self.inbox.mark_applied(self.applied_epoch)
         log.info("%s, epoch %d", reason, self.position.epoch)
+
+    def _resume_async(self) -> None:
+        """Collective, at attach() and at loader(), whichever is last: a checkpoint taken in async resumes in it."""
+        if not self._resumed_async or self.exchange is None or self.loader_made is None:
+            return
+        self._resumed_async = False
+        if self.modes.async_obstacle() is None:
+            self.modes.switch(SyncMode.ASYNC, None, "resumed in async", self.step_count)
 
     # -- timing -------------------------------------------------------------------------------------
     def _begin(self) -> None:

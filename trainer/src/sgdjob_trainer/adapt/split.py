@@ -119,6 +119,54 @@ class Schedule:
 
 
 @dataclass(frozen=True, slots=True)
+class Ticket:
+    """A rank's next samples in async (`Dispenser.take`): `indices` into `epoch`'s order, empty when
+    that epoch has no whole batch of the asked size left; `world` is the world's position after it."""
+
+    epoch: int
+    indices: range
+    world: Position
+
+
+class Dispenser:
+    """Async's data: the ranks draw their batches from one queue over the epoch's order, held by rank
+    0 (the parameter server's shard 0 answers for it), so a fast rank takes more batches and every
+    rank's epoch ends at its next batch after the queue runs dry. Every sample is read at most once an
+    epoch, and the ranks' epoch loops stay within one batch of each other, as the script's collectives
+    between epochs need; the samples of batches taken and never trained (cut ahead when async ends)
+    are skipped, at most a prefetch lag a rank. `batch` counts the global batches of `total` samples
+    the world has taken (the Schedule's index in sync)."""
+
+    def __init__(self, position: Position, samples: int, total: int) -> None:
+        self.position, self.samples, self.total = position, samples, total
+        self._taken = 0  # samples taken since `position.batch` was last whole
+
+    def take(self, epoch: int, size: int) -> Ticket:
+        """`size` samples of `epoch` for one rank: an epoch the queue has left is over for the asker;
+        a later one (the first rank to start it) begins it."""
+        pos = self.position
+        if epoch > pos.epoch:
+            pos, self._taken = Position(epoch, 0, pos.batch), 0
+        if epoch < pos.epoch or pos.cursor + size > self.samples or size < 1:
+            self.position = pos
+            return Ticket(epoch, range(0), pos)
+        self._taken += size
+        whole, self._taken = divmod(self._taken, max(self.total, 1))
+        self.position = Position(pos.epoch, pos.cursor + size, pos.batch + whole)
+        return Ticket(epoch, range(pos.cursor, pos.cursor + size), self.position)
+
+    def words(self, epoch: int, size: int) -> list[int]:
+        """`take` as the parameter server carries it (strategies/ps.py TICKET_WORDS)."""
+        t = self.take(epoch, size)
+        return [t.epoch, t.indices.start, t.indices.stop, t.world.epoch, t.world.cursor, t.world.batch]
+
+    @staticmethod
+    def ticket(words: list[int]) -> Ticket:
+        epoch, first, end, *world = words
+        return Ticket(epoch, range(first, end), Position(*world))
+
+
+@dataclass(frozen=True, slots=True)
 class Applied:
     """A command's outcome on one process: the split now, and what of the command was refused (None: nothing)."""
 
@@ -127,22 +175,26 @@ class Applied:
     mode: SyncMode | None = None  # the mode to switch to (None: keep the current one)
 
 
-def apply_command(split: Split, command: ControlCommand, samples: int | None, hierarchical: str | None) -> Applied:
+def apply_command(
+    split: Split,
+    command: ControlCommand,
+    samples: int | None,
+    hierarchical: str | None,
+    asynchronous: str | None,
+) -> Applied:
     """What a script on the adaptation API makes of `command`, with `samples` in its epoch (None:
-    it reads its data without the session's loader, so no split can reach its data); `hierarchical`:
-    why the script cannot run hierarchical (None: it can; hierarchy.obstacle).
+    it reads its data without the session's loader, so no split can reach its data); `hierarchical`
+    and `asynchronous`: why the script cannot run that mode (None: it can; hierarchy.obstacle,
+    asynchronous.obstacle).
 
-    The mode (sync, or hierarchical where the script can) and the per-rank batch sizes are applied;
+    The mode (sync, or hierarchical or async where the script can) and the per-rank batch sizes are applied;
     what cannot be, is refused with the reason, and the rest of the command still applies: a
     controller stores every command it sent merged into one, so a part refused once comes back with
     every later command."""
     refused: list[str] = []
     mode = command.mode
-    if mode == SyncMode.ASYNC:
-        refused.append(
-            "mode async refused: a script on the adaptation API runs sync or hierarchical; async needs a "
-            "parameter server that owns the optimizer step, and the script's optimizer.step() is its own"
-        )
+    if mode == SyncMode.ASYNC and asynchronous is not None:
+        refused.append(f"mode async refused: {asynchronous}")
         mode = None
     elif mode == SyncMode.HIERARCHICAL and hierarchical is not None:
         refused.append(f"mode hierarchical refused: {hierarchical}")

@@ -74,6 +74,7 @@ except ImportError as err:  # pragma: no cover - the extra is not installed
 
 from sgdjob_trainer import adapt
 from sgdjob_trainer.adapt.loader import AdaptiveLoader
+from sgdjob_trainer.integrations import ASYNC_REFUSED
 from sgdjob_trainer.integrations.epochs import WholeEpochs
 
 __all__ = ["SGDJobCallback", "SGDJobTrainer", "SGDJobTrainerMixin"]
@@ -183,6 +184,7 @@ class SGDJobTrainerMixin(_TrainerBase):  # type: ignore[misc,valid-type]
             checkpoint_dir=directory,
             checkpoint_every=sgdjob_checkpoint_every,
         )
+        self.sgdjob.refuse_async(ASYNC_REFUSED)
         self.add_callback(SGDJobCallback(self))
 
     # -- the data -----------------------------------------------------------------------------------

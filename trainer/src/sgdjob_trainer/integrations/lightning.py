@@ -60,6 +60,7 @@ from sgdjob_trainer import adapt
 from sgdjob_trainer.adapt.loader import AdaptiveLoader
 from sgdjob_trainer.adapt.session import Session
 from sgdjob_trainer.adapt.split import Position
+from sgdjob_trainer.integrations import ASYNC_REFUSED
 from sgdjob_trainer.integrations.epochs import WholeEpochs
 
 __all__ = ["SGDJobCallback", "SGDJobStrategy", "SGDJobTrainer", "loader_arguments", "torchrun_layout"]
@@ -312,3 +313,4 @@ class SGDJobTrainer(L.Trainer):
         strategy.sgdjob = adapt.start(
             None, save=save, load=load, checkpoint_dir=self._sgdjob_dir, checkpoint_every=self._sgdjob_every
         )
+        strategy.sgdjob.refuse_async(ASYNC_REFUSED)

@@ -57,10 +57,16 @@ from sgdjob_trainer.runtime import COLLECTIVE_TIMEOUT
 
 log = logging.getLogger("sgdjob_trainer.ps")
 
-PUSH, STOP = 1, 2
+# Kinds of message a shard thread takes. TICKET, END and MEET serve the adaptation API's async
+# (adapt/asynchronous.py), to shard 0 only: a rank's next samples from the data queue (split.Dispenser);
+# a rank's end of training, which shard 0 then tells every worker as its `stop`; a rank's call for
+# every rank to meet at its next step boundary (a checkpoint is due), told as `checkpoint`.
+PUSH, STOP, TICKET, END, MEET = 1, 2, 3, 4, 5
 # int64 words: [kind, step, batch, stopping] / [version, epoch, stop, staleness_milli, applied, interrupted, checkpoint]
 HEADER, REPLY = 4, 7
-TAG_PUSH, TAG_GRAD, TAG_REPLY, TAG_PARAMS = 11, 12, 13, 14
+# A ticket's answer: [epoch, first index, end index, the world's epoch, cursor, batch].
+TICKET_WORDS = 6
+TAG_PUSH, TAG_GRAD, TAG_REPLY, TAG_PARAMS, TAG_TICKET = 11, 12, 13, 14, 15
 # A shard thread sits in an any-source receive for as long as the job runs in another mode.
 IDLE_TIMEOUT = timedelta(days=30)
 
@@ -170,6 +176,9 @@ class ParameterServer:
         self.control_epoch = control_epoch
         self.lr_factor = lr_factor
         self.interrupt = False  # rank 0: a graceful stop, told to every worker by shard 0
+        # Rank 0, for a script's async: its data queue, (epoch, size) -> TICKET_WORDS words (set before load).
+        self.dispense: Callable[[int, int], list[int]] | None = None
+        self._ticket_lock = threading.Lock()
         self.checkpoint_request = 0  # rank 0: newest checkpoint step, told by shard 0
         count = max(1, min(cfg.shards, numel))
         cuts = [numel * j // count for j in range(count + 1)]
@@ -205,8 +214,19 @@ class ParameterServer:
         try:
             while True:
                 src = dist.recv(header, src=None, group=group, tag=TAG_PUSH)
-                if int(header[0]) == STOP:
+                kind = int(header[0])
+                if kind == STOP:
                     return
+                if kind == END:
+                    self.stop_flag = True
+                    continue
+                if kind == MEET:
+                    self.checkpoint_request = max(self.checkpoint_request, int(header[1]))
+                    continue
+                if kind == TICKET:
+                    answer = torch.tensor(self._ticket(int(header[1]), int(header[2])), dtype=torch.int64)
+                    dist.send(answer, dst=src, group=group, tag=TAG_TICKET)
+                    continue
                 dist.recv(grad, src=src, group=group, tag=TAG_GRAD)
                 reply = self._apply(j, shard, src, grad, int(header[1]), int(header[2]), out, bool(header[3]))
                 dist.send(_encode(reply), dst=src, group=group, tag=TAG_REPLY)
@@ -239,7 +259,43 @@ class ParameterServer:
             reply.interrupted, reply.checkpoint = self.interrupt, self.checkpoint_request
         return reply
 
+    def _ticket(self, epoch: int, size: int) -> list[int]:
+        with self._ticket_lock:
+            if self.dispense is None:
+                raise RuntimeError("a ticket asked of a parameter server without a data queue")
+            return self.dispense(epoch, size)
+
     # -- worker side -------------------------------------------------------------------------------
+    def ticket(self, epoch: int, size: int) -> list[int]:
+        """This worker's next `size` samples of `epoch` from shard 0's data queue: its TICKET_WORDS words."""
+        if 0 in self.shards:
+            return self._ticket(epoch, size)
+        group, host = self.groups[0], self.hosts[0]
+        answer = torch.zeros(TICKET_WORDS, dtype=torch.int64)
+        works = [_req(dist.irecv(answer, src=host, group=group, tag=TAG_TICKET))]
+        header = torch.tensor([TICKET, epoch, size, 0], dtype=torch.int64)
+        works.append(_req(dist.isend(header, dst=host, group=group, tag=TAG_PUSH)))
+        for work in works:
+            work.wait(COLLECTIVE_TIMEOUT)
+        return [int(v) for v in answer.tolist()]
+
+    def end(self) -> None:
+        """This worker's training is over: shard 0 raises `stop` in every later reply."""
+        self._tell(END, 0)
+
+    def meet(self, mark: int) -> None:
+        """Every worker is to meet at its next step boundary: shard 0 replies `checkpoint` >= `mark`."""
+        self._tell(MEET, mark)
+
+    def _tell(self, kind: int, word: int) -> None:
+        if 0 not in self.shards:
+            header = torch.tensor([kind, word, 0, 0], dtype=torch.int64)
+            dist.send(header, dst=self.hosts[0], group=self.groups[0], tag=TAG_PUSH)
+        elif kind == END:
+            self.stop_flag = True
+        else:
+            self.checkpoint_request = max(self.checkpoint_request, word)
+
     def exchange(self, grad: torch.Tensor, step: int, batch: int, out: torch.Tensor, stopping: bool = False) -> Reply:
         """Push this worker's flat gradient (CPU) to every shard; fill `out` with the fresh model."""
         works: list[dist.Work] = []
