@@ -123,7 +123,7 @@ def main() -> None:
     loss_fn = nn.MSELoss()
     log = StepLog(args.out, rank, args.after_sync, left=args.left)
     done = False
-    while not done:
+    while not done and not session.ending:  # in async another rank's end may come at this rank's epoch's end
         epoch = loader.epoch
         for xb, yb, ib in loader:
             optimizer.zero_grad()

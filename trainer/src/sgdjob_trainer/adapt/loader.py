@@ -14,6 +14,7 @@ world's training is over (`ending`, another rank finished in async) it hands out
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Callable, Iterator, Sized
 from typing import Any
@@ -22,6 +23,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from sgdjob_trainer.adapt.split import Position, Schedule, Split, Ticket, batches_left, next_epoch, take
+
+log = logging.getLogger("sgdjob_trainer.adapt")
 
 # DataLoader arguments the loader sets itself: the batches are its to cut.
 OWN_ARGUMENTS = frozenset({"batch_size", "shuffle", "sampler", "batch_sampler", "drop_last"})
@@ -70,6 +73,7 @@ class AdaptiveLoader:
         self.ending: Callable[[], bool] = lambda: False
         self.on_epoch_end: Callable[[], None] = lambda: None  # before the loop's end (async: a meeting)
         self._relocated = False
+        self._told_ending = False
         self._loader: DataLoader[Any] = DataLoader(dataset, batch_sampler=_Slices(self), **loader_args)
 
     @property
@@ -141,6 +145,12 @@ class AdaptiveLoader:
         batches = iter(self._loader)
         while True:
             if self.ending():
+                if not self._told_ending:  # a loop that counts steps of its own would spin here unseen
+                    self._told_ending = True
+                    log.warning(
+                        "training is over (another rank finished in async): the loader hands out no more "
+                        "batches; a loop of your own ends on session.ending or session.step_count"
+                    )
                 return
             if self._relocated:
                 self._relocated = False
