@@ -30,8 +30,8 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from sgdjob_trainer.adapt.ddp import Exchange
+from sgdjob_trainer.adapt.hierarchy import copy_into, trainable
 from sgdjob_trainer.adapt.hierarchy import obstacle as shared_obstacle
-from sgdjob_trainer.adapt.hierarchy import trainable
 from sgdjob_trainer.adapt.loader import AdaptiveLoader
 from sgdjob_trainer.adapt.split import Dispenser, Position, Split
 from sgdjob_trainer.config import AsyncConfig
@@ -100,7 +100,6 @@ class AsyncStay:
         self.rank, self.size = rank, split.size(rank)
         self._step, self._stopping = step, stopping
         self.reply = Reply(0, 0, False, 0.0, True)
-        self.waited = 0.0
         self.queue = Dispenser(loader.position, loader.samples, split.total) if rank == 0 else None
         if self.queue is not None:
             server.dispense = self.queue.words
@@ -122,27 +121,14 @@ class AsyncStay:
         flat = torch.cat([g.detach().reshape(-1) for g in grads]).to("cpu", torch.float32)
         start = time.perf_counter()
         self.reply = self.server.exchange(flat, self._step(), self.size, self.fresh, self._stopping())
-        self.waited += time.perf_counter() - start
-        offset = 0
-        with torch.no_grad():
-            for p in self.params:
-                p.copy_(self.fresh[offset : offset + p.numel()].view_as(p))
-                offset += p.numel()
+        self.exchange.add_wait(time.perf_counter() - start)  # the step's wait in its gradient exchange
+        copy_into(self.params, self.fresh)
         self.optimizer._opt_called = True  # type: ignore[attr-defined]  # what an LR scheduler's wrapper notes
-
-    def take_wait(self) -> float:
-        waited, self.waited = self.waited, 0.0
-        return waited
 
     def leave(self) -> Position | None:
         """Collective: every rank takes the server's model and optimizer state. On rank 0: the queue's
         position, where the world stands in the data (batches taken and not trained are skipped)."""
-        model = self.server.gather(self.numel)
-        offset = 0
-        with torch.no_grad():
-            for p in self.params:
-                p.copy_(model[offset : offset + p.numel()].view_as(p).to(p.device))
-                offset += p.numel()
+        copy_into(self.params, self.server.gather(self.numel))
         load_flat_state(self.optimizer, self.params, self.server.gather_state(self.numel))
         if self._own_step is None:
             del self.optimizer.step

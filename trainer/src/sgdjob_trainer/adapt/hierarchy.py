@@ -79,6 +79,16 @@ def trainable(model: DistributedDataParallel) -> list[torch.Tensor]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
+def copy_into(params: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
+    """`flat` (the parameters laid end to end, as parameters_to_vector lays them) into `params`, in
+    place: torch's vector_to_parameters would swap their storage, which DDP's buckets still point at."""
+    offset = 0
+    with torch.no_grad():
+        for p in params:
+            p.copy_(flat[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+
+
 def choose_groups(
     given: Sequence[Sequence[int]] | None,
     config: HierarchicalConfig,
@@ -219,8 +229,4 @@ class Hierarchy:
         return parameters_to_vector(self.params).detach()
 
     def _set(self, flat: torch.Tensor) -> None:
-        offset = 0
-        with torch.no_grad():
-            for p in self.params:
-                p.copy_(flat[offset : offset + p.numel()].view_as(p))
-                offset += p.numel()
+        copy_into(self.params, flat)

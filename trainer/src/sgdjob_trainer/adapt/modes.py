@@ -100,10 +100,6 @@ class Modes:
         self.telemetry.hierarchical_capable = bool(able)
         return why if why is not None or able else "another rank cannot run hierarchical (its log says why)"
 
-    def take_wait(self) -> float:
-        """Seconds this rank waited on the shards since the last call (async)."""
-        return self.stay.take_wait() if self.stay is not None else 0.0
-
     def round(self, offer: int, stopping: bool) -> RoundOutcome:
         """In hierarchical, this step's share of the cross-group rounds, which carry the agreement."""
         return self.hierarchy.after_step(offer, stopping) if self.hierarchy is not None else RoundOutcome()

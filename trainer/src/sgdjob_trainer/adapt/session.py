@@ -208,7 +208,6 @@ class Session:
         now = time.perf_counter()
         wall = now - (self._step_start if self._step_start is not None else self._last_end)
         wait = (self.exchange.take_wait() if self.exchange is not None else 0.0) + rounds.waited
-        wait += self.modes.take_wait()
         taken = samples if samples is not None else self._taken or self.split.size(self.info.rank)
         if self.modes.discarded():
             taken = 0  # not useful work: the shards threw the gradient away

@@ -217,11 +217,8 @@ class ParameterServer:
                 kind = int(header[0])
                 if kind == STOP:
                     return
-                if kind == END:
-                    self.stop_flag = True
-                    continue
-                if kind == MEET:
-                    self.checkpoint_request = max(self.checkpoint_request, int(header[1]))
+                if kind in (END, MEET):
+                    self._note(kind, int(header[1]))
                     continue
                 if kind == TICKET:
                     answer = torch.tensor(self._ticket(int(header[1]), int(header[2])), dtype=torch.int64)
@@ -288,10 +285,15 @@ class ParameterServer:
         self._tell(MEET, mark)
 
     def _tell(self, kind: int, word: int) -> None:
-        if 0 not in self.shards:
+        if 0 in self.shards:
+            self._note(kind, word)
+        else:
             header = torch.tensor([kind, word, 0, 0], dtype=torch.int64)
             dist.send(header, dst=self.hosts[0], group=self.groups[0], tag=TAG_PUSH)
-        elif kind == END:
+
+    def _note(self, kind: int, word: int) -> None:
+        """Shard 0's host: an END or a MEET, told in every later reply."""
+        if kind == END:
             self.stop_flag = True
         else:
             self.checkpoint_request = max(self.checkpoint_request, word)
