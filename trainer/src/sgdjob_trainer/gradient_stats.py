@@ -21,10 +21,16 @@ over independent samples, so their dot products are unbiased: with g_t this work
 E<g_t, g_t-1> = rho |G|^2 and E<g_t, g_t-2> = rho^2 |G|^2, where rho is the correlation over one of
 this worker's steps (the model moved meanwhile by every worker's updates: about one synchronous
 step's worth). So rho = lag2/lag1 and |G|^2 = lag1/rho, the geometric decay the controller's cost
-model assumes (policy.efficiency); tr(S) = b (E|g_t|^2 - |G|^2). Without this the controller would
-keep judging async by the figures of the synchronous steps before it, which age: the transformer
-example's gradients turned from 0.98 to 0.2 correlation within 100 steps, after auto had gone async
-on the first.
+model assumes (policy.efficiency); tr(S) = b (E|g_t|^2 - |G|^2). These hold only where the lags are
+told apart from zero: each product also carries the samples' noise (about tr(S)/b), so where the
+noise scale is many times the batch the averaged lags are noise of either sign. An async worker's
+figures are then unknown (as the synchronous correlation is there, policy.efficiency), not a
+correlation of 0: on real nodes a job with a noise scale of 428 samples at 16 a rank went async on a
+6x straggler, read "correlation 0.000" off 45 steps of such lags and left async at once.
+
+Without the async figures the controller would keep judging async by the figures of the synchronous
+steps before it, which age: the transformer example's gradients turned from 0.98 to 0.2 correlation
+within 100 steps, after auto had gone async on the first.
 
 Hierarchical measures as well: a group of two or more ranks allreduces its gradients every step, so
 its steps give the synchronous pair (own and group average; consecutive group averages are not paired
@@ -38,14 +44,16 @@ the process is in.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 # Weight of the newest step in the moving averages: about the last 1/ALPHA steps count.
 ALPHA = 0.05
-# Below this two-step correlation an async worker's |G|^2 is taken from its gradients' norm (see _async_figures).
-MIN_RHO = 0.05
+# An async worker's lag is told from zero when its average is this many standard errors away: two,
+# a one-sided chance of about 2.5 % that independent noise alone reads as a correlation or its absence.
+LAG_Z = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,18 +68,33 @@ class GradientFigures:
 
 
 class _Average:
-    """Exponential moving average, corrected for its start at zero (as Adam's moments are)."""
+    """Exponential moving average, corrected for its start at zero (as Adam's moments are), with the
+    standard error of that weighted mean (from the weighted second moment)."""
 
     def __init__(self) -> None:
         self.value = 0.0
+        self.square = 0.0
         self.weight = 0.0
+        self.weight_sq = 0.0  # sum of the squared weights: the effective count is weight^2 / weight_sq
 
     def add(self, x: float) -> None:
         self.value = (1 - ALPHA) * self.value + ALPHA * x
+        self.square = (1 - ALPHA) * self.square + ALPHA * x * x
         self.weight = (1 - ALPHA) * self.weight + ALPHA
+        self.weight_sq = (1 - ALPHA) ** 2 * self.weight_sq + ALPHA**2
 
     def get(self) -> float | None:
         return self.value / self.weight if self.weight > 0 else None
+
+    def error(self) -> float:
+        """The standard error of `get()`: the samples' spread (unbiased for the weights) over the root
+        of their effective count; infinite before two samples."""
+        count = self.weight**2 / self.weight_sq if self.weight_sq > 0 else 0.0
+        if count <= 1.0 + 1e-9:
+            return math.inf
+        mean = self.value / self.weight
+        spread = max(0.0, self.square / self.weight - mean * mean) * count / (count - 1.0)
+        return math.sqrt(spread / count)
 
 
 class _Pairs:
@@ -135,13 +158,17 @@ class _Lags:
 
     def figures(self) -> GradientFigures:
         own, lag1, lag2, batch = (a.get() for a in (self.own, self.lag1, self.lag2, self.batch))
-        if own is None or lag1 is None or lag2 is None or batch is None:
-            return GradientFigures(self.steps, None, None, None)
-        rho = min(1.0, max(0.0, lag2 / lag1)) if lag1 > 0 else 0.0
-        # A gradient that decorrelates within two steps leaves |G|^2 unknowable from the lags; the
-        # noisy norm bounds it from above, so the correlation then reads low (the cautious side).
-        sq = lag1 / rho if rho >= MIN_RHO else own
-        return GradientFigures(self.steps, sq, max(0.0, batch * (own - sq)), rho * sq)
+        unknown = GradientFigures(self.steps, None, None, None)
+        if own is None or lag1 is None or lag2 is None or batch is None or own <= 0:
+            return unknown
+        if lag1 < -LAG_Z * self.lag1.error():
+            # Consecutive gradients point apart beyond the noise: a stale one is worth nothing.
+            return GradientFigures(self.steps, own, 0.0, lag1)
+        if lag1 <= LAG_Z * self.lag1.error() or lag2 <= LAG_Z * self.lag2.error():
+            # Either lag is the samples' noise (module doc); so is rho, a ratio with it on either side.
+            return unknown
+        rho = min(1.0, lag2 / lag1)
+        return GradientFigures(self.steps, lag1 / rho, max(0.0, batch * (own - lag1 / rho)), lag1)
 
 
 class GradientStats:
