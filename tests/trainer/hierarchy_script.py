@@ -78,7 +78,10 @@ class StepLog:
         """Write the step's line; whether to stop. `came_back`: the step the session's switch back to sync
         was made at (its record's), where the first line in sync may be a later step: in async a rank
         that met the others at its epoch's end logs no line at the meeting's step."""
-        momentum = [optimizer.state[p]["momentum_buffer"].flatten().tolist() for p in params]
+        # None before the rank's optimizer has stepped itself (a job that starts in async: its state is
+        # on the servers until the ranks meet).
+        state = [optimizer.state[p].get("momentum_buffer") for p in params]
+        momentum = [m.flatten().tolist() if m is not None else None for m in state]
         flat = torch.cat([p.detach().flatten() for p in params]).tolist()
         doc = {"step": step, "mode": mode, "t": time.time(), "params": flat, "momentum": momentum}
         if indices is not None:

@@ -23,7 +23,7 @@ from statistics import median
 import pytest
 import torch
 
-from sgdjob_trainer.config import Adaptation, Checkpoint, TrainingConfig
+from sgdjob_trainer.config import Adaptation, Checkpoint, SyncMode, TrainingConfig
 from tests.trainer.test_adapt_hierarchy import (
     _all_in,
     _get,
@@ -41,15 +41,18 @@ SLOW, FAST, CHECKPOINT_EVERY, SAMPLES = 0.08, 0.005, 25, 1024
 SCRIPT = Path(__file__).with_name("hierarchy_script.py")
 
 
-def _launch(tmp_path: Path, *extra: str, restarts: int = 0) -> tuple[subprocess.Popen[str], int]:
-    """The script on 4 ranks under SGDJob's torchrun agent, rank 3 the straggler; its ranks serve base + local rank."""
+def _launch(
+    tmp_path: Path, *extra: str, restarts: int = 0, mode: SyncMode = SyncMode.SYNC
+) -> tuple[subprocess.Popen[str], int]:
+    """The script on 4 ranks under SGDJob's torchrun agent, rank 3 the straggler, the job starting in
+    `mode`; its ranks serve base + local rank."""
     training = TrainingConfig(
         command=["python", SCRIPT.name],
         adaptation=Adaptation.API,
         batch_size=8,
         checkpoint=Checkpoint(dir=str(tmp_path / "ckpt"), interval_steps=CHECKPOINT_EVERY, keep=100),
     )
-    base, env = script_env(tmp_path, training)
+    base, env = script_env(tmp_path, training, mode)
     env |= {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # a restarted world's ranks connect afresh (recovery.py)
     args = ["--out", str(tmp_path), "--samples", str(SAMPLES), "--step-seconds", str(FAST)]
     args += ["--slow-rank", "3", "--slow-seconds", str(SLOW), "--left", "async", *extra]
@@ -166,3 +169,19 @@ def test_async_resumes_after_rank_0_dies_and_the_first_rank_done_ends_every_rank
     newest = max((tmp_path / "ckpt").glob("step-*"))
     assert newest.name == f"step-{200:010d}", "finish() wrote the world's model at the most steps"
     assert _plain_params(torch.load(newest / "checkpoint.pt", weights_only=False)) == finals[0], newest
+
+
+def test_a_job_whose_mode_is_async_trains_its_script_async_from_the_first_step(tmp_path: Path) -> None:
+    """`spec.mode: async` on the adaptation API: no command, the session enters async once the model
+    and the loader are there; the fast ranks run ahead from step 1 and the world ends with one model."""
+    proc, _ = _launch(tmp_path, "--max-steps", "60", mode=SyncMode.ASYNC)
+    output = _end(proc, tmp_path, time.monotonic() + 60)
+    assert proc.returncode == 0, output[-4000:]
+    assert "the job's mode is async" in output, output[-4000:]
+    ranks = [_lines(tmp_path, r) for r in range(4)]
+    # Every step async (a rank's last line may come after the finish, back in sync with one model).
+    assert all(line["mode"] == "async" for lines in ranks for line in lines[:-1])
+    assert [lines[0]["step"] for lines in ranks] == [1, 1, 1, 1]
+    assert max(lines[-1]["step"] for lines in ranks) == 60 and 3 * len(ranks[3]) < min(map(len, ranks[:3]))
+    finals = [json.loads((tmp_path / f"final{r}.json").read_text()) for r in range(4)]
+    assert all(f == finals[0] for f in finals)

@@ -31,7 +31,7 @@ import pytest
 import torch
 
 from sgdjob_operator.local.procs import free_port_blocks
-from sgdjob_trainer.config import Adaptation, Checkpoint, HierarchicalConfig, TrainingConfig
+from sgdjob_trainer.config import Adaptation, Checkpoint, HierarchicalConfig, SyncMode, TrainingConfig
 from sgdjob_trainer.wire.launch_contract import RunConfig
 from tests.trainer.two_ranks import REPO
 
@@ -119,11 +119,12 @@ def _lead(fast: list[dict[str, Any]], slow: list[dict[str, Any]], steps: range) 
     return [r["step"] - sum(t <= r["t"] for t in times) for r in fast if r["step"] in steps]
 
 
-def script_env(tmp_path: Path, training: TrainingConfig) -> tuple[int, dict[str, str]]:
-    """The environment of 4 ranks that SGDJob runs `training` for, and the port rank 0 serves: each
-    rank serves base + its local rank, four free ports below the ephemeral range."""
+def script_env(tmp_path: Path, training: TrainingConfig, mode: SyncMode = SyncMode.SYNC) -> tuple[int, dict[str, str]]:
+    """The environment of 4 ranks that SGDJob runs `training` for (starting in `mode`), and the port
+    rank 0 serves: each rank serves base + its local rank, four free ports below the ephemeral range."""
     config = tmp_path / "run-config.json"
-    config.write_text(RunConfig(job_name="script-test", training=training).model_dump_json(by_alias=True))
+    doc = RunConfig(job_name="script-test", mode=mode, training=training)
+    config.write_text(doc.model_dump_json(by_alias=True))
     [base] = free_port_blocks(1, size=4)
     path = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
     env = {**os.environ, "SGDJOB_RUN_CONFIG": str(config), "SGDJOB_METRICS_PORT": str(base)}

@@ -336,11 +336,13 @@ class SGDJobSpec(CamelModel):
                 "policy.allowedActions",
                 "rescale is allowed but minReplicas == maxReplicas: widen the bounds or drop rescale",
             )
-        if self.training.on_adaptation_api and self.mode not in (JobMode.AUTO, JobMode.SYNC):
+        if self.training.on_adaptation_api and self.mode == JobMode.HIERARCHICAL:
+            # Its groups come from speeds measured in sync; async needs no such measurement.
             raise cross_field_error(
                 "mode",
-                f"a script on the adaptation API (training.adaptation: api) starts in sync, not {self.mode.value}: "
-                "set mode to sync, or auto to let the policy rebalance it or switch it to hierarchical",
+                "a script on the adaptation API (training.adaptation: api) starts in sync or async, not "
+                "hierarchical: set mode to auto to let the policy switch it to hierarchical once it has "
+                "measured the ranks' speeds, or to sync or async",
             )
         emulation = self.training.emulation
         if emulation is not None and emulation.cpu_limits is not None and len(emulation.cpu_limits) != self.replicas:

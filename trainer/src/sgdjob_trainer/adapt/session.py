@@ -98,7 +98,8 @@ class Session:
         )
         self.modes = Modes(info, comm, self.telemetry, training.hierarchical, optimizer, training.async_, hooks)
         self._resumed_groups: list[list[int]] | None = None  # a checkpoint taken in hierarchical
-        self._resumed_async = False  # a checkpoint taken in async
+        # A checkpoint taken in async, or a job that starts in async: entered once attach() and loader() are done.
+        self._resumed_async = settings.start_mode == SyncMode.ASYNC
         self._met = 0  # in async: the newest call to meet every rank has met for (ps.MEET)
         self.ending = False  # in async: another rank's training is over; the loader hands out no more
         self.telemetry.restart_count = info.restart_count
@@ -424,7 +425,7 @@ class Session:
         self.split = Split.of(info.world_size, self.settings.training.batch_size, given)
         self.position = Position.from_dict(state["position"])
         self._resumed_groups = state.get("groups")  # entered again at attach(), where the model is
-        self._resumed_async = bool(state.get("async", False))  # once attach() and loader() are done
+        self._resumed_async = self._resumed_async or bool(state.get("async", False))
         worlds = f"world {meta['world_size']} -> {info.world_size}"
         reason = f"resumed from the checkpoint of step {self.step_count} ({worlds})"
         self.telemetry.resumed(self.step_count, SyncMode.SYNC, reason)
@@ -435,12 +436,16 @@ class Session:
         log.info("%s, epoch %d", reason, self.position.epoch)
 
     def _resume_async(self) -> None:
-        """Collective, at attach() and at loader(), whichever is last: a checkpoint taken in async resumes in it."""
+        """Collective, at attach() and at loader(), whichever is last: a checkpoint taken in async resumes
+        in it, and a job whose mode is async starts in it."""
         if not self._resumed_async or self.exchange is None or self.loader_made is None:
             return
         self._resumed_async = False
-        if self.modes.async_obstacle() is None:
-            self.modes.switch(SyncMode.ASYNC, None, "resumed in async", self.step_count)
+        why = "resumed in async" if self.step_count > 0 else "the job's mode is async"
+        if (obstacle := self.modes.async_obstacle()) is None:
+            self.modes.switch(SyncMode.ASYNC, None, why, self.step_count)
+        elif self.info.rank == 0:
+            log.warning("%s, but async is refused (%s): training in sync", why, obstacle)
 
     # -- timing -------------------------------------------------------------------------------------
     def _begin(self) -> None:

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from sgdjob_trainer.config import Adaptation, TrainingConfig
+from sgdjob_trainer.config import Adaptation, SyncMode, TrainingConfig
 from sgdjob_trainer.wire.launch_contract import ENV_RUN_CONFIG, RunConfig
 
 
@@ -19,6 +19,7 @@ class Settings:
     training: TrainingConfig
     checkpoint_dir: Path | None
     checkpoint_every: int
+    start_mode: SyncMode = SyncMode.SYNC  # the job's mode to start in: sync (also for auto) or async
 
     @property
     def adapted(self) -> bool:
@@ -38,6 +39,7 @@ def settings(config: RunConfig | None, checkpoint_dir: str | None, checkpoint_ev
         training=training,
         checkpoint_dir=Path(directory) if directory is not None else None,
         checkpoint_every=every,
+        start_mode=config.mode if config is not None else SyncMode.SYNC,
     )
 
 
