@@ -91,10 +91,10 @@ def test_async_steps_measure_the_correlation_and_noise_from_one_workers_consecut
     steady = _async_run(0.95, sigma=0.5, batch=32, steps=300, seed=9).figures()
     assert steady.steps == 298 and steady.sq_norm is not None and steady.variance is not None
     assert abs(steady.sq_norm - 1.0) < 0.3 and abs(steady.variance - DIM * 0.25) < 40  # tr(S) = DIM sigma^2
-    # Consecutive gradients that point apart: measured, and a stale one reads as worth nothing.
+    # Consecutive gradients that point apart (an oscillation): no figure, so no verdict from the lags.
     for seed in range(4):
         apart = _async_run(-0.6, sigma=0.3, batch=32, steps=300, seed=seed).figures()
-        assert apart.sq_norm is not None and apart.lag_dot is not None and apart.lag_dot < 0, apart
+        assert apart.sq_norm is None and apart.lag_dot is None, apart
 
 
 def test_async_lags_buried_in_the_samples_noise_read_as_unknown_never_as_worthless() -> None:

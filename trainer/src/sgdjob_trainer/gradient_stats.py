@@ -26,7 +26,11 @@ told apart from zero: each product also carries the samples' noise (about tr(S)/
 noise scale is many times the batch the averaged lags are noise of either sign. An async worker's
 figures are then unknown (as the synchronous correlation is there, policy.efficiency), not a
 correlation of 0: on real nodes a job with a noise scale of 428 samples at 16 a rank went async on a
-6x straggler, read "correlation 0.000" off 45 steps of such lags and left async at once.
+6x straggler, read "correlation 0.000" off 45 steps of such lags and left async at once. Lags that
+stand below zero are unknown too: gradients that oscillate across a valley turn negative from one
+step to the next while training progresses along it, and a two-standard-error test repeated every
+interval on every rank fails by chance within a minute (measured in CI: async left after step 253 on a
+negative lag). Async's worth is then judged by its measured progress (the policy's check of a change).
 
 Without the async figures the controller would keep judging async by the figures of the synchronous
 steps before it, which age: the transformer example's gradients turned from 0.98 to 0.2 correlation
@@ -161,11 +165,9 @@ class _Lags:
         unknown = GradientFigures(self.steps, None, None, None)
         if own is None or lag1 is None or lag2 is None or batch is None or own <= 0:
             return unknown
-        if lag1 < -LAG_Z * self.lag1.error():
-            # Consecutive gradients point apart beyond the noise: a stale one is worth nothing.
-            return GradientFigures(self.steps, own, 0.0, lag1)
         if lag1 <= LAG_Z * self.lag1.error() or lag2 <= LAG_Z * self.lag2.error():
             # Either lag is the samples' noise (module doc); so is rho, a ratio with it on either side.
+            # A lag below zero is no verdict either (module doc): it leaves the check of measured progress.
             return unknown
         rho = min(1.0, lag2 / lag1)
         return GradientFigures(self.steps, lag1 / rho, max(0.0, batch * (own - lag1 / rho)), lag1)
