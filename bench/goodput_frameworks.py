@@ -1,17 +1,19 @@
-"""Framework goodput benchmark (issue #39 point 4): the Hugging Face Trainer and Lightning examples on
-an EMULATED persistent straggler, run as the user runs them today (plain `torchrun
---nproc-per-node=3`, equal batches) and as an SGDJob (`sgdjob run`, mode auto, adaptation api), and
-how soon each reaches a validation-loss target.
+"""Framework goodput benchmark (issue #39 point 4): the Hugging Face Trainer and Lightning examples and
+a plain DDP script on the adaptation API on an EMULATED persistent straggler, run as the user runs them
+today (plain `torchrun --nproc-per-node=3`, equal batches) and as an SGDJob (`sgdjob run`, adaptation
+api: mode auto, and for the plain script mode async too), and how soon each reaches a validation-loss
+target.
 
-    python -m bench.goodput_frameworks --out DIR [--framework hf,lightning] [--seeds N] [--steps S]
+    python -m bench.goodput_frameworks --out DIR [--framework hf,lightning,ddp] [--systems ...]
+        [--seeds N] [--steps S]
 
-Both systems run the same script (examples/hf-trainer/train.py, examples/lightning/train.py) with the
-same seed, global batch (3 x 16), steps and emulation: every rank sleeps --sample-seconds a sample of
-the batch it trains on, rank 2 three times that (the scripts' opt-in `--slow-rank`), so a smaller
-batch really makes it faster; real gradients over gloo on loopback. Rank 0 validates on held-out
-samples every 5 steps and writes the curve; time is counted from its training start. Writes
-DIR/goodput-frameworks.json and .md (also printed); each run's files are under
-DIR/runs/<framework>/<system>/seed-<k>/. See bench/README.md.
+Every system runs the same script (examples/hf-trainer/train.py, examples/lightning/train.py,
+bench/adapt_script.py) with the same seed, global batch (3 x 16), steps and emulation: every rank
+sleeps --sample-seconds a sample of the batch it trains on, rank 2 three times that (the scripts'
+opt-in `--slow-rank`), so a smaller batch really makes it faster; real gradients over gloo on
+loopback. Rank 0 validates on held-out samples every 5 of its steps and writes the curve; time is
+counted from its training start. Writes DIR/goodput-frameworks.json and .md (also printed); each run's
+files are under DIR/runs/<framework>/<system>/seed-<k>/. See bench/README.md.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from typing import Any
 import yaml
 
 from bench.goodput_frameworks_scoring import (
+    ASYNC,
     AUTO,
     DEFINITIONS,
     PLAIN,
@@ -56,34 +59,53 @@ VALIDATE_EVERY = 5
 # shipping 10 s the policy would first look a third of the way in.
 INTERVAL_S = 1.0
 FULL_SEEDS = 3
+# The plain DDP script's validation-loss target and budget (bench/adapt_script.py, chosen from plain
+# torchrun runs of seed 0 as the others were).
+TARGET_DDP, BUDGET_DDP = 0.6, 10.0
 
 
 @dataclass(frozen=True, slots=True)
 class Framework:
-    """An example script, the options it runs with here, and the validation-loss target and budget
-    (chosen from plain torchrun runs so both systems reach the target around half-way)."""
+    """A script, the job.yaml its SGDJob starts from (both relative to the repository), the options
+    it runs with here, and the validation-loss target and budget (chosen from plain torchrun runs so
+    the systems reach the target around half-way)."""
 
-    example: str  # folder under examples/
+    script: str
+    job: str
     options: tuple[str, ...]
     target_loss: float
     budget_s: float
     what: str
+    # The SGDJob systems it can run: the HF and Lightning integrations refuse async (for now).
+    systems: tuple[str, ...] = (AUTO,)
 
 
 FRAMEWORKS: dict[str, Framework] = {
     "hf": Framework(
-        "hf-trainer",
+        "examples/hf-trainer/train.py",
+        "examples/hf-trainer/job.yaml",
         ("--val-samples", "128"),
         3.1,
         10.0,
         "transformers.Trainer: a tiny GPT-2 (2 layers, 64 wide), characters of stdlib docstrings, 1024 windows",
     ),
     "lightning": Framework(
-        "lightning",
+        "examples/lightning/train.py",
+        "examples/lightning/job.yaml",
         ("--samples", "8192", "--val-samples", "512"),
         2.55,
         8.0,
         "lightning.Trainer: a next-character MLP on stdlib source, 8192 positions",
+    ),
+    "ddp": Framework(
+        "bench/adapt_script.py",
+        "examples/ddp-script-adapt/job.yaml",
+        (),
+        TARGET_DDP,
+        BUDGET_DDP,
+        "a plain DDP script on the adaptation API (SGD with momentum, its own loop): an MLP fitting a "
+        "teacher MLP, 8192 samples",
+        (AUTO, ASYNC),
     ),
 }
 
@@ -106,17 +128,19 @@ def script_args(framework: Framework, steps: int, seed: int, output_dir: Path) -
     ]  # fmt: skip
 
 
-def job_doc(framework: Framework, args: Sequence[str], run_dir: Path, interval_s: float) -> dict[str, Any]:
-    """The example's job.yaml on one node of WORKERS processes (torchrun --nproc-per-node's layout),
-    mode auto at `interval_s`, running the script with `args`. Its checkpoints every 100 steps, as the
-    session's default under plain torchrun, so neither system writes more of them."""
-    doc = yaml.safe_load((REPO / "examples" / framework.example / "job.yaml").read_text())
-    doc["metadata"]["name"] = f"bench-{framework.example}"
+def job_doc(
+    framework: Framework, args: Sequence[str], run_dir: Path, interval_s: float, mode: str = "auto"
+) -> dict[str, Any]:
+    """The framework's job.yaml on one node of WORKERS processes (torchrun --nproc-per-node's layout),
+    in `mode` (auto at `interval_s`), running the script with `args`. Its checkpoints every 100 steps,
+    as the session's default under plain torchrun, so no system writes more of them."""
+    doc = yaml.safe_load((REPO / framework.job).read_text())
+    doc["metadata"]["name"] = f"bench-{Path(framework.job).parent.name}"
     spec = doc["spec"]
-    spec.update(replicas=1, minReplicas=1, maxReplicas=1, nprocPerNode=WORKERS, mode="auto")
+    spec.update(replicas=1, minReplicas=1, maxReplicas=1, nprocPerNode=WORKERS, mode=mode)
     spec["policy"] = {**spec.get("policy", {}), "intervalSeconds": interval_s}
     training = spec["training"]
-    training["command"] = ["python", str(REPO / "examples" / framework.example / "train.py"), *args]
+    training["command"] = ["python", str(REPO / framework.script), *args]
     training["batchSize"] = BATCH
     training["checkpoint"] = {"dir": str(run_dir / "checkpoints"), "intervalSteps": 100}
     return dict(doc)
@@ -132,17 +156,19 @@ def _env() -> dict[str, str]:
 def run_once(
     framework: Framework, system: str, seed: int, steps: int, run_dir: Path, timeout_s: float
 ) -> dict[str, Any]:
-    """One run of `system` (PLAIN or AUTO) and its figures; a failure is recorded, not raised."""
+    """One run of `system` (SYSTEMS) and its figures; a failure is recorded, not raised."""
     run_dir.mkdir(parents=True, exist_ok=True)
     output_dir = run_dir / "output"
-    args = script_args(framework, steps, seed, output_dir)
-    script = REPO / "examples" / framework.example / "train.py"
+    # An async step is one rank's batch, a sync step every rank's: async gets WORKERS x the steps (a
+    # fast rank's own), about as long in wall time; the figures are times to the target, not steps.
+    args = script_args(framework, steps * WORKERS if system == ASYNC else steps, seed, output_dir)
     if system == PLAIN:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORKERS}",
-                   str(script), *args]  # fmt: skip
+                   str(REPO / framework.script), *args]  # fmt: skip
     else:
         job = run_dir / "job.yaml"
-        job.write_text(yaml.safe_dump(job_doc(framework, args, run_dir, INTERVAL_S)))
+        mode = "async" if system == ASYNC else "auto"
+        job.write_text(yaml.safe_dump(job_doc(framework, args, run_dir, INTERVAL_S, mode)))
         sgdjob = str(Path(sys.executable).parent / "sgdjob")
         command = [sgdjob, "run", str(job), "--out", str(run_dir / "sgdjob"), "--timeout", str(timeout_s)]
     t0 = time.monotonic()
@@ -161,7 +187,7 @@ def run_once(
     decisions: list[dict[str, Any]] = []
     batches: list[Any] = []
     report_path = run_dir / "sgdjob" / "report.json"
-    if system == AUTO and report_path.exists():
+    if system != PLAIN and report_path.exists():
         report = json.loads(report_path.read_text())
         keep = ("step", "action", "predictedGain", "reason")
         decisions = [{k: d.get(k) for k in keep} for d in report.get("decisions") or []]
@@ -185,18 +211,20 @@ def run_benchmark(
     out: Path,
     timeout_s: float,
     log: Any = sys.stderr,
+    systems: Sequence[str] = (PLAIN, AUTO),
 ) -> dict[str, Any]:
-    """Every framework x seed x system, one run at a time; the systems alternate first by seed, so a
-    machine that drifts does not favour one."""
+    """Every framework x seed x system (those of `systems` the framework runs), one run at a time; the
+    systems' order is reversed every other seed, so a machine that drifts does not favour one."""
     from bench.heterogeneity import machine
 
     started, wall0 = time.strftime("%Y-%m-%dT%H:%M:%S%z"), time.monotonic()
     meta_machine = machine()
     results = []
     for name, framework in frameworks.items():
-        runs: dict[str, list[dict[str, Any]]] = {s: [] for s in SYSTEMS}
+        mine = [s for s in systems if s == PLAIN or s in framework.systems]
+        runs: dict[str, list[dict[str, Any]]] = {s: [] for s in mine}
         for i, seed in enumerate(seeds):
-            for system in SYSTEMS if i % 2 == 0 else tuple(reversed(SYSTEMS)):
+            for system in mine if i % 2 == 0 else tuple(reversed(mine)):
                 print(f"[{time.monotonic() - wall0:5.0f}s] {name}: {system} seed {seed} ...", file=log, flush=True)
                 run = run_once(framework, system, seed, steps, out / "runs" / name / system / f"seed-{seed}", timeout_s)
                 print(
@@ -207,16 +235,17 @@ def run_benchmark(
                     flush=True,
                 )
                 runs[system].append(run)
-        systems = {s: aggregate(r) for s, r in runs.items()}
+        figures = {s: aggregate(r) for s, r in runs.items()}
         results.append(
             {
                 "framework": name,
-                "example": f"examples/{framework.example}/train.py",
+                "script": framework.script,
                 "what": framework.what,
                 "target_loss": framework.target_loss,
                 "budget_s": framework.budget_s,
-                "systems": systems,
-                "ratio": ratio(systems),
+                "systems": figures,
+                "ratio": ratio(figures),
+                **({"ratio_async": ratio(figures, ASYNC)} if ASYNC in figures else {}),
             }
         )
     meta_machine["load_average_at_end"] = list(os.getloadavg())
@@ -235,6 +264,8 @@ def run_benchmark(
                 PLAIN: f"python -m torch.distributed.run --standalone --nproc-per-node={WORKERS} train.py ...",
                 AUTO: f"sgdjob run job.yaml: the example's job, 1 node x {WORKERS}, mode auto, adaptation api, "
                 f"policy.intervalSeconds {INTERVAL_S:g}",
+                ASYNC: "the same job in mode async throughout (the trainer's parameter servers run the script's "
+                "optimizer; the ranks draw batches from one queue)",
             },
             "emulation": EMULATION,
             "definitions": DEFINITIONS,
@@ -260,7 +291,8 @@ def header(doc: dict[str, Any]) -> str:
         f"# Framework goodput ({meta['date']}, {meta['commit']}): {meta['workers']} workers, global batch "
         f"{meta['global_batch']}, {meta['steps']} steps, seeds {', '.join(map(str, meta['seeds']))}\n\n"
         f"{meta['emulation']}. Validation every {meta['validate_every_steps']} steps on rank 0; time since its "
-        f"training start. {AUTO}: {meta['systems'][AUTO]}. Machine: {meta['machine']['cpus']} CPUs, no GPU, "
+        f"training start. {AUTO}: {meta['systems'][AUTO]}. {ASYNC}: {meta['systems'][ASYNC]}. "
+        f"Machine: {meta['machine']['cpus']} CPUs, no GPU, "
         f"load average {meta['machine']['load_average_at_start']} at start. Cells: median [min-max] over seeds. "
         f"Bench wall {meta['bench_wall_s']:.0f} s.\n\n"
     )
@@ -269,7 +301,12 @@ def header(doc: dict[str, Any]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--framework", default=",".join(FRAMEWORKS), help="comma-separated: hf, lightning")
+    parser.add_argument("--framework", default=",".join(FRAMEWORKS), help=f"comma-separated: {', '.join(FRAMEWORKS)}")
+    parser.add_argument(
+        "--systems",
+        default=",".join(SYSTEMS),
+        help=f"comma-separated: {', '.join(SYSTEMS)} (a framework runs those it can: {ASYNC} only ddp)",
+    )
     parser.add_argument("--seeds", type=int, default=FULL_SEEDS, help="seeds 0..N-1")
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument(
@@ -284,12 +321,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unknown framework {', '.join(unknown) or '(none)'}; known: {', '.join(FRAMEWORKS)}")
     if args.seeds < 1 or args.steps < 1:
         parser.error("--seeds and --steps must be at least 1")
+    systems = [s for s in args.systems.split(",") if s]
+    wrong = [s for s in systems if s not in SYSTEMS]
+    if wrong or not systems:
+        parser.error(f"unknown system {', '.join(wrong) or '(none)'}; known: {', '.join(SYSTEMS)}")
     chosen = {n: FRAMEWORKS[n] for n in names}
     if args.target is not None:
         chosen = {n: replace(f, target_loss=args.target) for n, f in chosen.items()}
     if args.budget is not None:
         chosen = {n: replace(f, budget_s=args.budget) for n, f in chosen.items()}
-    doc = run_benchmark(chosen, range(args.seeds), args.steps, args.out, args.timeout)
+    doc = run_benchmark(chosen, range(args.seeds), args.steps, args.out, args.timeout, systems=systems)
     text = header(doc) + markdown_table(doc["results"])
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "goodput-frameworks.json").write_text(json.dumps(doc, indent=2) + "\n")

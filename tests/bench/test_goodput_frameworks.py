@@ -20,6 +20,7 @@ from bench.goodput_frameworks import (
     script_args,
 )
 from bench.goodput_frameworks_scoring import (
+    ASYNC,
     AUTO,
     PLAIN,
     aggregate,
@@ -90,19 +91,29 @@ def test_the_ratio_is_per_seed_and_a_missed_target_counts_as_infinitely_late() -
     assert "| lightning | torchrun | 12.0 [10.0-20.0] | 3/3 | 45 |" in table
     assert "| lightning | sgdjob-auto | 8.0 [6.0-not reached] | 2/3 |" in table
     assert "rebalance@2, batches 20/21/7 at the end" in table
-    assert "| lightning | 2.5 | 8 | 0.67x | 0.60, —, 0.40 |" in table
+    assert "| lightning | 2.5 | 8 | sgdjob-auto | 0.67x | 0.60, —, 0.40 |" in table
+    # The plain script's async system: its own row and ratio, beside auto's.
+    asy = aggregate([_run(0, 5.0), _run(1, 6.0), _run(2, 30.0)])
+    both = {PLAIN: plain, AUTO: auto, ASYNC: asy}
+    result = {"framework": "ddp", "target_loss": 0.5, "budget_s": 10.0, "systems": both}
+    table = markdown_table([{**result, "ratio": ratio(both), "ratio_async": ratio(both, ASYNC)}])
+    assert "| ddp | sgdjob-async | 6.0 [5.0-30.0] | 3/3 | 45 |" in table and "async throughout" in table
+    assert "| ddp | 0.5 | 10 | sgdjob-async | 0.50x | 0.50, 0.50, 1.50 |" in table
 
 
-def test_both_systems_run_the_same_script_with_the_same_straggler_and_the_job_is_valid(tmp_path: Path) -> None:
+def test_every_system_runs_the_same_script_with_the_same_straggler_and_the_job_is_valid(tmp_path: Path) -> None:
+    assert [n for n, f in FRAMEWORKS.items() if ASYNC in f.systems] == ["ddp"], "the integrations refuse async"
     for framework in FRAMEWORKS.values():
         args = script_args(framework, 80, 1, tmp_path / "output")
+        for mode in ("auto", "async") if ASYNC in framework.systems else ("auto",):
+            assert validate_job(job_doc(framework, args, tmp_path, 1.0, mode)).spec.mode.value == mode
         doc = job_doc(framework, args, tmp_path, 1.0)
         job = validate_job(doc)
         spec = job.spec
         assert (spec.replicas, spec.nproc_per_node, spec.mode.value) == (1, WORKERS, "auto")
         assert spec.training.on_adaptation_api and spec.policy.interval_seconds == 1.0
         command = list(spec.training.command or [])
-        assert command[1].endswith(f"examples/{framework.example}/train.py") and command[2:] == args
+        assert command[1].endswith(framework.script) and command[2:] == args
         at = args.index("--slow-rank")
         assert args[at + 1] == str(SLOW_RANK) and "--seed" in args and args[args.index("--seed") + 1] == "1"
         assert int(args[args.index("--batch-size") + 1]) == spec.training.batch_size
