@@ -169,8 +169,8 @@ class _Lags:
             # Either lag is the samples' noise (module doc); so is rho, a ratio with it on either side.
             # A lag below zero is no verdict either (module doc): it leaves the check of measured progress.
             return unknown
-        rho = min(1.0, lag2 / lag1)
-        return GradientFigures(self.steps, lag1 / rho, max(0.0, batch * (own - lag1 / rho)), lag1)
+        sq = lag1 / min(1.0, lag2 / lag1)  # |G|^2 = lag1 / rho
+        return GradientFigures(self.steps, sq, max(0.0, batch * (own - sq)), lag1)
 
 
 class GradientStats:

@@ -294,7 +294,9 @@ def worthless(current: Prediction, efficiency: Efficiency, job: JobView) -> bool
     correlation of consecutive gradients measured at 0 or below). A fresh configuration is then left
     at once: on a real node bound by its CPU quota a job went async on a correlation of 0.66 measured
     in sync, measured async's worth at 0, and stayed 10 s (its cooldown) while its check, on a fleet
-    whose name kept changing, reached no verdict."""
+    whose name kept changing, reached no verdict. Only hierarchical's synchronous group steps can
+    measure that now: an async worker's lags that do not stand above the samples' noise read as
+    unknown (sgdjob_trainer.gradient_stats), so async is left on its measured progress instead."""
     return (
         current.staleness > 0
         and current.useful <= 0

@@ -99,7 +99,7 @@ class Session:
         self.modes = Modes(info, comm, self.telemetry, training.hierarchical, optimizer, training.async_, hooks)
         self._resumed_groups: list[list[int]] | None = None  # a checkpoint taken in hierarchical
         # A checkpoint taken in async, or a job that starts in async: entered once attach() and loader() are done.
-        self._resumed_async = settings.start_mode == SyncMode.ASYNC
+        self._enter_async = settings.start_mode == SyncMode.ASYNC
         self._met = 0  # in async: the newest call to meet every rank has met for (ps.MEET)
         self.ending = False  # in async: another rank's training is over; the loader hands out no more
         self.telemetry.restart_count = info.restart_count
@@ -147,7 +147,7 @@ class Session:
         if self._resumed_groups is not None and self.modes.obstacle() is None:
             # The stored command's epoch counts as applied: no controller re-sends it.
             self.modes.switch(SyncMode.HIERARCHICAL, self._resumed_groups, "resumed in hierarchical", self.step_count)
-        self._resume_async()
+        self._enter_async_when_ready()
 
     def refuse_async(self, reason: str) -> None:
         """A framework integration whose training loop async is not checked with: the policy never
@@ -196,7 +196,7 @@ class Session:
         self.modes.set_loader(self.loader_made)
         self.loader_made.ending = lambda: self.ending
         self.loader_made.on_epoch_end = self._epoch_end
-        self._resume_async()
+        self._enter_async_when_ready()
         return self.loader_made
 
     def step(self, loss: Any = None, samples: int | None = None) -> None:
@@ -425,7 +425,7 @@ class Session:
         self.split = Split.of(info.world_size, self.settings.training.batch_size, given)
         self.position = Position.from_dict(state["position"])
         self._resumed_groups = state.get("groups")  # entered again at attach(), where the model is
-        self._resumed_async = self._resumed_async or bool(state.get("async", False))
+        self._enter_async = self._enter_async or bool(state.get("async", False))
         worlds = f"world {meta['world_size']} -> {info.world_size}"
         reason = f"resumed from the checkpoint of step {self.step_count} ({worlds})"
         self.telemetry.resumed(self.step_count, SyncMode.SYNC, reason)
@@ -435,12 +435,12 @@ class Session:
             self.inbox.mark_applied(self.applied_epoch)
         log.info("%s, epoch %d", reason, self.position.epoch)
 
-    def _resume_async(self) -> None:
+    def _enter_async_when_ready(self) -> None:
         """Collective, at attach() and at loader(), whichever is last: a checkpoint taken in async resumes
         in it, and a job whose mode is async starts in it."""
-        if not self._resumed_async or self.exchange is None or self.loader_made is None:
+        if not self._enter_async or self.exchange is None or self.loader_made is None:
             return
-        self._resumed_async = False
+        self._enter_async = False
         why = "resumed in async" if self.step_count > 0 else "the job's mode is async"
         if (obstacle := self.modes.async_obstacle()) is None:
             self.modes.switch(SyncMode.ASYNC, None, why, self.step_count)
