@@ -59,6 +59,22 @@ class PodWatch:
             self.logs.update(self.env.job_logs(self.job))
 
 
+# The operator's Event for a failure it counts against backoffLimit (k8s/failures.classify).
+COUNTED_RE = re.compile(r"worker pod (\S+) failed \(.*\); see its log")
+
+
+def counted_failures(logs: dict[str, str], events: list[str], lines: int = 40) -> str:
+    """The last `lines` of each of `logs` (PodWatch.logs) of a pod whose failure the operator counted, for an
+    assertion's message: the kubelet's logs go with the cluster, and a flake then leaves only its name."""
+    names = {m.group(1) for event in events if (m := COUNTED_RE.search(event))}
+    tails = [
+        f"--- {path}\n" + "\n".join(text.splitlines()[-lines:])
+        for path, text in sorted(logs.items())
+        if any(f"_{name}_" in path for name in names)  # .../log/pods/<namespace>_<pod>_<uid>/<container>/N.log
+    ]
+    return "\n".join(tails) or f"(no kept log of {sorted(names) or 'a counted failure'})"
+
+
 RESULTS: dict[str, dict[str, Any]] = {}
 
 

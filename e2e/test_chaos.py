@@ -62,6 +62,7 @@ from e2e.chaos import (
     RECOVER_TIMEOUT,
     START_TIMEOUT,
     PodWatch,
+    counted_failures,
     finished,
     full_world,
     live,
@@ -184,7 +185,9 @@ def test_0_power_cut_of_the_node_with_the_store_worker_0_and_the_leader(env: Rea
     print(f"power cut of {node} (leader {leader}): {timeline}; events:\n" + "\n".join(events))
     assert "new leader" in seen and "store re-homed" in seen, seen
     assert st["phase"] == "Succeeded", (st.get("phase"), st.get("message"), events)
-    assert int(st.get("restarts") or 0) == restarts_before, "a lost node is the infrastructure's fault, not the job's"
+    assert int(st.get("restarts") or 0) == restarts_before, (
+        "a lost node is the infrastructure's fault, not the job's: " + counted_failures(watch.logs, events)
+    )
     assert lost <= 2 * INTERVAL, f"{lost} steps lost > one interval ({INTERVAL}) + one in-flight write"
     assert watch.per_index == 1 and watch.total <= 3
     env.kubectl("delete", "sgdjob", job, "-n", env.ns, "--wait=false")
@@ -304,7 +307,8 @@ def test_b2_network_cut_of_the_store_node_then_restored(env: RealEnv, chaos: str
     assert "store re-homed" in seen, seen
     assert lost <= 2 * INTERVAL, f"{lost} steps lost > one interval ({INTERVAL}) + one in-flight write"
     assert int(job_status(env.kube, env.ns, chaos).get("restarts") or 0) == billed, (
-        "a cut network is not the job's fault"
+        "a cut network is not the job's fault: "
+        + counted_failures(watch.logs, [ev["message"] for ev in job_events(env.kube, env.ns, chaos)])
     )
     assert watch.per_index == 1 and watch.total <= 3
 
@@ -363,7 +367,9 @@ def test_d_end_the_job_that_went_through_a_to_d_succeeds(env: RealEnv, chaos: st
         lost = sum(r[0] for r in restarts(env) if r not in before)
         record(f"a-d's job ended (suspend, steps {target}, resume)", outcome(env), watch, seconds, lost)
         assert st["phase"] == "Succeeded", (st.get("phase"), st.get("message"))
-        assert int(st.get("restarts") or 0) == billed, "a suspend is the user's stop, not a failure"
+        assert int(st.get("restarts") or 0) == billed, "a suspend is the user's stop, not a failure: " + (
+            counted_failures(watch.logs, [ev["message"] for ev in job_events(env.kube, env.ns, chaos)])
+        )
         assert int(st.get("step") or 0) >= target
         assert lost == 0, "a suspend is a graceful stop: a final checkpoint"
         assert watch.per_index == 1 and watch.total <= 3
@@ -570,7 +576,9 @@ def test_h_two_nodes_lost_one_after_the_other_down_to_min_replicas_then_returned
     FIGURES["two nodes lost one after the other, then back: seconds after the 1st loss"] = timeline
     assert any(k.startswith("standby again") for k in seen) and f"2nd: {nodes - 2} ready" in seen, seen
     assert st["phase"] == "Succeeded", (st.get("phase"), st.get("message"), events)
-    assert int(st.get("restarts") or 0) == billed, "lost nodes are the infrastructure's fault, not the job's"
+    assert int(st.get("restarts") or 0) == billed, (
+        "lost nodes are the infrastructure's fault, not the job's: " + counted_failures(watch.logs, events)
+    )
     assert all(lost <= 2 * INTERVAL for lost in losses), (
         f"steps lost per loss {losses} > one interval ({INTERVAL}) + one write"
     )
