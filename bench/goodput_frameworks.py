@@ -109,13 +109,15 @@ FRAMEWORKS: dict[str, Framework] = {
     ),
 }
 
-EMULATION = (
-    f"EMULATED straggler (sleep-based): every rank sleeps {SAMPLE_SECONDS:g} s per sample of the batch it "
-    f"trains on, rank {SLOW_RANK} of {WORKERS} {SLOW_FACTOR:g}x that ({SLOW_FACTOR * SAMPLE_SECONDS * BATCH:g} s "
-    f"at the equal batch of {BATCH}), inside the step (HF: a forward pre-hook; Lightning: training_step), the "
-    "scripts' --sample-seconds/--slow-rank/--slow-factor; the model's real compute is not slowed, so the "
-    "straggler is less than 3x slower per step; real gradients over gloo on loopback"
-)
+
+def emulation(workers: int) -> str:
+    return (
+        f"EMULATED straggler (sleep-based): every rank sleeps {SAMPLE_SECONDS:g} s per sample of the batch it "
+        f"trains on, rank {SLOW_RANK} of {workers} {SLOW_FACTOR:g}x that ({SLOW_FACTOR * SAMPLE_SECONDS * BATCH:g} s "
+        f"at the equal batch of {BATCH}), inside the step (HF: a forward pre-hook; Lightning: training_step), the "
+        "scripts' --sample-seconds/--slow-rank/--slow-factor; the model's real compute is not slowed, so the "
+        "straggler is less than 3x slower per step; real gradients over gloo on loopback"
+    )
 
 
 def script_args(framework: Framework, steps: int, seed: int, output_dir: Path) -> list[str]:
@@ -129,20 +131,29 @@ def script_args(framework: Framework, steps: int, seed: int, output_dir: Path) -
 
 
 def job_doc(
-    framework: Framework, args: Sequence[str], run_dir: Path, interval_s: float, mode: str = "auto"
+    framework: Framework,
+    args: Sequence[str],
+    run_dir: Path,
+    interval_s: float,
+    mode: str = "auto",
+    workers: int = WORKERS,
+    async_momentum: float | None = None,
 ) -> dict[str, Any]:
-    """The framework's job.yaml on one node of WORKERS processes (torchrun --nproc-per-node's layout),
-    in `mode` (auto at `interval_s`), running the script with `args`. Its checkpoints every 100 steps,
-    as the session's default under plain torchrun, so no system writes more of them."""
+    """The framework's job.yaml on one node of `workers` processes (torchrun --nproc-per-node's layout),
+    in `mode` (auto at `interval_s`), running the script with `args`, with `training.async.momentum`
+    where given. Its checkpoints every 100 steps, as the session's default under plain torchrun, so no
+    system writes more of them."""
     doc = yaml.safe_load((REPO / framework.job).read_text())
     doc["metadata"]["name"] = f"bench-{Path(framework.job).parent.name}"
     spec = doc["spec"]
-    spec.update(replicas=1, minReplicas=1, maxReplicas=1, nprocPerNode=WORKERS, mode=mode)
+    spec.update(replicas=1, minReplicas=1, maxReplicas=1, nprocPerNode=workers, mode=mode)
     spec["policy"] = {**spec.get("policy", {}), "intervalSeconds": interval_s}
     training = spec["training"]
     training["command"] = ["python", str(REPO / framework.script), *args]
     training["batchSize"] = BATCH
     training["checkpoint"] = {"dir": str(run_dir / "checkpoints"), "intervalSteps": 100}
+    if async_momentum is not None:
+        training["async"] = {**training.get("async", {}), "momentum": async_momentum}
     return dict(doc)
 
 
@@ -154,21 +165,29 @@ def _env() -> dict[str, str]:
 
 
 def run_once(
-    framework: Framework, system: str, seed: int, steps: int, run_dir: Path, timeout_s: float
+    framework: Framework,
+    system: str,
+    seed: int,
+    steps: int,
+    run_dir: Path,
+    timeout_s: float,
+    workers: int = WORKERS,
+    async_momentum: float | None = None,
 ) -> dict[str, Any]:
-    """One run of `system` (SYSTEMS) and its figures; a failure is recorded, not raised."""
+    """One run of `system` (SYSTEMS) on `workers` processes and its figures; a failure is recorded,
+    not raised."""
     run_dir.mkdir(parents=True, exist_ok=True)
     output_dir = run_dir / "output"
     # An async step is one rank's batch, a sync step every rank's: async gets WORKERS x the steps (a
     # fast rank's own), about as long in wall time; the figures are times to the target, not steps.
-    args = script_args(framework, steps * WORKERS if system == ASYNC else steps, seed, output_dir)
+    args = script_args(framework, steps * workers if system == ASYNC else steps, seed, output_dir)
     if system == PLAIN:
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORKERS}",
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={workers}",
                    str(REPO / framework.script), *args]  # fmt: skip
     else:
         job = run_dir / "job.yaml"
         mode = "async" if system == ASYNC else "auto"
-        job.write_text(yaml.safe_dump(job_doc(framework, args, run_dir, INTERVAL_S, mode)))
+        job.write_text(yaml.safe_dump(job_doc(framework, args, run_dir, INTERVAL_S, mode, workers, async_momentum)))
         sgdjob = str(Path(sys.executable).parent / "sgdjob")
         command = [sgdjob, "run", str(job), "--out", str(run_dir / "sgdjob"), "--timeout", str(timeout_s)]
     t0 = time.monotonic()
@@ -212,6 +231,8 @@ def run_benchmark(
     timeout_s: float,
     log: Any = sys.stderr,
     systems: Sequence[str] = (PLAIN, AUTO),
+    workers: int = WORKERS,
+    async_momentum: float | None = None,
 ) -> dict[str, Any]:
     """Every framework x seed x system (those of `systems` the framework runs), one run at a time; the
     systems' order is reversed every other seed, so a machine that drifts does not favour one."""
@@ -226,7 +247,8 @@ def run_benchmark(
         for i, seed in enumerate(seeds):
             for system in mine if i % 2 == 0 else tuple(reversed(mine)):
                 print(f"[{time.monotonic() - wall0:5.0f}s] {name}: {system} seed {seed} ...", file=log, flush=True)
-                run = run_once(framework, system, seed, steps, out / "runs" / name / system / f"seed-{seed}", timeout_s)
+                where = out / "runs" / name / system / f"seed-{seed}"
+                run = run_once(framework, system, seed, steps, where, timeout_s, workers, async_momentum)
                 print(
                     f"        time to target {run['time_to_target_s']} s (step {run['step_at_target']}), "
                     f"loss at budget {run['loss_at_budget']}, whole run {run['harness_s']:.0f} s"
@@ -254,20 +276,22 @@ def run_benchmark(
         "metadata": {
             "date": started,
             "commit": _commit(),
-            "workers": WORKERS,
+            "workers": workers,
             "batch_per_rank": BATCH,
-            "global_batch": WORKERS * BATCH,
+            "global_batch": workers * BATCH,
+            "async_momentum": async_momentum,
+            "options": {name: list(f.options) for name, f in frameworks.items()},
             "steps": steps,
             "seeds": list(seeds),
             "validate_every_steps": VALIDATE_EVERY,
             "systems": {
-                PLAIN: f"python -m torch.distributed.run --standalone --nproc-per-node={WORKERS} train.py ...",
-                AUTO: f"sgdjob run job.yaml: the example's job, 1 node x {WORKERS}, mode auto, adaptation api, "
+                PLAIN: f"python -m torch.distributed.run --standalone --nproc-per-node={workers} train.py ...",
+                AUTO: f"sgdjob run job.yaml: the example's job, 1 node x {workers}, mode auto, adaptation api, "
                 f"policy.intervalSeconds {INTERVAL_S:g}",
                 ASYNC: "the same job in mode async throughout (the trainer's parameter servers run the script's "
                 "optimizer; the ranks draw batches from one queue)",
             },
-            "emulation": EMULATION,
+            "emulation": emulation(workers),
             "definitions": DEFINITIONS,
             "machine": meta_machine,
             "bench_wall_s": time.monotonic() - wall0,
@@ -307,7 +331,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=",".join(SYSTEMS),
         help=f"comma-separated: {', '.join(SYSTEMS)} (a framework runs those it can: {ASYNC} only ddp)",
     )
-    parser.add_argument("--seeds", type=int, default=FULL_SEEDS, help="seeds 0..N-1")
+    parser.add_argument("--seeds", type=int, default=FULL_SEEDS, help="how many seeds, from --first-seed on")
+    parser.add_argument("--first-seed", type=int, default=0, help="the first seed (held-out runs: past the tuned 0-2)")
+    parser.add_argument("--workers", type=int, default=WORKERS, help=f"processes on the one node (default {WORKERS})")
+    parser.add_argument("--momentum", type=float, help="ddp: the script's SGD momentum (default: the script's 0.9)")
+    parser.add_argument(
+        "--async-momentum",
+        type=float,
+        help="the jobs' training.async.momentum (default: omitted, the trainer lowers the script's for async)",
+    )
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument(
         "--target", type=float, help="validation-loss target for every framework (default: each its own)"
@@ -319,8 +351,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = [n for n in names if n not in FRAMEWORKS]
     if unknown or not names:
         parser.error(f"unknown framework {', '.join(unknown) or '(none)'}; known: {', '.join(FRAMEWORKS)}")
-    if args.seeds < 1 or args.steps < 1:
-        parser.error("--seeds and --steps must be at least 1")
+    if args.seeds < 1 or args.steps < 1 or args.workers < SLOW_RANK + 1:
+        parser.error(
+            f"--seeds and --steps must be at least 1, --workers at least {SLOW_RANK + 1} (the straggler's rank)"
+        )
     systems = [s for s in args.systems.split(",") if s]
     wrong = [s for s in systems if s not in SYSTEMS]
     if wrong or not systems:
@@ -330,7 +364,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         chosen = {n: replace(f, target_loss=args.target) for n, f in chosen.items()}
     if args.budget is not None:
         chosen = {n: replace(f, budget_s=args.budget) for n, f in chosen.items()}
-    doc = run_benchmark(chosen, range(args.seeds), args.steps, args.out, args.timeout, systems=systems)
+    if args.momentum is not None:
+        chosen = {n: replace(f, options=(*f.options, "--momentum", str(args.momentum))) if n == "ddp" else f
+                  for n, f in chosen.items()}  # fmt: skip
+    seeds = range(args.first_seed, args.first_seed + args.seeds)
+    doc = run_benchmark(
+        chosen, seeds, args.steps, args.out, args.timeout, systems=systems, workers=args.workers,
+        async_momentum=args.async_momentum,
+    )  # fmt: skip
     text = header(doc) + markdown_table(doc["results"])
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "goodput-frameworks.json").write_text(json.dumps(doc, indent=2) + "\n")

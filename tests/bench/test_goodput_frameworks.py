@@ -117,6 +117,11 @@ def test_every_system_runs_the_same_script_with_the_same_straggler_and_the_job_i
         at = args.index("--slow-rank")
         assert args[at + 1] == str(SLOW_RANK) and "--seed" in args and args[args.index("--seed") + 1] == "1"
         assert int(args[args.index("--batch-size") + 1]) == spec.training.batch_size
+    # The momentum probe's levers (bench/README, "Async's momentum"): the servers' momentum and the world.
+    ddp = FRAMEWORKS["ddp"]
+    probe = validate_job(job_doc(ddp, script_args(ddp, 80, 3, tmp_path), tmp_path, 1.0, "async", 4, 0.6)).spec
+    assert (probe.nproc_per_node, probe.training.async_.momentum) == (4, 0.6)
+    assert validate_job(job_doc(ddp, args, tmp_path, 1.0, "async")).spec.training.async_.momentum is None
 
 
 @pytest.mark.multiproc

@@ -15,7 +15,7 @@ from sgdjob_trainer.data import SYNTHETIC_NOISE_FLOOR, ShardedStream, build_data
 from sgdjob_trainer.emulation import ComputeEmulator
 from sgdjob_trainer.hooks import load_hook
 from sgdjob_trainer.networks import build_loss, build_model
-from sgdjob_trainer.optim import OptimizerTemplate, remember_base_lrs
+from sgdjob_trainer.optim import OptimizerTemplate, async_momentum, remember_base_lrs
 from sgdjob_trainer.server import ControlInbox
 from sgdjob_trainer.strategies.hierarchical import group_by_node, group_by_speed, valid_groups
 from sgdjob_trainer.strategies.ps import Shard, damping
@@ -150,6 +150,35 @@ def test_ps_shard_damps_by_staleness_and_discards_beyond_bound() -> None:
     for _ in range(30):
         asp.apply(1, torch.zeros(1), 1, out[:1])
     assert asp.apply(0, torch.ones(1), 1, out[:1]).applied, "ASP applies everything"
+
+
+def test_ps_shard_lowers_a_sync_tuned_momentum_for_asynchrony() -> None:
+    """Three workers' stale pushes add momentum of their own: the servers apply 1 - 3 x (1 - 0.9) =
+    0.7 of the job's 0.9 unless training.async.momentum says otherwise; Adam is left as it is."""
+    assert async_momentum(0.9, 3, None) == pytest.approx(0.7)
+    assert async_momentum(0.9, 20, None) == 0.0, "floored at no momentum"
+    assert async_momentum(0.95, 1, None) == pytest.approx(0.95), "one worker: nothing is stale"
+    assert async_momentum(0.0, 3, None) == 0.0 and async_momentum(0.9, 3, 0.85) == 0.85
+
+    def two_pushes(cfg: AsyncConfig) -> float:
+        param = torch.zeros(1, requires_grad=True)
+        optimizer = torch.optim.SGD([param], lr=1.0, momentum=0.9)
+        remember_base_lrs(optimizer)
+        shard = Shard(0, 1, world_size=3, cfg=cfg, template=OptimizerTemplate(optimizer, [param]))
+        shard.load(torch.zeros(1), lr_scale=1.0, total_batch=8, state={})
+        out = torch.zeros(1)
+        shard.apply(0, torch.ones(1), 8, out)
+        shard.apply(1, torch.ones(1), 8, out)  # momentum m carries the first push: -(1 + (1 + m))
+        assert optimizer.param_groups[0]["momentum"] == 0.9, "the workers' own optimizer keeps the job's"
+        return float(out[0])
+
+    assert two_pushes(AsyncConfig(staleness_lr=StalenessLr.NONE)) == pytest.approx(-2.7)
+    assert two_pushes(AsyncConfig(staleness_lr=StalenessLr.NONE, momentum=0.9)) == pytest.approx(-2.9)
+    param = torch.zeros(2, requires_grad=True)
+    adam = torch.optim.Adam([param], lr=0.1, betas=(0.9, 0.99))
+    remember_base_lrs(adam)
+    shard = Shard(0, 2, 3, AsyncConfig(), OptimizerTemplate(adam, [param]))
+    assert shard.opt.param_groups[0]["betas"] == (0.9, 0.99)
 
 
 def test_groups() -> None:

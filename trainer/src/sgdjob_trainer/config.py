@@ -221,6 +221,18 @@ class AsyncConfig(CamelModel):
     shards: Annotated[
         int, Field(ge=1, le=64, description="Parameter-server shards; each holds a slice of the parameters.")
     ] = 1
+    momentum: Annotated[
+        float | None,
+        Field(
+            ge=0.0,
+            le=0.999,
+            description=(
+                "SGD momentum the parameter servers apply in async. Omit: the job's momentum lowered for the "
+                "momentum asynchrony adds by itself (max(0, 1 - workers x (1 - momentum))); set the job's own "
+                "value to keep it."
+            ),
+        ),
+    ] = None
 
 
 class Adaptation(StrEnum):

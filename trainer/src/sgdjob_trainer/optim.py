@@ -205,6 +205,19 @@ def average_state(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tenso
     load_flat_state(optimizer, params, averaged)
 
 
+def async_momentum(momentum: float, workers: int, configured: float | None) -> float:
+    """The SGD momentum a parameter server applies in async: `configured` (training.async.momentum)
+    where set, else the job's `momentum` lowered for asynchrony's own. Each of `workers` equal workers
+    pushes a gradient computed on a model about `workers - 1` pushes old, and that delay acts as
+    momentum of its own (Mitliagkas et al., "Asynchrony begets momentum", 2016); on top of a momentum
+    tuned for sync it overshoots and oscillates (bench/README: a DDP script's 0.9 reached the loss
+    target later in async than sync did). Lowered so that a push's momentum leaves 1/workers of a
+    step's memory: 1 - momentum grows `workers`-fold, floored at 0."""
+    if configured is not None:
+        return configured
+    return max(0.0, 1.0 - workers * (1.0 - momentum)) if momentum > 0 else momentum
+
+
 def _tensor(value: Any) -> torch.Tensor:
     return value if isinstance(value, torch.Tensor) else torch.tensor(float(value))
 

@@ -52,7 +52,15 @@ import torch
 import torch.distributed as dist
 
 from sgdjob_trainer.config import AsyncConfig, StalenessLr
-from sgdjob_trainer.optim import FlatState, OptimizerTemplate, flat_state, load_flat_state, set_lr, slice_state
+from sgdjob_trainer.optim import (
+    FlatState,
+    OptimizerTemplate,
+    async_momentum,
+    flat_state,
+    load_flat_state,
+    set_lr,
+    slice_state,
+)
 from sgdjob_trainer.runtime import COLLECTIVE_TIMEOUT
 
 log = logging.getLogger("sgdjob_trainer.ps")
@@ -95,6 +103,9 @@ class Shard:
         self.lock = threading.Lock()
         self.params = torch.zeros(hi - lo)
         self.opt, self.views = template.build(lo, hi, self.params)
+        if isinstance(self.opt, torch.optim.SGD):
+            for group in self.opt.param_groups:
+                group["momentum"] = async_momentum(group["momentum"], world_size, cfg.momentum)
         bounds, at = [], 0
         for view in self.views:
             bounds.append((at, at + view.numel()))
@@ -195,6 +206,16 @@ class ParameterServer:
             for j, (lo, hi) in enumerate(self.bounds)
             if self.hosts[j] == rank
         }
+        if rank == 0 and isinstance(self.shards[0].opt, torch.optim.SGD):
+            theirs, ours = template.groups[0].get("momentum", 0.0), self.shards[0].opt.param_groups[0]["momentum"]
+            if theirs != ours:
+                log.info(
+                    "async: the parameter servers apply SGD momentum %g, the job's %g lowered for the momentum "
+                    "%d workers' stale pushes add by themselves (training.async.momentum sets it)",
+                    ours,
+                    theirs,
+                    world_size,
+                )
         self.stop_flag = False
         self.threads = [
             threading.Thread(target=self._serve, args=(j,), name=f"sgdjob-ps-{j}", daemon=True)
