@@ -87,7 +87,9 @@ def main() -> None:
     loss_fn = nn.MSELoss()
     started = time.monotonic()
     done = False
-    while not done and not session.ending:  # in async another rank's end may reach this one at an epoch's end
+    # In async another rank's end may reach this one at an epoch's end, and a meeting there may bring
+    # its step count to --max-steps (the most any rank took): both end the loop before another step.
+    while not done and not session.ending and session.step_count < args.max_steps:
         for x, y in loader:
             optimizer.zero_grad()
             loss = loss_fn(model(x), y)

@@ -75,6 +75,21 @@ def counted_failures(logs: dict[str, str], events: list[str], lines: int = 40) -
     return "\n".join(tails) or f"(no kept log of {sorted(names) or 'a counted failure'})"
 
 
+STOP_WORDS = ("restart:", "checkpoint", "stopped", "resumed", "SIGTERM", "async at step", "sync at step")
+
+
+def stop_lines(logs: dict[str, str], lines: int = 60) -> str:
+    """Each kept log's lines about stops, checkpoints and resumes (the last `lines` of them), for an
+    assertion on steps lost: which step each life stopped at and which checkpoint the next one loaded."""
+    kept = [
+        f"{path.split('/log/pods/')[-1]}: {line}"
+        for path, text in sorted(logs.items())
+        for line in text.splitlines()
+        if any(word in line for word in STOP_WORDS)
+    ]
+    return "\n".join(kept[-lines:]) or "(no kept log says)"
+
+
 RESULTS: dict[str, dict[str, Any]] = {}
 
 

@@ -78,6 +78,7 @@ from e2e.chaos import (
     standby_back,
     start_gathered,
     step,
+    stop_lines,
     uids,
     watch_marks,
 )
@@ -371,7 +372,7 @@ def test_d_end_the_job_that_went_through_a_to_d_succeeds(env: RealEnv, chaos: st
             counted_failures(watch.logs, [ev["message"] for ev in job_events(env.kube, env.ns, chaos)])
         )
         assert int(st.get("step") or 0) >= target
-        assert lost == 0, "a suspend is a graceful stop: a final checkpoint"
+        assert lost == 0, "a suspend is a graceful stop: a final checkpoint\n" + stop_lines(watch.logs)
         assert watch.per_index == 1 and watch.total <= 3
     finally:
         env.kubectl("delete", "sgdjob", chaos, "-n", env.ns, "--ignore-not-found", "--wait=false", check=False)

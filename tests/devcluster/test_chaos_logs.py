@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from e2e.chaos import counted_failures
+from e2e.chaos import counted_failures, stop_lines
 from sgdjob_operator.k8s.builders import ROLE_RDZV, ROLE_WORKER
 from sgdjob_operator.k8s.failures import classify
 from sgdjob_operator.k8s.status import PodView
@@ -26,3 +26,15 @@ def test_a_counted_failure_brings_its_own_log_and_no_other() -> None:
     assert "Traceback: boom" in text and "line 99" in text and "line 10\n" not in text, text
     assert "another pod's life" not in text and "a healthy peer" not in text
     assert "no kept log" in counted_failures({}, [f"WorkerFailed: {verdict.cause}"])
+
+
+def test_steps_lost_bring_each_lives_stops_and_resumes() -> None:
+    logs = {
+        "/n1/log/pods/ns_j-worker-0_u1/worker/0.log": "step 10\nstopped at the agreed step 3061 after a checkpoint\n",
+        "/n2/log/pods/ns_j-worker-0_u2/worker/0.log": "restart: 59 steps lost (reached 3061, resumed at 3002)\nloss 1",
+    }
+    text = stop_lines(logs)
+    assert text.splitlines() == [
+        "ns_j-worker-0_u1/worker/0.log: stopped at the agreed step 3061 after a checkpoint",
+        "ns_j-worker-0_u2/worker/0.log: restart: 59 steps lost (reached 3061, resumed at 3002)",
+    ]

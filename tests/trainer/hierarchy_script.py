@@ -126,7 +126,9 @@ def main() -> None:
     loss_fn = nn.MSELoss()
     log = StepLog(args.out, rank, args.after_sync, left=args.left)
     done = False
-    while not done and not session.ending:  # in async another rank's end may come at this rank's epoch's end
+    # In async another rank's end may come at this rank's epoch's end, and a meeting there may bring its
+    # step count to --max-steps (the most any rank took): both end the loop before another step.
+    while not done and not session.ending and session.step_count < args.max_steps:
         epoch = loader.epoch
         for xb, yb, ib in loader:
             optimizer.zero_grad()
