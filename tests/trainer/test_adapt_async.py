@@ -88,8 +88,10 @@ def test_a_script_runs_async_from_one_queue_and_comes_back_to_one_model(tmp_path
     in_async = [[line for line in lines if line["mode"] == "async"] for lines in ranks]
 
     # (a) The fast ranks never waited for the straggler: each took several times its steps, at a fast pace.
+    # Waiting would make the counts equal; the sleeps alone make them 16x apart, but on a loaded 2-core
+    # machine a fast rank's compute and pushes take most of its step (ci70: 117-168 against 56).
     counts = [len(lines) for lines in in_async]
-    assert min(counts[:3]) >= 3 * counts[3], counts
+    assert min(counts[:3]) >= 2 * counts[3], counts
     gaps = [b["t"] - a["t"] for a, b in zip(in_async[0], in_async[0][1:], strict=False)]
     assert median(gaps) < SLOW / 2, gaps
 
