@@ -215,7 +215,7 @@ def async_momentum(momentum: float, workers: int, configured: float | None) -> f
     step's memory: 1 - momentum grows `workers`-fold, floored at 0."""
     if configured is not None:
         return configured
-    return max(0.0, 1.0 - workers * (1.0 - momentum)) if momentum > 0 else momentum
+    return max(0.0, 1.0 - workers * (1.0 - momentum))  # no momentum stays none: 1 - workers <= 0
 
 
 def _tensor(value: Any) -> torch.Tensor:
