@@ -269,6 +269,20 @@ def test_suspend_removes_pods_and_resume_starts_over() -> None:
     )
 
 
+def test_a_resume_waits_until_every_pod_of_the_suspension_has_ended() -> None:
+    """An agent still stopping would join the new store's first round: nothing starts while any
+    suspended pod, the store's included, is terminating, and the job says what it waits for."""
+    pods = [pod(0), pod(1), rdzv()]
+    suspended = plan_reconcile(_spec(runPolicy={"suspend": True}), running(), pods, generation=2, now=T0)
+    ending = [pod(1, deleting=True), dataclasses.replace(rdzv(), deleting=True)]
+    waiting = plan_reconcile(_spec(), suspended.status, ending, generation=3, now=T0 + 5)
+    assert waiting.status.phase is Phase.SUSPENDED and not waiting.create_workers and not waiting.create_rdzv
+    assert not waiting.events and "j-worker-1" in waiting.status.message and "j-rdzv" in waiting.status.message
+    resumed = plan_reconcile(_spec(), waiting.status, [], generation=3, now=T0 + 8)
+    assert resumed.status.phase is Phase.PENDING and resumed.create_workers == [0, 1] and resumed.create_rdzv
+    assert "Resumed" in [e.reason for e in resumed.events]
+
+
 def test_fixed_mode_change_is_a_recorded_command() -> None:
     plan = plan_reconcile(_spec(mode="async"), running(), [pod(0), pod(1), rdzv()], generation=2, now=T0)
     st = plan.status

@@ -234,7 +234,13 @@ class RunPolicy(CamelModel):
         CleanPodPolicy, Field(description="Which pods to delete when the job finishes: None, Running or All.")
     ] = CleanPodPolicy.RUNNING
     suspend: Annotated[
-        bool, Field(description="When true, worker pods are removed and the job waits; checkpoints are kept.")
+        bool,
+        Field(
+            description=(
+                "When true, worker pods are removed and the job waits; checkpoints are kept. Set back to false, "
+                "the job resumes from its newest checkpoint once every pod of the suspension has ended."
+            )
+        ),
     ] = False
     node_lost_grace_seconds: Annotated[
         int,

@@ -255,6 +255,8 @@ def plan_reconcile(
     if spec.run_policy.suspend or queued:
         _hold(plan, pods, previous_phase, queued if not spec.run_policy.suspend else "", now)
         return plan
+    if previous_phase is Phase.SUSPENDED and _await_resume(plan, pods):
+        return plan
 
     succeeded = [p for p in ws if p.phase == "Succeeded"]
     if succeeded:
@@ -356,6 +358,17 @@ def _hold(plan: Plan, pods: Sequence[PodView], previous_phase: Phase, queued: st
         plan.events.append(Event("Normal", QUEUED, st.message))
     elif not queued and (previous_phase is not Phase.SUSPENDED or was_queued):
         plan.events.append(Event("Normal", "Suspended", st.message))
+
+
+def _await_resume(plan: Plan, pods: Sequence[PodView]) -> bool:
+    """A resumed (or admitted) job's pods start only once every pod of its suspension has ended: an agent
+    still stopping would join the new store's first rendezvous round (its name is taken until it ends
+    anyway), and a store still stopping would answer the new workers. Whether it waits."""
+    ending = [p.name for p in pods if p.deleting]
+    if not ending:
+        return False
+    plan.status.message = f"resuming: waiting for {len(ending)} pods of the suspension to end ({', '.join(ending)})"
+    return True
 
 
 def count_pods(st: SGDJobStatus, spec: SGDJobSpec, pods: Sequence[PodView]) -> None:

@@ -49,7 +49,6 @@ from sgdjob_operator.k8s.status import (
     mark_invalid,
     parse_time,
 )
-from sgdjob_operator.k8s.status import workers as worker_pods
 from sgdjob_operator.k8s.storeloss import store_excluded
 
 
@@ -246,6 +245,8 @@ def next_delay(rt: Runtime, ref: JobRef, spec: SGDJobSpec, st: SGDJobStatus, pod
     deadline = spec.run_policy.active_deadline_seconds
     if deadline is not None and st.start_time and st.phase not in FINISHED:
         delay = min(delay, float(deadline) + 0.5)
-    if any(p.deleting for p in worker_pods(pods)):
-        delay = min(delay, 1.0)  # a terminating name is recreated as soon as it is free
+    if any(p.deleting for p in pods):
+        # A terminating name is recreated as soon as it is free, and a resume waits for the suspension's
+        # pods, the store's included, to end (plan._await_resume).
+        delay = min(delay, 1.0)
     return max(delay, rt.settings.min_tick_s)
