@@ -75,7 +75,8 @@ def _end(proc: subprocess.Popen[str], tmp_path: Path, deadline: float) -> str:
 
 
 def test_a_script_runs_async_from_one_queue_and_comes_back_to_one_model(tmp_path: Path) -> None:
-    proc, base = _launch(tmp_path)
+    # 8 steps after the switch back: rank 0 may log no line at the switch's step (below), and 6 are checked.
+    proc, base = _launch(tmp_path, "--after-sync", "8")
     try:
         deadline = time.monotonic() + 90
         statuses = there_and_back(proc, base, deadline, "async", 200)

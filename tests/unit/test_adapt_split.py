@@ -4,9 +4,12 @@ where each rank's slice lies, a new split at an agreed batch, and what a command
 from __future__ import annotations
 
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from torch.utils.data import TensorDataset
 
+from sgdjob_trainer.adapt.loader import AdaptiveLoader
 from sgdjob_trainer.adapt.split import (
     Dispenser,
     Position,
@@ -164,3 +167,47 @@ def test_async_ranks_draw_from_one_queue_and_end_an_epoch_together() -> None:
     assert begun.indices == range(0, 2) and begun.world == Position(1, 2, 5)
     assert not queue.take(0, 1).indices, "a late rank in the left epoch is told it is over"
     assert Dispenser.ticket(queue.words(1, 4)) == Ticket(1, range(2, 6), Position(1, 6, 5)), "as shard 0 sends it"
+
+
+def test_a_rank_met_at_a_checkpoint_where_the_others_ended_the_epoch_leaves_it_without_a_second_meeting() -> None:
+    """In async the slow rank may come to a meeting from a checkpoint's call while the fast ones came to
+    it from their epoch's end (the queue ran dry): that meeting ended the epoch for every rank. Relocated
+    to the queue's position, the slow rank's loop ends at once, at the next epoch, and calls no meeting
+    of its own, which the others, already in the next epoch, would never join (seen in CI: whole async
+    epochs short of samples, the slow rank's meeting jumping the queue to the epoch after)."""
+    samples, world = 32, 4
+    split = Split.of(world, 2)
+    queue = Dispenser(Position(0, 0, 0), samples, split.total)
+    meetings: list[Position] = []
+    loader = AdaptiveLoader(
+        TensorDataset(torch.arange(samples)),
+        rank=3,
+        split=split,
+        position=Position(0, 0, 0),
+        shuffle=False,
+        seed=0,
+        lag=0,
+        on_fetch=lambda: None,
+        on_batch=lambda size, weight: None,
+    )
+    loader.dispense = queue.take
+    loader.on_epoch_end = lambda: meetings.append(loader.position)
+    seen = []
+    for (batch,) in loader:
+        seen.append(batch.tolist())
+        while queue.take(0, 2).indices:  # the fast ranks empty the queue meanwhile and meet at its end
+            pass
+        loader.relocate(queue.position, split)  # the meeting this rank joined from its step
+    assert seen == [[0, 1]] and not meetings and loader.position == Position(1, 0, queue.position.batch)
+    # A meeting that leaves a batch in the epoch (a checkpoint's): the rank goes on from the queue's
+    # position, takes what is left and meets the others at the end, once.
+    queue = Dispenser(Position(1, 0, 4), samples, split.total)
+    loader.dispense = queue.take
+    taken = []
+    for (batch,) in loader:
+        taken.append(batch.tolist())
+        if len(taken) == 1:
+            for _ in range(12):  # the fast ranks take 24 samples meanwhile, 6 are left
+                queue.take(1, 2)
+            loader.relocate(queue.position, split)
+    assert taken == [[0, 1], [26, 27], [28, 29], [30, 31]] and meetings == [Position(1, samples, 8)]

@@ -112,6 +112,14 @@ class AdaptiveLoader:
         start = self.position.batch + self.lag
         self._schedule = self._schedule.then(start, split, self.position.batch)
 
+    def _epoch_over(self) -> bool:
+        """Whether the position leaves no batch of this epoch: in async for some rank (the queue gives
+        none that does not fit, and that rank's epoch ends), in sync no whole global batch."""
+        split = self.split
+        if self.dispense is not None:
+            return self.position.cursor + max(split.sizes, default=0) > self.samples
+        return batches_left(self.position, self.samples, split) == 0
+
     def _order(self, epoch: int) -> list[int]:
         if not self.shuffle:
             return list(range(self.samples))
@@ -154,6 +162,11 @@ class AdaptiveLoader:
                 return
             if self._relocated:
                 self._relocated = False
+                # An epoch the world's position leaves no batch in is over here, on every rank alike: in
+                # async the others may have met at its end in the very meeting this rank came to from a
+                # checkpoint's call, and would never join a second one.
+                if self.position.epoch == epoch and self._epoch_over():
+                    self.position = next_epoch(self.position)
                 if self.position.epoch > epoch:
                     return  # the world has left this loop's epoch; the next loop starts at `position`
                 self._cut_ahead.clear()
