@@ -2,6 +2,7 @@
 `policy.intervalSeconds` from what a pass costs).
 
     python -m bench.pass_cost --out DIR [--workers 8] [--passes 200] [--sizes 2,8,32] [--slow-factor 2]
+                              [--sample-from status,metrics]
 
 For each job size N in `--sizes` (and `--workers`, always measured), a child process serves N
 real trainer HTTP servers (`sgdjob_trainer.server.TrainerServer` over `sgdjob_trainer.telemetry.
@@ -10,7 +11,9 @@ This process is the operator side only, and runs what `k8s.reconcile.reconcile` 
 run for a running job's policy pass, with the operator's own code, each phase timed in process CPU:
 
 - `scrape`: `k8s.observe.observe` (aiohttp, one session with the operator's connector): every
-  worker's /metrics, then rank 0's /status;
+  worker's sample from one GET /status (`--sample-from status`, the operator's way), or from its
+  /metrics and then rank 0's /status (`metrics`, the way before); each source given is measured in
+  turn on the same fleet sizes, and the ratios of their costs printed;
 - `policy`: `unanswered`/`quiet_reason`, `first_pass_wait`, `in_flight`, `evaluate_job` (the
   driver and the policy core, the policy state round-tripped through its JSON text as it is through
   the job's ConfigMap), `record_observation`, `apply_step`, `command_to_push`, `take_policy_state`;
@@ -57,13 +60,13 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import aiohttp
 
 from bench.pass_cost_operator import CONNECTION_LIMIT, Job, PassCost, one_pass
 from bench.pass_cost_workers import BATCH, SLOW_FACTOR, SPEED, Workers, serve
-from sgdjob_operator.workers.scrape import parse_metrics
+from sgdjob_operator.workers.scrape import SampleSource, parse_metrics
 
 SIZES = (2, 8, 32)
 INTERVALS_S = (1.0, 2.0, 5.0, 10.0)
@@ -110,13 +113,15 @@ def parse_cost(text: str, repeat: int = 200) -> float:
     return (time.process_time() - start) / repeat
 
 
-def measure_size(n: int, passes: int, warmup: int, seed: int, slow_factor: float) -> dict[str, Any]:
+def measure_size(
+    n: int, passes: int, warmup: int, seed: int, slow_factor: float, sample_from: SampleSource = "status"
+) -> dict[str, Any]:
     """Passes of one job of n workers: the operator's CPU per phase, the trainer's per request."""
     token = secrets.token_hex(16)
     workers = Workers(n, seed, slow_factor, token)
     try:
         start = time.time()
-        job = Job(n, workers.ports, start)
+        job = Job(n, workers.ports, start, sample_from)
         early, costs, text = asyncio.run(_passes(job, workers, token, start, passes, warmup))
         trainer = workers.ask("report")
     finally:
@@ -126,6 +131,7 @@ def measure_size(n: int, passes: int, warmup: int, seed: int, slow_factor: float
     served = sum(requests.values())
     return {
         "workers": n,
+        "sample_from": sample_from,
         "passes": len(costs),
         "interval_s": job.spec.policy.interval_seconds,
         "cpu_ms": {
@@ -192,16 +198,25 @@ def run(
     warmup: int,
     seed: int = 0,
     slow_factor: float = SLOW_FACTOR,
+    sources: Sequence[SampleSource] = ("status",),
 ) -> dict[str, Any]:
+    """Each of `sources` on every size; the doc's sizes, fit and capacity are the first source's."""
     measured = sorted({*sizes, workers})
     load_start = os.getloadavg()
-    results: dict[str, Any] = {}
-    for n in measured:
-        print(f"measuring {n} workers, {warmup} + {passes} passes ...", flush=True)
-        results[str(n)] = measure_size(n, passes, warmup, seed, slow_factor)
-    job = results[str(workers)]
-    # The trainer answers one /metrics per pass (rank 0 also a /status): its CPU per pass, per worker.
-    trainer_ms = job["trainer"]["cpu_ms_per_request"]
+    by_source: dict[str, Any] = {}
+    for source in sources:
+        results: dict[str, Any] = {}
+        for n in measured:
+            print(f"measuring {n} workers, samples from /{source}, {warmup} + {passes} passes ...", flush=True)
+            results[str(n)] = measure_size(n, passes, warmup, seed, slow_factor, source)
+        # The trainer's CPU per request it answers: one a worker a pass (from /metrics, rank 0 one more).
+        trainer_ms = results[str(workers)]["trainer"]["cpu_ms_per_request"]
+        by_source[source] = {
+            "sizes": results,
+            "fit": linear_fit([(float(n), results[str(n)]["cpu_ms"]["total"]["mean"]) for n in measured]),
+            "capacity": capacity(results[str(workers)]["cpu_ms"]["total"]["mean"], trainer_ms),
+        }
+    first = by_source[sources[0]]
     doc = {
         "machine": {
             "cpus": os.cpu_count(),
@@ -219,22 +234,58 @@ def run(
             "seed": seed,
             "step_compute_s": BATCH / SPEED,
             "slow_factor": slow_factor,
+            "sample_from": list(sources),
             "cpu_clock": "time.process_time (utime+stime of the process)",
         },
-        "sizes": results,
-        "fit": linear_fit([(float(n), results[str(n)]["cpu_ms"]["total"]["mean"]) for n in measured]),
-        "capacity": capacity(job["cpu_ms"]["total"]["mean"], trainer_ms),
+        "sizes": first["sizes"],
+        "fit": first["fit"],
+        "capacity": first["capacity"],
     }
+    if len(sources) > 1:
+        doc["sources"] = by_source
+        doc["ratios"] = ratios(by_source, sources[0])
     out.mkdir(parents=True, exist_ok=True)
     (out / "pass_cost.json").write_text(json.dumps(doc, indent=1))
-    print(table(doc))
+    for name, part in by_source.items():
+        print(f"\nsamples from /{name}:")
+        print(table({**doc, **part}))
+    for line in ratio_lines(doc.get("ratios", {}), sources[0]):
+        print(line)
     return doc
+
+
+def cast_sources(sources: Sequence[str]) -> list[SampleSource]:
+    """The checked names, in the order given."""
+    known: dict[str, SampleSource] = {s: s for s in get_args(SampleSource)}
+    return [known[s] for s in sources]
+
+
+def ratios(by_source: Mapping[str, Any], base: str) -> dict[str, dict[str, float]]:
+    """Per other source and size: its operator CPU per pass (the whole pass and the scrape alone) over
+    `base`'s, measured side by side in one run."""
+    out: dict[str, dict[str, float]] = {}
+    for source, part in by_source.items():
+        if source == base:
+            continue
+        for n, r in part["sizes"].items():
+            b = by_source[base]["sizes"][n]["cpu_ms"]
+            out.setdefault(source, {})[f"{n}_total"] = r["cpu_ms"]["total"]["mean"] / b["total"]["mean"]
+            out[source][f"{n}_scrape"] = r["cpu_ms"]["scrape"]["mean"] / b["scrape"]["mean"]
+    return out
+
+
+def ratio_lines(found: Mapping[str, Mapping[str, float]], base: str) -> list[str]:
+    return [
+        f"/{source} over /{base}, operator CPU a pass: "
+        + ", ".join(f"{key.replace('_', ' workers ')} {value:.2f}x" for key, value in figures.items())
+        for source, figures in found.items()
+    ]
 
 
 def table(doc: Mapping[str, Any]) -> str:
     rows = [
         "| workers | scrape | policy | push | status | **total** (p90) | scrape wall (median) | trainer per request "
-        "(/metrics handler) | decisions |",
+        "(the sample's handler) | decisions |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for n, r in doc["sizes"].items():
@@ -244,7 +295,7 @@ def table(doc: Mapping[str, Any]) -> str:
             f"| {n} | {cpu['scrape']['mean']:.2f} | {cpu['policy']['mean']:.2f} | {cpu['push']['mean']:.3f} | "
             f"{cpu['status']['mean']:.2f} | **{cpu['total']['mean']:.2f}** ({cpu['total']['p90']:.2f}) | "
             f"{r['scrape_wall_ms']['median']:.1f} | {tr['cpu_ms_per_request']:.2f} "
-            f"({tr['handler_cpu_ms'].get('/metrics', math.nan):.2f}) | {decided} |"
+            f"({tr['handler_cpu_ms'].get('/' + r['sample_from'], math.nan):.2f}) | {decided} |"
         )
     cap = doc["capacity"]
     workers = doc["settings"]["workers"]
@@ -275,6 +326,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=WARMUP_PASSES, help="passes before the measured ones")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--slow-factor", type=float, default=SLOW_FACTOR, help="rank N-1's step time over the others'")
+    parser.add_argument(
+        "--sample-from",
+        default="status",
+        help="where the operator reads each worker's sample, comma-separated to measure side by side: status, metrics",
+    )
     parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)  # the child: serve N workers
     args = parser.parse_args(argv)
     if args.serve is not None:
@@ -285,7 +341,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
     if args.passes < 1 or args.workers < 1 or any(n < 1 for n in sizes) or not args.slow_factor > 0:
         parser.error("--passes, --workers, --sizes and --slow-factor must be positive")
-    run(args.out, args.workers, args.passes, sizes, args.warmup, args.seed, args.slow_factor)
+    sources = [s.strip() for s in args.sample_from.split(",") if s.strip()]
+    unknown = sorted(set(sources) - set(get_args(SampleSource)))
+    if unknown or not sources or len(set(sources)) != len(sources):
+        given = ", ".join(unknown) or repr(args.sample_from)
+        parser.error(f"--sample-from: {given}: give status and/or metrics, once each")
+    run(args.out, args.workers, args.passes, sizes, args.warmup, args.seed, args.slow_factor, cast_sources(sources))
     return 0
 
 

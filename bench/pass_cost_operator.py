@@ -19,7 +19,7 @@ from sgdjob_operator.k8s.in_flight import in_flight
 from sgdjob_operator.k8s.observe import command_to_push, observe, quiet_reason, record_observation, unanswered
 from sgdjob_operator.k8s.publish import pruned
 from sgdjob_operator.k8s.status import PodView, controller, dump_status, load_status, rfc3339
-from sgdjob_operator.workers.scrape import Endpoint, post_control
+from sgdjob_operator.workers.scrape import Endpoint, SampleSource, post_control
 
 # The operator's defaults (k8s.settings.Settings, k8s.handlers.startup).
 SCRAPE_TIMEOUT_S = 2.0
@@ -51,8 +51,9 @@ class Job:
     """What the operator holds of one running job between passes: its stored status (as the API
     server keeps it after a merge patch), its policy state's ConfigMap text and the scrape table."""
 
-    def __init__(self, n: int, ports: Sequence[int], start: float) -> None:
+    def __init__(self, n: int, ports: Sequence[int], start: float, sample_from: SampleSource = "status") -> None:
         self.spec = job_spec(n)
+        self.sample_from = sample_from
         self.pods = job_pods(n)
         # As k8s.observe.endpoints builds them (pod IP + metricsPort), with the child's ports.
         self.endpoints = [
@@ -94,7 +95,7 @@ async def one_pass(job: Job, session: aiohttp.ClientSession, now: float, token: 
     controller(st).policy_state = job.policy_text
     c1 = cpu()
     w1 = time.perf_counter()
-    obs = await observe(job.endpoints, now=now, timeout=SCRAPE_TIMEOUT_S, session=session)
+    obs = await observe(job.endpoints, now=now, timeout=SCRAPE_TIMEOUT_S, session=session, sample_from=job.sample_from)
     w2 = time.perf_counter()
     c2 = cpu()
     job.failing_since, _late = unanswered(

@@ -9,6 +9,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from bench.pass_cost import CPU_SHARE, FLEET_JOBS, INTERVALS_S, main
 
 PHASES = ("scrape", "policy", "push", "status", "total")
@@ -19,9 +21,19 @@ def _positive(value: Any) -> bool:
 
 
 def test_a_tiny_run_writes_finite_positive_costs(tmp_path: Path) -> None:
-    assert main(["--out", str(tmp_path), "--workers", "2", "--sizes", "2", "--passes", "5", "--warmup", "2"]) == 0
+    args = ["--out", str(tmp_path), "--workers", "2", "--sizes", "2", "--passes", "5", "--warmup", "2"]
+    assert main([*args, "--sample-from", "status,metrics"]) == 0
     doc = json.loads((tmp_path / "pass_cost.json").read_text())
-    assert set(doc) == {"machine", "settings", "sizes", "fit", "capacity"}
+    assert set(doc) == {"machine", "settings", "sizes", "fit", "capacity", "sources", "ratios"}
+    assert doc["sizes"] == doc["sources"]["status"]["sizes"], "the first source's figures are the doc's"
+    assert set(doc["ratios"]["metrics"]) == {"2_total", "2_scrape"}
+    assert all(_positive(v) for v in doc["ratios"]["metrics"].values())
+    # From /status each pass asks each worker once, and rank 0's status comes with its sample; from
+    # /metrics each worker's /metrics and then rank 0's /status (the one /metrics more: the parse cost's).
+    by_status = doc["sources"]["status"]["sizes"]["2"]["trainer"]["requests"]
+    by_metrics = doc["sources"]["metrics"]["sizes"]["2"]["trainer"]["requests"]
+    assert by_status["/status"] == 2 * 5 and by_status.get("/metrics", 0) <= 1, by_status
+    assert by_metrics["/metrics"] >= 2 * 5 and by_metrics["/status"] == 5, by_metrics
     assert doc["settings"]["sizes"] == [2] and doc["fit"] is None  # one size: nothing to fit
     job = doc["sizes"]["2"]
     assert job["workers"] == 2 and job["passes"] == 5 and len(job["passes_detail"]) == 5
@@ -36,11 +48,11 @@ def test_a_tiny_run_writes_finite_positive_costs(tmp_path: Path) -> None:
         assert _positive(job["cpu_ms"][phase]["mean"]), phase
     assert _positive(job["scrape_wall_ms"]["median"]) and _positive(job["parse_metrics_ms_per_worker"])
     trainer = job["trainer"]
-    # Every pass scrapes both workers' /metrics and rank 0's /status.
-    assert trainer["requests"]["/metrics"] >= 2 * 5 and trainer["requests"]["/status"] >= 5
     assert _positive(trainer["cpu_ms_per_request"])
     assert all(_positive(v) for v in trainer["handler_cpu_ms"].values())
     assert trainer["payload_bytes"]["/metrics"] > 1000 and trainer["payload_bytes"]["/status"] > 100
+    with pytest.raises(SystemExit):
+        main([*args, "--sample-from", "stdout"])
     cap = doc["capacity"]
     assert _positive(cap["cpu_ms_per_pass"])
     assert set(cap["jobs_per_core"]) == {f"{i:g}" for i in INTERVALS_S}

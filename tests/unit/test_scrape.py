@@ -105,7 +105,7 @@ def test_sample_from_status_matches_the_metrics_view() -> None:
     from_status = sample_from_status(telemetry.status(), time=123.0, endpoint=ep)
     # Seconds since the last step are read at each answer: equal up to the time between the two.
     assert from_status.stalled_seconds is not None and from_metrics.stalled_seconds is not None
-    unclocked = {"stalled_seconds": None}
+    unclocked = {"stalled_seconds": None, "training_seconds": None}
     assert dataclasses.replace(from_status, **unclocked) == dataclasses.replace(from_metrics, **unclocked)
     for not_a_status in ('{"step": 1}', "[1, 2]", "{{{", '{"rank": 0, "mode": "sideways"}'):
         with pytest.raises(MetricsError, match="not a trainer status"):
@@ -177,6 +177,45 @@ def test_scrape_reports_each_bad_worker_without_failing_the_rest() -> None:
         assert slow_r.sample is None and slow_r.error is not None and "timed out" in slow_r.error
         assert bad_r.error is not None and "/metrics: not Prometheus text" in bad_r.error and "HTTP 500" in bad_r.error
         assert closed_r.error is not None and closed_r.sample is None and not closed_r.ok
+
+    asyncio.run(main())
+
+
+def test_one_get_of_status_gives_a_workers_sample_and_an_older_trainer_is_read_from_metrics() -> None:
+    """The operator's pass asks each worker once: /status carries the process's own steps and its
+    training seconds, so the sample is the one /metrics gives (the job's step, in async the servers',
+    is not the worker's pace). A trainer without ownSteps in /status is read from /metrics."""
+    telemetry = trainer_telemetry()
+    telemetry.begin_training()
+    telemetry.set_step(1000)  # the job's step, far from this process's 40 own steps
+    asked: list[str] = []
+
+    def routes(old: bool) -> dict[tuple[str, str], Handler]:
+        async def metrics(request: web.Request) -> web.Response:
+            asked.append(request.path)
+            return web.Response(body=telemetry.render_metrics(), content_type="text/plain")
+
+        async def status(request: web.Request) -> web.Response:
+            asked.append(request.path)
+            doc = telemetry.status().document()
+            return web.json_response({k: v for k, v in doc.items() if k != "ownSteps"} if old else doc)
+
+        return {("GET", "/metrics"): metrics, ("GET", "/status"): status}
+
+    async def main() -> None:
+        async with serve(routes(old=False)) as new, serve(routes(old=True)) as old:
+            [fresh] = await scrape([Endpoint(new)], timeout=2.0, clock=lambda: 5.0)
+            assert asked == ["/status"]
+            [before] = await scrape([Endpoint(old)], timeout=2.0, clock=lambda: 5.0)
+            assert asked == ["/status", "/status", "/metrics"]
+            [metrics] = await scrape([Endpoint(new)], timeout=2.0, clock=lambda: 5.0, sample_from="metrics")
+            assert asked[3:] == ["/metrics"]
+        assert fresh.ok and fresh.sample is not None and fresh.status is not None and fresh.status.step == 1000
+        assert before.ok and before.sample is not None and before.status is not None and metrics.sample is not None
+        assert fresh.sample.steps == before.sample.steps == metrics.sample.steps == 40
+        assert fresh.sample.training_seconds is not None and fresh.sample.training_seconds >= 0
+        clocked = {"stalled_seconds": None, "training_seconds": None}
+        assert dataclasses.replace(fresh.sample, **clocked) == dataclasses.replace(metrics.sample, **clocked)
 
     asyncio.run(main())
 

@@ -49,6 +49,7 @@ class Telemetry:
         self.mode = mode
         self.world_size = info.world_size
         self.step = 0
+        self.own_steps = 0  # this process's optimizer steps (the metrics' counter; `step` is the job's)
         self.samples = 0
         self.compute_seconds = 0.0
         self.comm_wait_seconds = 0.0
@@ -203,6 +204,7 @@ class Telemetry:
         self._last_step_done = time.monotonic()
         with self.lock:
             self.step = step
+            self.own_steps += 1
             self.samples += samples
             self.compute_seconds += compute_s
             self.comm_wait_seconds += wait_s
@@ -354,6 +356,7 @@ class Telemetry:
                 "checkpoint": self.checkpoint,
                 **self.validation,
                 "stalled_seconds": _finite(self.stalled_seconds()),
+                "training_seconds": _finite(self.training_seconds()),
                 "gradient_sq_norm": self.gradient.sq_norm,
                 "gradient_variance": self.gradient.variance,
                 "gradient_lag_dot": self.gradient.lag_dot,
@@ -365,6 +368,7 @@ class Telemetry:
                 node=self.info.node,
                 mode=self.mode,
                 step=self.step,
+                own_steps=self.own_steps,
                 samples=self.samples,
                 compute_seconds=self.compute_seconds,
                 comm_wait_seconds=self.comm_wait_seconds,

@@ -21,7 +21,7 @@ from sgdjob_operator.k8s.status import FINISHED, Event, PodView, controller, wor
 from sgdjob_operator.policy.driver import load_state, pending, unanimous_mode
 from sgdjob_operator.policy.eta import goal, keep_point, keep_validation, predict
 from sgdjob_operator.policy.samples import WorkerSample
-from sgdjob_operator.workers.scrape import Endpoint, scrape
+from sgdjob_operator.workers.scrape import Endpoint, SampleSource, scrape
 from sgdjob_trainer.wire.control import ControlCommand
 from sgdjob_trainer.wire.worker_status import TARGET_REACHED, WorkerStatus
 
@@ -62,23 +62,29 @@ def endpoints(spec: SGDJobSpec, pods: Sequence[PodView], *, host: str = "", sche
 
 
 async def observe(
-    eps: Sequence[Endpoint], *, now: float, timeout: float, session: aiohttp.ClientSession
+    eps: Sequence[Endpoint],
+    *,
+    now: float,
+    timeout: float,
+    session: aiohttp.ClientSession,
+    sample_from: SampleSource = "status",
 ) -> Observation:
-    """Scrape /metrics of every endpoint concurrently, then rank 0's /status for its control epoch."""
-    results = await scrape(eps, timeout=timeout, session=session, clock=lambda: now)
+    """Every endpoint's sample concurrently, one GET /status each (`sample_from`, scrape.py), rank 0's
+    document giving its control epoch; from "metrics" (or a trainer older than /status's ownSteps),
+    rank 0's /status is a request of its own after the scrape."""
+    results = await scrape(eps, timeout=timeout, session=session, clock=lambda: now, sample_from=sample_from)
     samples = tuple(r.sample for r in results if r.sample is not None)
     errors = {r.endpoint.url: r.error for r in results if r.error}
-    control = next((r.endpoint for r in results if r.sample is not None and r.sample.rank == 0), None)
-    epoch: int | None = None
-    job_step: int | None = None
-    control_status: WorkerStatus | None = None
-    if control is not None:
+    rank0 = next((r for r in results if r.sample is not None and r.sample.rank == 0), None)
+    control = rank0.endpoint if rank0 is not None else None
+    control_status = rank0.status if rank0 is not None else None
+    if control is not None and control_status is None:
         (status,) = await scrape(
             [control], metrics=False, status=True, timeout=timeout, session=session, clock=lambda: now
         )
         control_status = status.status
-        if control_status is not None:
-            epoch, job_step = control_status.control_epoch, control_status.step
+    epoch = control_status.control_epoch if control_status is not None else None
+    job_step = control_status.step if control_status is not None else None
     return Observation(now, samples, errors, control, epoch, job_step, control_status)
 
 

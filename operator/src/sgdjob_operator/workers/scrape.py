@@ -1,9 +1,13 @@
-"""Scrape trainer processes over HTTP: `/metrics` into `WorkerSample`s, `/status` into `WorkerStatus`, and push
-`/control` commands.
+"""Scrape trainer processes over HTTP: `/status` (or `/metrics`) into `WorkerSample`s, `/status` into
+`WorkerStatus`, and push `/control` commands.
 
 Shared by every shell: the Kubernetes operator scrapes pod IPs, the local runner scrapes loopback
 ports. Nothing here assumes local processes. One slow or broken worker never fails a scrape of the
 others: each endpoint gets its own timeout and its own error string in its `ScrapeResult`.
+
+A sample comes from one GET /status by default: a JSON document is cheaper to serve and to parse than
+the Prometheus text (bench/pass_cost.py measures both), and it carries the status too. A trainer older
+than /status's `ownSteps` is read from /metrics instead.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
@@ -34,6 +38,7 @@ COMM_WAIT = wm.sample_name(wm.COMM_WAIT_SECONDS)
 REQUIRED = (STEPS, SAMPLES, COMPUTE, COMM_WAIT)
 
 T = TypeVar("T")
+SampleSource = Literal["status", "metrics"]
 
 DEFAULT_TIMEOUT_S = 2.0
 DEFAULT_CONCURRENCY = 64
@@ -186,14 +191,13 @@ def parse_status(text: str) -> WorkerStatus:
 
 
 def sample_from_status(status: WorkerStatus, *, time: float, endpoint: Endpoint | None = None) -> WorkerSample:
-    """The same WorkerSample built from a /status document (or a rank report file).
-
-    One difference: `/status` `step` is the job's step (in async, the parameter server's), while
-    `sgdjob_steps_total` counts this process's own optimizer steps; the metrics view is preferred."""
+    """The same WorkerSample built from a /status document (or a rank report file). Its steps are the
+    process's own (`ownSteps`, as `sgdjob_steps_total`); a trainer older than that field gives only the
+    job's step (in async, the parameter server's), which `scrape` then reads from /metrics instead."""
     return WorkerSample(
         rank=status.rank,
         time=time,
-        steps=status.step,
+        steps=status.own_steps if status.own_steps is not None else status.step,
         samples=status.samples,
         compute_seconds=status.compute_seconds,
         comm_wait_seconds=status.comm_wait_seconds,
@@ -205,6 +209,7 @@ def sample_from_status(status: WorkerStatus, *, time: float, endpoint: Endpoint 
         staleness=status.staleness,
         world_size=status.world_size,
         gradient_bytes=status.gradient_bytes,
+        training_seconds=_training_seconds(status.training_seconds),
         stalled_seconds=_finite(status.stalled_seconds),
         computing=status.computing,
         async_capable=status.async_capable,
@@ -264,11 +269,22 @@ async def _scrape_one(
     timeout: float,
     metrics: bool,
     status: bool,
+    sample_from: SampleSource,
     clock: Callable[[], float],
     gate: asyncio.Semaphore,
 ) -> ScrapeResult:
     async with gate:
         now = clock()
+        if metrics and sample_from == "status":
+            doc, status_error = await _settle(_status(session, endpoint, timeout))
+            if doc is not None and doc.own_steps is not None:
+                return ScrapeResult(endpoint, now, sample_from_status(doc, time=now, endpoint=endpoint), doc)
+            if status_error == "timed out":  # /metrics would wait as long again
+                return ScrapeResult(endpoint, now, error=f"/status: {status_error}")
+            # An older trainer (no ownSteps), or one whose /status failed: its sample from /metrics.
+            sample, metrics_error = await _settle(_metrics(session, endpoint, timeout, now))
+            errors = [f"{path}: {err}" for path, err in (("/status", status_error), ("/metrics", metrics_error)) if err]
+            return ScrapeResult(endpoint, now, sample, doc, "; ".join(errors) if sample is None else None)
         (sample, metrics_error), (doc, status_error) = await asyncio.gather(
             _settle(_metrics(session, endpoint, timeout, now)) if metrics else _nothing(),
             _settle(_status(session, endpoint, timeout)) if status else _nothing(),
@@ -283,12 +299,15 @@ async def scrape(
     timeout: float = DEFAULT_TIMEOUT_S,
     metrics: bool = True,
     status: bool = False,
+    sample_from: SampleSource = "status",
     concurrency: int = DEFAULT_CONCURRENCY,
     session: aiohttp.ClientSession | None = None,
     clock: Callable[[], float] = time.time,
 ) -> list[ScrapeResult]:
     """Scrape every endpoint concurrently (at most `concurrency` at once); one result per endpoint,
-    in order. Never raises for a bad worker: its result carries `error` instead."""
+    in order. Never raises for a bad worker: its result carries `error` instead. `metrics`: a sample
+    is wanted, read from `sample_from` (from "status", the result carries the status as well);
+    `status`: the status is wanted."""
     gate = asyncio.Semaphore(max(1, concurrency))
     own = session is None
     sess = session or aiohttp.ClientSession()
@@ -296,7 +315,16 @@ async def scrape(
         return list(
             await asyncio.gather(
                 *(
-                    _scrape_one(sess, ep, timeout=timeout, metrics=metrics, status=status, clock=clock, gate=gate)
+                    _scrape_one(
+                        sess,
+                        ep,
+                        timeout=timeout,
+                        metrics=metrics,
+                        status=status,
+                        sample_from=sample_from,
+                        clock=clock,
+                        gate=gate,
+                    )
                     for ep in endpoints
                 )
             )

@@ -86,6 +86,11 @@ class WorkerStatus(WireDocument):
     node: str | None = None
     mode: SyncMode | None = None
     step: int = 0
+    # This process's own optimizer steps (the metrics' sgdjob_steps_total), and seconds since its training
+    # began (absent before): with them one GET /status gives a controller the whole sample, /metrics not
+    # needed. None: a trainer older than the fields.
+    own_steps: int | None = None
+    training_seconds: float | None = None
     samples: int = 0
     compute_seconds: float = 0.0
     comm_wait_seconds: float = 0.0
