@@ -102,7 +102,7 @@ def test_killing_the_leader_mid_switch_loses_and_repeats_nothing(
 ) -> None:
     a, _ = pair
     spec = {"mode": "auto", "policy": SWITCH_POLICY}
-    shared, workers = _start(cluster, "hasw", spec, [0.02, 0.02, 0.02, 0.06], subnet=30)
+    fleet = _start(cluster, "hasw", spec, [0.02, 0.02, 0.02, 0.06], subnet=30)
     try:
         status = wait_for(
             "a switch decision",
@@ -110,10 +110,7 @@ def test_killing_the_leader_mid_switch_loses_and_repeats_nothing(
             timeout=90,
         )
         target = status["targetMode"]
-        posts: list[Any] = wait_for(
-            "pushes", lambda: list(shared["posts"]) if len(shared["posts"]) >= 2 else None, timeout=30
-        )
-        epoch = posts[-1][1]["epoch"]
+        posts = wait_for("pushes", lambda: list(fleet.offered) if len(fleet.offered) >= 2 else None, timeout=30)
         pods = _uids(cluster, "hasw")
         decisions = cluster.status("hasw")["decisions"]
 
@@ -122,12 +119,13 @@ def test_killing_the_leader_mid_switch_loses_and_repeats_nothing(
         wait_for("op-b takes over", lambda: _holder(cluster).startswith("op-b_"), timeout=60, interval=0.1)
         took = time.monotonic() - start
         assert took <= FAILOVER_S + 1.0, f"failover took {took:.1f}s, documented bound {FAILOVER_S}s"
-        seen = len(shared["posts"])
-        wait_for("the new leader re-pushes", lambda: len(shared["posts"]) > seen, timeout=60)
-        assert all(p[1] == {**posts[-1][1]} for p in shared["posts"][seen:])  # the same command, same epoch
+        seen = len(fleet.offered)
+        wait_for("the new leader re-pushes", lambda: len(fleet.offered) > seen, timeout=60)
+        assert all(p == posts[-1] for p in fleet.offered[seen:])  # the same command, same epoch
         assert cluster.status("hasw")["decisions"] == decisions
 
-        shared["mode"], shared["epoch"] = target, epoch  # the workers switch and report it
+        applied = fleet.apply()  # the workers switch at a step boundary and report it
+        assert applied is not None and applied.mode is not None and applied.mode.value == target
         status = wait_for(
             "mode follows",
             lambda: s if (s := cluster.status("hasw")).get("mode") == target and s.get("phase") == "Running" else None,
@@ -139,8 +137,7 @@ def test_killing_the_leader_mid_switch_loses_and_repeats_nothing(
         assert cluster.reasons("hasw").count("SwitchMode") == 1  # decided once, announced once
         assert _uids(cluster, "hasw") == pods  # no pod duplicated or re-created
     finally:
-        for w in workers:
-            w.stop()
+        fleet.stop()
 
 
 def test_a_leader_whose_lease_is_taken_stops(cluster: Cluster, tmp_path: Path) -> None:

@@ -8,7 +8,6 @@ status, and an older operator's copy in status is moved out and resumed from. A 
 
 from __future__ import annotations
 
-import base64
 import json
 import shutil
 import subprocess
@@ -24,7 +23,8 @@ from devcluster.controlplane import free_port
 from devcluster.pytest_plugin import unavailable
 from sgdjob_operator.policy.state import PolicyState
 from tests.operator.conftest import GROUP, PLURAL, VERSION, Cluster, Operator, wait_for
-from tests.operator.test_adaptation import BATCH, FakeWorker, _free_port
+from tests.operator.test_adaptation import _free_port, _token
+from tests.operator.trainer_fleet import BATCH, Fleet
 from tests.packaging.test_chart import _render
 from tests.promql import query
 from tests.promql import ready as prometheus_ready
@@ -33,17 +33,14 @@ pytestmark = pytest.mark.k8s
 POLICY = {"intervalSeconds": 1, "persistenceIntervals": 2, "allowedActions": ["switchMode"]}
 
 
-def _apply(cluster: Cluster, name: str, subnet: int, count: int = 2) -> tuple[list[str], int, dict[str, Any]]:
+def _apply(cluster: Cluster, name: str, subnet: int, count: int = 2) -> tuple[list[str], int, str]:
     hosts = [f"127.0.{subnet}.{i + 2}" for i in range(count)]
     port = _free_port(hosts)
     spec = {"replicas": count, "mode": "auto", "policy": POLICY, "training": {"metricsPort": port, "batchSize": BATCH}}
     cluster.apply(name, spec)
-    token = base64.b64decode(
-        wait_for("token", lambda: cluster.core.read_namespaced_secret(f"{name}-control", cluster.ns).data)["token"]
-    ).decode()
-    shared: dict[str, Any] = {"mode": "sync", "epoch": 0, "posts": [], "token": token, "speeds": [0.02] * count}
+    token = _token(cluster, name)
     wait_for(f"{count} pods", lambda: len(cluster.pods(name)) == count)
-    return hosts, port, shared
+    return hosts, port, token
 
 
 def _operator_metrics(operator: Operator) -> str:
@@ -67,15 +64,15 @@ def _policy_state(cluster: Cluster, name: str) -> dict[str, Any] | None:
 def test_a_healthy_run_has_no_warning_from_start_to_succeeded_and_describe_reads_as_a_story(
     cluster: Cluster, operator: Operator
 ) -> None:
-    hosts, port, shared = _apply(cluster, "calm", subnet=30)
-    workers: list[FakeWorker] = []
+    hosts, port, token = _apply(cluster, "calm", subnet=30)
+    fleet: Fleet | None = None
     try:
         # The kubelet reports the pods Running before torchrun's workers serve /metrics (imports, rendezvous).
         errors_before = _scrape_errors(operator)
         for i, host in enumerate(hosts):
             cluster.run_pod(f"calm-worker-{i}", host, node=f"node-{i}")
         wait_for("failed scrapes of starting workers", lambda: _scrape_errors(operator) >= errors_before + 4)
-        workers = [FakeWorker(r, 2, hosts[r], port, 0.02, shared) for r in range(2)]
+        fleet = Fleet(hosts, port, [0.02] * 2, token)
         wait_for("Running with steps", lambda: (s := cluster.status("calm")).get("step", 0) > 0 and s["mode"] == "sync")
         state = wait_for(
             "policy state kept", lambda: (p := _policy_state(cluster, "calm")) and p["evaluations"] > 1 and p
@@ -97,9 +94,8 @@ def test_a_healthy_run_has_no_warning_from_start_to_succeeded_and_describe_reads
         assert "Policy State" not in described and "shapeStreak" not in described, described
 
         # Training ends: the trainers stop serving, then their containers exit 0.
-        for w in workers:
-            w.stop()
-        workers = []
+        fleet.stop()
+        fleet = None
         errors_before = _scrape_errors(operator)
         wait_for("failed scrapes of exiting workers", lambda: _scrape_errors(operator) >= errors_before + 4)
         for i in range(2):
@@ -116,15 +112,15 @@ def test_a_healthy_run_has_no_warning_from_start_to_succeeded_and_describe_reads
         described = cluster.plane.kubectl("describe", "sgdjob", "calm", "-n", cluster.ns).stdout
         assert "Warning" not in described and "ScrapeFailed" not in described, described
     finally:
-        for w in workers:
-            w.stop()
+        if fleet is not None:
+            fleet.stop()
 
 
 def test_an_older_operators_policy_state_in_status_is_moved_out_and_resumed_from(
     cluster: Cluster, operator: Operator
 ) -> None:
-    hosts, port, shared = _apply(cluster, "old", subnet=31)
-    workers = [FakeWorker(r, 2, hosts[r], port, 0.02, shared) for r in range(2)]
+    hosts, port, token = _apply(cluster, "old", subnet=31)
+    fleet = Fleet(hosts, port, [0.02] * 2, token)
     try:
         for i, host in enumerate(hosts):
             cluster.run_pod(f"old-worker-{i}", host, node=f"node-{i}")
@@ -146,8 +142,7 @@ def test_an_older_operators_policy_state_in_status_is_moved_out_and_resumed_from
         described = cluster.plane.kubectl("describe", "sgdjob", "old", "-n", cluster.ns).stdout
         assert "Policy State" not in described, described
     finally:
-        for w in workers:
-            w.stop()
+        fleet.stop()
 
 
 def test_prometheus_scrapes_the_operator_and_the_workers_and_the_charts_rules_evaluate(
@@ -161,8 +156,8 @@ def test_prometheus_scrapes_the_operator_and_the_workers_and_the_charts_rules_ev
     groups = _render("--set", "prometheusRule.enabled=true")
     rules = next(d for d in groups if d["kind"] == "PrometheusRule")["spec"]["groups"]
     (tmp_path / "rules.yaml").write_text(yaml.safe_dump({"groups": rules}))
-    hosts, port, shared = _apply(cluster, "prom", subnet=32)
-    workers = [FakeWorker(r, 2, hosts[r], port, 0.02, shared) for r in range(2)]
+    hosts, port, token = _apply(cluster, "prom", subnet=32)
+    fleet = Fleet(hosts, port, [0.02] * 2, token)
     web = free_port()
     config = {
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
@@ -224,5 +219,4 @@ def test_prometheus_scrapes_the_operator_and_the_workers_and_the_charts_rules_ev
         proc.terminate()
         proc.wait(timeout=20)
         log.close()
-        for w in workers:
-            w.stop()
+        fleet.stop()
