@@ -1,8 +1,9 @@
 """What a person reads about a job: `kubectl describe sgdjob` on a real API server, with the
-operator scraping fake trainers (real HTTP servers on loopback pod IPs, as in test_adaptation).
+operator scraping the trainer's own Telemetry and TrainerServer on loopback pod IPs, their compute
+emulated (trainer_fleet.py, as in test_adaptation).
 
 A healthy run has moments when its workers do not answer (Running before the trainer serves
-/metrics, exiting after training): none of them is a Warning. The policy's state is kept out of
+/status, exiting after training): none of them is a Warning. The policy's state is kept out of
 status, and an older operator's copy in status is moved out and resumed from. A real Prometheus
 (Debian's package) scrapes the operator and the workers and evaluates the chart's rules."""
 
